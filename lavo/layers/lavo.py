@@ -1,0 +1,92 @@
+"""LAVO self-attention and cross-attention layers."""
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import nn
+from torch.nn.utils.parametrizations import orthogonal
+
+from ..cache import LavoCache
+from ..ops import code_cross_attention, empty_cache, lavo_attention, lavo_attention_cached, orthogonal_basis
+from ..ops.checks import check_padding_mask, check_window, pos_bias_size
+from ..registry import register_attention
+from .base import AttentionLayer, check_heads
+
+
+def add_basis(module: nn.Module, heads: int, rank: int, head_dim: int, kind: str) -> None:
+    """Give ``module.basis [H, r, D]``: a fixed random buffer, or a parameter kept exactly orthonormal."""
+    initial = orthogonal_basis(heads, rank, head_dim)
+    if kind == "fixed":
+        module.register_buffer("basis", initial)
+    elif kind == "learned":
+        module.basis = nn.Parameter(initial)
+        orthogonal(module, "basis")
+    else:
+        raise ValueError(f"basis must be 'fixed' or 'learned', got {kind!r}")
+
+
+@register_attention("lavo")
+class LavoAttention(AttentionLayer):
+    r"""LAVO self-attention: local windows with a relative-position bias, plus an orthogonal memory of ``rank``
+    slots per head over the local outputs (context dissection).
+
+    ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``; for causal
+    layers the returned :class:`~lavo.cache.LavoCache` continues the sequence, whatever the chunking.
+    """
+
+    def __init__(self, dim: int, heads: int, *, rank: int | None = None, window: int = 64, causal: bool = True,
+                 basis: str = "fixed", position_bias: bool = True, dissection: bool = True):
+        super().__init__(dim, heads, causal=causal)
+        check_window(window)
+        self.rank = self.head_dim if rank is None else rank
+        self.window, self.dissection = window, dissection
+        add_basis(self, heads, self.rank, self.head_dim, basis)
+        self.pos_bias = nn.Parameter(torch.zeros(heads, pos_bias_size(window, causal))) if position_bias else None
+
+    def attend(self, q, k, v, padding_mask, cache):
+        options = dict(window=self.window, pos_bias=self.pos_bias, dissection=self.dissection,
+                       padding_mask=padding_mask)
+        if cache is not None:
+            return lavo_attention_cached(q, k, v, self.basis, cache, **options)
+        if self.causal:
+            return lavo_attention(q, k, v, self.basis, causal=True, return_cache=True, **options)
+        return lavo_attention(q, k, v, self.basis, causal=False, **options), None
+
+    def empty_cache(self, batch_size: int, device: torch.device | None = None) -> LavoCache:
+        """State before the first token; ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
+        probe = torch.empty(batch_size, 0, self.heads, self.head_dim, dtype=self.to_qkv.weight.dtype, device=device)
+        return empty_cache(probe, self.rank)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, heads={self.heads}, rank={self.rank}, window={self.window}, causal={self.causal}, "
+                f"position_bias={self.pos_bias is not None}, dissection={self.dissection}")
+
+
+class LavoCrossAttention(nn.Module):
+    r"""LAVO cross attention: the source is compressed into ``rank`` orthogonal slots per head, read by ``y``.
+
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
+    """
+
+    def __init__(self, dim: int, heads: int, *, rank: int | None = None, basis: str = "fixed"):
+        super().__init__()
+        self.head_dim = check_heads(dim, heads)
+        self.dim, self.heads = dim, heads
+        self.rank = self.head_dim if rank is None else rank
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_features = nn.Linear(dim, dim, bias=False)
+        self.to_out = nn.Linear(dim, dim, bias=False)
+        add_basis(self, heads, self.rank, self.head_dim, basis)
+
+    def forward(self, y: torch.Tensor, source: torch.Tensor,
+                source_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        for name, t in (("y", y), ("source", source)):
+            if t.dim() != 3 or t.shape[-1] != self.dim:
+                raise ValueError(f"{name} must have shape [B, T, {self.dim}], got {tuple(t.shape)}")
+        if y.shape[0] != source.shape[0]:
+            raise ValueError(f"y and source must have the same batch size, got {y.shape[0]} and {source.shape[0]}")
+        check_padding_mask(source_padding_mask, source.shape[0], source.shape[1], "source_padding_mask")
+        q = rearrange(self.to_q(y), "b t (h d) -> b t h d", h=self.heads)
+        x = rearrange(self.to_features(source), "b s (h d) -> b s h d", h=self.heads)
+        out = code_cross_attention(q, x, self.basis, padding_mask=source_padding_mask)
+        return self.to_out(rearrange(out, "b t h d -> b t (h d)"))

@@ -1,0 +1,52 @@
+"""Input validation shared by the attention ops: every error names the argument and the shape it expected."""
+from __future__ import annotations
+
+import torch
+
+
+def check_window(window: int) -> None:
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive integer, got {window!r}")
+
+
+def check_same_shape(**tensors: torch.Tensor) -> None:
+    (first_name, first), *rest = tensors.items()
+    if first.dim() != 4:
+        raise ValueError(f"{first_name} must have shape [B, T, H, D], got {tuple(first.shape)}")
+    if first.shape[1] == 0:
+        raise ValueError(f"{first_name} has an empty time axis; sequences need at least one position")
+    for name, t in rest:
+        if t.shape != first.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but {first_name} has {tuple(first.shape)}; "
+                             f"they must match")
+
+
+def check_padding_mask(padding_mask: torch.Tensor | None, batch: int, length: int, name: str = "padding_mask") -> None:
+    if padding_mask is None:
+        return
+    if padding_mask.dtype != torch.bool:
+        raise ValueError(f"{name} must be a bool tensor (True = real token), got dtype {padding_mask.dtype}")
+    if tuple(padding_mask.shape) != (batch, length):
+        raise ValueError(f"{name} must have shape [B, T] = ({batch}, {length}), got {tuple(padding_mask.shape)}")
+
+
+def pos_bias_size(window: int, causal: bool) -> int:
+    """Length of the relative-position table: offsets 0..2w-1 (causal) or -(2w-1)..2w-1 (non-causal)."""
+    return 2 * window if causal else 4 * window - 1
+
+
+def check_pos_bias(pos_bias: torch.Tensor | None, heads: int, window: int, causal: bool) -> None:
+    if pos_bias is None:
+        return
+    expected = (heads, pos_bias_size(window, causal))
+    if tuple(pos_bias.shape) != expected:
+        kind = "[H, 2w]" if causal else "[H, 4w - 1]"
+        raise ValueError(f"pos_bias must have shape {kind} = {expected} for causal={causal}, window={window}; "
+                         f"got {tuple(pos_bias.shape)}")
+
+
+def check_basis(basis: torch.Tensor, heads: int, head_dim: int) -> None:
+    if basis.dim() != 3 or basis.shape[0] != heads or basis.shape[2] != head_dim:
+        raise ValueError(f"basis must have shape [H, r, D] with H={heads}, D={head_dim}, got {tuple(basis.shape)}")
+    if basis.shape[1] > head_dim:
+        raise ValueError(f"rank ({basis.shape[1]}) must be <= head_dim ({head_dim})")

@@ -1,0 +1,133 @@
+"""LAVO attention: sliding-window local attention plus the orthogonal memory over its outputs."""
+from __future__ import annotations
+
+import torch
+
+from ..cache import LavoCache
+from .checks import check_basis, check_padding_mask, check_pos_bias, check_same_shape, check_window
+from .local import local_attention, local_attention_chunk
+from .memory import accumulation_dtype, causal_coefficients, masked_projection, memory_read, token_counts
+
+
+def _check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask):
+    check_window(window)
+    check_same_shape(q=q, k=k, v=v)
+    B, T, H, D = q.shape
+    check_basis(basis, H, D)
+    check_pos_bias(pos_bias, H, window, causal)
+    check_padding_mask(padding_mask, B, T)
+
+
+def _zero_padding(x: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+    return x if padding_mask is None else x * padding_mask[:, :, None, None].to(x.dtype)
+
+
+def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor, *, window: int,
+                   causal: bool = True, pos_bias: torch.Tensor | None = None, dissection: bool = True,
+                   padding_mask: torch.Tensor | None = None, scale: float | None = None,
+                   return_cache: bool = False) -> torch.Tensor | tuple[torch.Tensor, LavoCache]:
+    r"""LAVO attention, blocked: ``O(T (w + r) D)`` time, ``O(T w)`` memory.
+
+    Args:
+        q, k, v: ``[B, T, H, D]``.
+        basis: ``[H, r, D]`` with orthonormal rows.
+        window: local window length ``w``.
+        pos_bias: relative-position table, ``[H, 2w]`` causal or ``[H, 4w - 1]`` non-causal, or None.
+        dissection: compress the local outputs (True) or the values (False) into the memory.
+        padding_mask: ``[B, T]`` bool, True for real tokens; padded positions return zeros.
+        scale: defaults to ``D ** -0.5``.
+        return_cache: also return the :class:`LavoCache` that continues this sequence (causal only).
+    Returns:
+        ``[B, T, H, D]``, and the cache when asked.
+    """
+    _check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask)
+    if return_cache and not causal:
+        raise ValueError("a cache exists only for causal attention (causal=False was given)")
+    B, T, H, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    local = local_attention(q, k, v, window=window, causal=causal, pos_bias=pos_bias, padding_mask=padding_mask,
+                            scale=scale)
+    proj = masked_projection(local if dissection else v, basis, padding_mask)
+    counts = token_counts(padding_mask, B, T, q.device)
+    if causal:
+        coefficients = causal_coefficients(proj, counts, window=window, dissection=dissection)
+    else:
+        coefficients = proj.sum(1, keepdim=True) / counts.sum(1).clamp(min=1)[:, None, None, None]
+    out = _zero_padding((local + memory_read(q, coefficients, basis, scale)) / 2, padding_mask)
+    if not return_cache:
+        return out
+    key_mask = counts.bool() if padding_mask is None else padding_mask
+    done = T // window * window  # end of the last completed window
+    start = max(0, done - window)
+    cache = LavoCache(keys=k[:, start:].clone(), values=v[:, start:].clone(), key_mask=key_mask[:, start:].clone(),
+                      memory_sum=proj[:, :done].sum(1), memory_count=counts[:, :done].sum(1),
+                      window_sum=proj[:, done:].sum(1), window_count=counts[:, done:].sum(1), position=T)
+    return out, cache
+
+
+def empty_cache(q: torch.Tensor, rank: int) -> LavoCache:
+    """The cache before any token, shaped for inputs like ``q [B, T, H, D]``."""
+    B, _, H, D = q.shape
+    memory = torch.zeros(B, H, rank, dtype=accumulation_dtype(q.dtype), device=q.device)
+    count = torch.zeros(B, device=q.device)
+    return LavoCache(keys=q.new_zeros(B, 0, H, D), values=q.new_zeros(B, 0, H, D),
+                     key_mask=torch.zeros(B, 0, dtype=torch.bool, device=q.device),
+                     memory_sum=memory, memory_count=count, window_sum=memory, window_count=count, position=0)
+
+
+def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor,
+                          cache: LavoCache, *, window: int, pos_bias: torch.Tensor | None = None,
+                          dissection: bool = True, padding_mask: torch.Tensor | None = None,
+                          scale: float | None = None) -> tuple[torch.Tensor, LavoCache]:
+    r"""Causal LAVO on the next chunk of a sequence, continuing from ``cache``.
+
+    Any chunking gives the outputs of one :func:`lavo_attention` call over the whole sequence. The chunk is
+    processed in pieces that never cross a window boundary, so each costs ``O(piece (2w + r) D)``.
+
+    Args:
+        q, k, v: ``[B, T, H, D]``, the next ``T`` positions.
+        cache: state after the previous positions (see :func:`empty_cache`).
+    Returns:
+        ``[B, T, H, D]`` and the updated cache (the input cache is not modified).
+    """
+    _check_inputs(q, k, v, basis, window, True, pos_bias, padding_mask)
+    B, T, H, D = q.shape
+    if cache.batch_size != B:
+        raise ValueError(f"cache was built for batch size {cache.batch_size}, got input of batch size {B}")
+    scale = D ** -0.5 if scale is None else scale
+    counts = token_counts(padding_mask, B, T, q.device)
+    keys, values, key_mask = cache.keys, cache.values, cache.key_mask
+    memory_sum, memory_count = cache.memory_sum, cache.memory_count
+    window_sum, window_count = cache.window_sum, cache.window_count
+    position = cache.position
+    outputs = []
+    begin = 0
+    while begin < T:
+        end = min(T, begin + window - position % window)
+        piece = slice(begin, end)
+        keys = torch.cat([keys, k[:, piece]], 1)
+        values = torch.cat([values, v[:, piece]], 1)
+        key_mask = torch.cat([key_mask, counts[:, piece].bool()], 1)
+        local = local_attention_chunk(q[:, piece], keys, values, start=position, window=window, pos_bias=pos_bias,
+                                      key_mask=key_mask, scale=scale)
+        piece_mask = None if padding_mask is None else padding_mask[:, piece]
+        proj = masked_projection(local if dissection else v[:, piece], basis, piece_mask)
+        if dissection:
+            coefficients = (memory_sum / memory_count.clamp(min=1)[:, None, None])[:, None]
+        else:
+            running = (memory_sum + window_sum)[:, None] + proj.cumsum(1)
+            seen = (memory_count + window_count)[:, None] + counts[:, piece].cumsum(1)
+            coefficients = running / seen.clamp(min=1)[:, :, None, None]
+        outputs.append(_zero_padding((local + memory_read(q[:, piece], coefficients, basis, scale)) / 2, piece_mask))
+        window_sum = window_sum + proj.sum(1)
+        window_count = window_count + counts[:, piece].sum(1)
+        position += end - begin
+        if position % window == 0:
+            memory_sum, memory_count = memory_sum + window_sum, memory_count + window_count
+            window_sum, window_count = torch.zeros_like(window_sum), torch.zeros_like(window_count)
+        keep = position - max(0, (position // window - 1) * window)
+        keys, values, key_mask = (x[:, x.shape[1] - keep:] for x in (keys, values, key_mask))
+        begin = end
+    cache = LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=memory_sum, memory_count=memory_count,
+                      window_sum=window_sum, window_count=window_count, position=position)
+    return torch.cat(outputs, 1), cache
