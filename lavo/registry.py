@@ -5,6 +5,8 @@ Every registered class is built as ``cls(dim, heads, causal=..., **options)`` an
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Callable
 
 from torch import nn
@@ -35,4 +37,8 @@ def build_attention(name: str, dim: int, heads: int, *, causal: bool = True, **o
 
 
 def _load_builtin() -> None:
-    from . import layers  # noqa: F401  (importing the layers registers them)
+    """Import every module of :mod:`lavo.layers`: each registers its mechanisms when imported."""
+    from . import layers
+
+    for module in pkgutil.iter_modules(layers.__path__):
+        importlib.import_module(f"{layers.__name__}.{module.name}")

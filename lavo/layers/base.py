@@ -25,10 +25,21 @@ class AttentionLayer(nn.Module):
     ``x`` is ``[B, T, dim]``; ``padding_mask`` ``[B, T]`` bool (True = real token); ``cache`` is whatever the
     previous call returned (None to start a sequence). Subclasses implement :meth:`attend` on per-head
     ``q, k, v [B, T, H, D]`` and return ``None`` as the cache when they have no decoding form.
+
+    The ``supports_*`` flags say what a mechanism can do; asking for anything else raises an error naming it.
     """
+
+    supports_causal = True
+    supports_noncausal = True
+    supports_decoding = True  # a causal layer can continue a sequence from the cache it returns
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True):
         super().__init__()
+        name = type(self).__name__
+        if causal and not self.supports_causal:
+            raise ValueError(f"{name} has no causal form; build it with causal=False")
+        if not causal and not self.supports_noncausal:
+            raise ValueError(f"{name} has no non-causal form; build it with causal=True")
         self.head_dim = check_heads(dim, heads)
         self.dim, self.heads, self.causal = dim, heads, causal
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)
@@ -45,6 +56,8 @@ class AttentionLayer(nn.Module):
         check_padding_mask(padding_mask, x.shape[0], x.shape[1])
         if cache is not None and not self.causal:
             raise ValueError(f"{type(self).__name__} was built with causal=False; a cache is only for causal decoding")
+        if cache is not None and not self.supports_decoding:
+            raise ValueError(f"{type(self).__name__} has no decoding form; call it without a cache")
         q, k, v = rearrange(self.to_qkv(x), "b t (three h d) -> three b t h d", three=3, h=self.heads)
         out, cache = self.attend(q, k, v, padding_mask, cache)
         return self.to_out(rearrange(out, "b t h d -> b t (h d)")), cache

@@ -1,0 +1,69 @@
+"""The contract every registered attention keeps: no causal leak, chunked decoding, padding invariance."""
+import pytest
+import torch
+
+from lavo import available_attentions, build_attention
+
+DIM, HEADS, T = 32, 4, 40
+
+
+def _build(name, causal):
+    torch.manual_seed(0)
+    try:
+        layer = build_attention(name, DIM, HEADS, causal=causal)
+    except ValueError as error:
+        if "has no" in str(error):
+            pytest.skip(str(error))
+        raise
+    # Non-zero everywhere: zero-initialised biases would hide a leak through them.
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.5)
+    return layer.double()
+
+
+@pytest.mark.parametrize("name", available_attentions())
+def test_no_causal_leak(name):
+    layer = _build(name, causal=True)
+    x = torch.randn(2, T, DIM, dtype=torch.float64, requires_grad=True)
+    y, _ = layer(x)
+    for t in (0, 7, 19, T - 2):
+        (grad,) = torch.autograd.grad(y[:, t].sum(), x, retain_graph=True)
+        assert torch.all(grad[:, t + 1:] == 0), f"{name}: output {t} depends on later inputs"
+        assert grad[:, : t + 1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", available_attentions())
+def test_chunked_decoding_matches_full_forward(name):
+    layer = _build(name, causal=True).float()
+    if not layer.supports_decoding:
+        pytest.skip(f"{name} has no decoding form")
+    x = torch.randn(2, T, DIM)
+    full, _ = layer(x)
+    cache, outputs, start = None, [], 0
+    for size in (1, 1, 5, 13, 1, T - 21):
+        y, cache = layer(x[:, start:start + size], cache=cache)
+        outputs.append(y)
+        start += size
+    torch.testing.assert_close(torch.cat(outputs, 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", available_attentions())
+def test_padding_never_changes_real_positions(name, causal):
+    layer = _build(name, causal)
+    x = torch.randn(2, T, DIM, dtype=torch.float64)
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[0, :6] = False  # left padding
+    mask[1, 15:18] = False  # a hole in the middle
+    mask[1, -4:] = False  # right padding
+    y, _ = layer(x, padding_mask=mask)
+    x_changed = torch.where(mask[..., None], x, 100 * torch.randn_like(x))
+    y_changed, _ = layer(x_changed, padding_mask=mask)
+    torch.testing.assert_close(y_changed[mask], y[mask])
+
+
+def test_unknown_attention_names_the_alternatives():
+    with pytest.raises(ValueError, match=r"unknown attention 'nope'; available: .*lavo"):
+        build_attention("nope", DIM, HEADS)
