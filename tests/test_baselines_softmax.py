@@ -1,0 +1,117 @@
+"""Softmax attention: against an explicit quadratic reference with explicit rotation matrices, padding, decoding."""
+import math
+
+import pytest
+import torch
+
+from lavo import build_attention
+from lavo.ops.rotary import apply_rotary
+from lavo.ops.softmax import softmax_attention
+
+
+def _rotation(position, dim):
+    """The [D, D] block-diagonal RoPE matrix at one position, built pair by pair."""
+    r = torch.zeros(dim, dim, dtype=torch.float64)
+    for i in range(dim // 2):
+        angle = position * 10000 ** (-2 * i / dim)
+        c, s = math.cos(angle), math.sin(angle)
+        r[2 * i, 2 * i], r[2 * i, 2 * i + 1] = c, -s
+        r[2 * i + 1, 2 * i], r[2 * i + 1, 2 * i + 1] = s, c
+    return r
+
+
+def _reference(q, k, v, causal, mask, rotary_start=None):
+    """Quadratic attention written out; ``rotary_start`` rotates q, k by explicit matrices at start + t."""
+    B, T, H, D = q.shape
+    if rotary_start is not None:
+        rot = torch.stack([_rotation(rotary_start + t, D) for t in range(T)])  # [T, D, D]
+        q, k = (torch.einsum("tij,bthj->bthi", rot, x) for x in (q, k))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+    allowed = mask[:, None, None, :].expand(B, 1, T, T)
+    if causal:
+        allowed = allowed & torch.ones(T, T, dtype=torch.bool).tril()
+    weights = torch.nan_to_num(scores.masked_fill(~allowed, float("-inf")).softmax(-1))
+    return torch.einsum("bhqk,bkhd->bqhd", weights, v) * mask[:, :, None, None]
+
+
+def _inputs(B, T, H, D):
+    torch.manual_seed(1)
+    return [torch.randn(B, T, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+
+
+def _assert_same_with_grads(fast, slow, inputs):
+    torch.testing.assert_close(fast, slow)
+    weight = torch.randn_like(fast)
+    for a, b in zip(torch.autograd.grad((fast * weight).sum(), inputs),
+                    torch.autograd.grad((slow * weight).sum(), inputs)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T", [1, 63])
+def test_layer_with_rotary_matches_explicit_rotation_matrices(causal, T):
+    B, H, D = 2, 2, 30
+    layer = build_attention("softmax", H * D, H, causal=causal, rotary=True).double()
+    q, k, v = _inputs(B, T, H, D)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    fast, _ = layer.attend(q, k, v, None, None)
+    _assert_same_with_grads(fast, _reference(q, k, v, causal, mask, rotary_start=0), [q, k, v])
+
+
+def test_rotary_scores_depend_only_on_relative_position():
+    q, k, _ = _inputs(1, 9, 2, 8)
+    scores = [torch.einsum("bqhd,bkhd->bhqk", apply_rotary(q, s), apply_rotary(k, s)) for s in (0, 1000)]
+    torch.testing.assert_close(scores[0], scores[1])
+    assert not torch.allclose(apply_rotary(q, 0), apply_rotary(q, 1000))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_padding_matches_reference_and_fully_padded_rows_are_zero(causal):
+    B, T, H, D = 3, 17, 2, 7
+    q, k, v = _inputs(B, T, H, D)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0] = False  # nothing real at all
+    mask[1, :5] = False  # left padding: the first real query has only itself
+    mask[2, 9:12] = False
+    fast = softmax_attention(q, k, v, causal=causal, key_mask=mask, query_mask=mask)
+    assert torch.isfinite(fast).all() and torch.all(fast[~mask] == 0)
+    _assert_same_with_grads(fast, _reference(q, k, v, causal, mask), [q, k, v])
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(fast.sum(), [q, k, v]))
+
+
+def test_rows_without_any_allowed_key_are_zero_not_nan():
+    q, k, v = _inputs(1, 4, 1, 6)
+    key_mask = torch.tensor([[False, False, True, True]])
+    out = softmax_attention(q, k, v, causal=True, key_mask=key_mask)  # queries 0 and 1 see no key
+    assert torch.all(out[:, :2] == 0) and torch.isfinite(out).all()
+
+
+def test_padded_chunked_decoding_with_rotary_matches_full_forward_and_cache_grows():
+    torch.manual_seed(0)
+    layer = build_attention("softmax", 24, 3, causal=True, rotary=True).double()
+    x = torch.randn(2, 20, 24, dtype=torch.float64)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[0, :4] = False
+    mask[1, 11:13] = False
+    full, full_cache = layer(x, padding_mask=mask)
+    cache, outputs = None, []
+    for lo, hi in ((0, 1), (1, 7), (7, 8), (8, 20)):
+        y, cache = layer(x[:, lo:hi], padding_mask=mask[:, lo:hi], cache=cache)
+        outputs.append(y)
+    torch.testing.assert_close(torch.cat(outputs, 1), full)
+    assert cache.keys.shape[1] == full_cache.keys.shape[1] == cache.position == 20
+    torch.testing.assert_close(cache.key_mask, mask)
+
+
+def test_impossible_requests_are_named():
+    with pytest.raises(ValueError, match="rotary=True needs an even head dimension"):
+        build_attention("softmax", 10, 2, rotary=True)
+    q = torch.randn(1, 5, 1, 4)
+    with pytest.raises(ValueError, match="at least as many keys as queries"):
+        softmax_attention(q, q[:, :3], q[:, :3], causal=True)
+    layer = build_attention("softmax", 8, 2, causal=False)
+    with pytest.raises(ValueError, match="causal=False; a cache is only for causal decoding"):
+        layer(torch.randn(1, 3, 8), cache=layer.empty_cache(1))
+    causal = build_attention("softmax", 8, 2)
+    with pytest.raises(ValueError, match="cache was built for batch size 1"):
+        causal(torch.randn(2, 3, 8), cache=causal.empty_cache(1))

@@ -1,0 +1,162 @@
+"""LAVO layers: decoding in any chunking equals one call, constant-size cache, learned basis, clear errors."""
+import pytest
+import torch
+
+from lavo import LavoAttention, LavoCache, LavoCrossAttention
+from lavo.ops import lavo_attention, orthogonal_basis
+
+
+def _layer(dim=32, heads=4, **options):
+    torch.manual_seed(0)
+    layer = LavoAttention(dim, heads, **options)
+    if layer.pos_bias is not None:
+        torch.nn.init.normal_(layer.pos_bias, 0, 0.5)
+    return layer
+
+
+def _decode(layer, x, sizes, padding_mask=None):
+    cache, outputs, start = None, [], 0
+    for size in sizes:
+        mask = None if padding_mask is None else padding_mask[:, start:start + size]
+        y, cache = layer(x[:, start:start + size], padding_mask=mask, cache=cache)
+        outputs.append(y)
+        start += size
+    assert start == x.shape[1]
+    return torch.cat(outputs, 1), cache
+
+
+@pytest.mark.parametrize("dissection", [True, False])
+def test_one_token_and_uneven_chunks_match_full_forward(dissection):
+    layer = _layer(window=8, rank=5, dissection=dissection)
+    x = torch.randn(2, 75, 32)
+    mask = torch.ones(2, 75, dtype=torch.bool)
+    mask[0, :9] = False
+    mask[1, 40:43] = False
+    with torch.no_grad():
+        full, full_cache = layer(x, padding_mask=mask)
+        for sizes in ([1] * 75, [3, 5, 8, 1, 30, 28], [75], [20, 55]):
+            chunked, cache = _decode(layer, x, sizes, mask)
+            torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cache.memory_sum, full_cache.memory_sum, atol=1e-4, rtol=1e-5)
+            assert cache.position == full_cache.position == 75
+    # Continuing from the full forward's cache equals a longer full forward.
+    more = torch.randn(2, 11, 32)
+    with torch.no_grad():
+        continued, _ = layer(more, cache=full_cache)
+        longer, _ = layer(torch.cat([x, more], 1), padding_mask=torch.cat([mask, torch.ones(2, 11).bool()], 1))
+    torch.testing.assert_close(continued, longer[:, 75:], atol=1e-5, rtol=1e-5)
+
+
+def test_empty_cache_equals_no_cache():
+    layer = _layer(window=4)
+    x = torch.randn(3, 10, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, cache=layer.empty_cache(3))[0], layer(x)[0], atol=1e-6, rtol=1e-6)
+
+
+def test_twenty_thousand_tokens_chunked_decoding_matches_full_forward():
+    layer = _layer(dim=16, heads=2, window=32)
+    x = torch.randn(1, 20_000, 16)
+    with torch.no_grad():
+        full, _ = layer(x)
+        chunked, cache = _decode(layer, x, [1, 999, 1, 5000, 77, 13_922])
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+    assert cache.nbytes() <= LavoCache.max_nbytes(1, 2, 8, 8, 32)
+
+
+@pytest.mark.slow
+def test_twenty_thousand_tokens_one_at_a_time_matches_full_forward():
+    layer = _layer(dim=16, heads=2, window=32)
+    x = torch.randn(1, 20_000, 16)
+    with torch.no_grad():
+        full, _ = layer(x)
+        stepped, _ = _decode(layer, x, [1] * 20_000)
+    torch.testing.assert_close(stepped, full, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_size_is_constant_in_context_length():
+    layer = _layer(window=16)
+    sizes = set()
+    with torch.no_grad():
+        # After one more token each context ends a window short of full: the most the cache ever holds.
+        for length in (46, 494, 4846):
+            _, cache = layer(torch.randn(2, length, 32))
+            _, cache = layer(torch.randn(2, 1, 32), cache=cache)
+            sizes.add(cache.nbytes())
+    assert sizes == {LavoCache.max_nbytes(2, 4, 8, 8, 16)}
+
+
+def test_learned_basis_stays_orthonormal_through_training():
+    layer = _layer(rank=6, basis="learned", window=4)  # T = 20 spans 5 windows: the memory is used
+    optimizer = torch.optim.Adam(layer.parameters(), lr=0.05)
+    before = layer.basis.detach().clone()
+    for _ in range(5):
+        y, _ = layer(torch.randn(2, 20, 32))
+        y.square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    basis = layer.basis.detach()
+    assert not torch.allclose(basis, before), "the basis did not train"
+    torch.testing.assert_close(basis @ basis.transpose(-1, -2), torch.eye(6).expand(4, -1, -1), atol=1e-5, rtol=0)
+
+
+def test_fixed_basis_is_a_buffer():
+    layer = _layer()
+    assert "basis" in dict(layer.named_buffers()) and "basis" not in dict(layer.named_parameters())
+
+
+def test_cross_attention_layer_ignores_padded_source():
+    torch.manual_seed(0)
+    layer = LavoCrossAttention(32, 4, rank=6)
+    y, source = torch.randn(2, 7, 32), torch.randn(2, 13, 32)
+    mask = torch.ones(2, 13, dtype=torch.bool)
+    mask[0, 9:] = False
+    out = layer(y, source, mask)
+    assert out.shape == (2, 7, 32)
+    torch.testing.assert_close(layer(y[:1], source[:1, :9]), out[:1])
+
+
+def test_non_causal_layer_sees_the_future():
+    layer = _layer(causal=False, window=4)
+    x = torch.randn(1, 12, 32, requires_grad=True)
+    y, cache = layer(x)
+    assert cache is None
+    assert torch.autograd.grad(y[:, 0].sum(), x)[0][:, 1:].abs().sum() > 0
+
+
+ERRORS = [
+    (lambda: orthogonal_basis(2, 9, 8), r"rank \(9\) must be <= head_dim \(8\)"),
+    (lambda: LavoAttention(32, 4, rank=9), r"rank \(9\) must be <= head_dim \(8\)"),
+    (lambda: LavoAttention(30, 4), r"dim \(30\) must be divisible by heads \(4\)"),
+    (lambda: LavoAttention(32, 4, window=0), r"window must be a positive integer, got 0"),
+    (lambda: LavoAttention(32, 4, basis="random"), r"basis must be 'fixed' or 'learned', got 'random'"),
+    (lambda: _layer(causal=False)(torch.randn(1, 4, 32), cache=_layer()(torch.randn(1, 4, 32))[1]),
+     r"LavoAttention was built with causal=False; a cache is only for causal decoding"),
+    (lambda: _layer()(torch.randn(2, 4, 32), cache=_layer()(torch.randn(1, 4, 32))[1]),
+     r"cache was built for batch size 1, got input of batch size 2"),
+    (lambda: _layer()(torch.randn(2, 4, 32), padding_mask=torch.ones(2, 5, dtype=torch.bool)),
+     r"padding_mask must have shape \[B, T\] = \(2, 4\), got \(2, 5\)"),
+    (lambda: _layer()(torch.randn(2, 4, 32), padding_mask=torch.ones(2, 4)),
+     r"padding_mask must be a bool tensor \(True = real token\), got dtype torch.float32"),
+    (lambda: _layer()(torch.randn(2, 4, 31)), r"x must have shape \[B, T, 32\], got \(2, 4, 31\)"),
+    (lambda: lavo_attention(*torch.randn(3, 1, 4, 2, 8), orthogonal_basis(2, 8, 8), window=2,
+                            pos_bias=torch.zeros(2, 5)),
+     r"pos_bias must have shape \[H, 2w\] = \(2, 4\) for causal=True, window=2; got \(2, 5\)"),
+    (lambda: lavo_attention(*torch.randn(3, 1, 4, 2, 8), orthogonal_basis(2, 8, 8), window=2, causal=False,
+                            pos_bias=torch.zeros(2, 4)),
+     r"pos_bias must have shape \[H, 4w - 1\] = \(2, 7\) for causal=False, window=2; got \(2, 4\)"),
+    (lambda: lavo_attention(torch.randn(1, 4, 2, 8), torch.randn(1, 5, 2, 8), torch.randn(1, 4, 2, 8),
+                            orthogonal_basis(2, 8, 8), window=2),
+     r"k has shape \(1, 5, 2, 8\) but q has \(1, 4, 2, 8\); they must match"),
+    (lambda: lavo_attention(*torch.randn(3, 1, 4, 2, 8), orthogonal_basis(2, 8, 8), window=2, causal=False,
+                            return_cache=True),
+     r"a cache exists only for causal attention"),
+    (lambda: LavoCrossAttention(32, 4)(torch.randn(2, 3, 32), torch.randn(2, 5, 32), torch.ones(2, 3).bool()),
+     r"source_padding_mask must have shape \[B, T\] = \(2, 5\), got \(2, 3\)"),
+]
+
+
+@pytest.mark.parametrize("call,message", ERRORS, ids=[m[:40] for _, m in ERRORS])
+def test_bad_input_gets_a_clear_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
