@@ -1,0 +1,48 @@
+"""Full softmax attention: the quadratic baseline, with a key/value cache that grows with the context."""
+from __future__ import annotations
+
+import torch
+
+from ..ops.rotary import apply_rotary
+from ..ops.softmax import KVCache, softmax_attention
+from ..registry import register_attention
+from .base import AttentionLayer
+
+
+@register_attention("softmax")
+class SoftmaxAttention(AttentionLayer):
+    r"""Standard multi-head softmax attention (Vaswani et al., 2017), optionally with rotary position embedding.
+
+    ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``. A causal layer
+    returns a :class:`~lavo.ops.softmax.KVCache` holding every key and value seen so far, so decoding cost and
+    state grow with the context.
+
+    Args:
+        rotary: rotate queries and keys by their absolute positions (RoPE, base 10000); needs an even head dim.
+    """
+
+    def __init__(self, dim: int, heads: int, *, causal: bool = True, rotary: bool = False):
+        super().__init__(dim, heads, causal=causal)
+        if rotary and self.head_dim % 2:
+            raise ValueError(f"rotary=True needs an even head dimension, got dim={dim} / heads={heads} "
+                             f"= {self.head_dim}")
+        self.rotary = rotary
+
+    def attend(self, q, k, v, padding_mask, cache):
+        start = 0 if cache is None else cache.position
+        if self.rotary:
+            q, k = apply_rotary(q, start), apply_rotary(k, start)
+        if not self.causal:
+            return softmax_attention(q, k, v, causal=False, key_mask=padding_mask, query_mask=padding_mask), None
+        fresh = cache is None
+        cache = (self.empty_cache(q.shape[0], q.device) if fresh else cache).append(k, v, padding_mask)
+        key_mask = padding_mask if fresh else cache.key_mask  # None keeps the fast is_causal path
+        out = softmax_attention(q, cache.keys, cache.values, causal=True, key_mask=key_mask, query_mask=padding_mask)
+        return out, cache
+
+    def empty_cache(self, batch_size: int, device: torch.device | None = None) -> KVCache:
+        """State before the first token; ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
+        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=self.to_qkv.weight.dtype, device=device)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}, causal={self.causal}, rotary={self.rotary}"
