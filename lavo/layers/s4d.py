@@ -1,0 +1,83 @@
+"""S4D: a diagonal state-space layer in place of attention (Gu et al., 2022)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.checks import check_padding_mask
+from ..ops.s4d import discretize, fft_convolution, s4d_kernel, s4d_scan
+from ..registry import register_attention
+from .base import AttentionLayer
+
+
+@register_attention("s4d")
+class S4DLayer(AttentionLayer):
+    r"""The S4D block: a complex diagonal SSM on every channel of ``x``, a ``D`` skip, GELU, then a linear map to
+    ``2 dim`` and a GLU, as in the reference S4D block. There is no input projection and no q/k/v: channels are
+    independent and ``heads`` only has to divide ``dim``.
+
+    Each channel has ``state_size / 2`` complex modes (the other half are their conjugates), initialised S4D-Lin
+    (``A_n = -1/2 + i pi n``), discretised by zero-order hold with a learned step ``dt`` (log-uniform in
+    ``[dt_min, dt_max]`` at init). Causal: the exact blocked scan of :func:`~lavo.ops.s4d.s4d_scan`, whose
+    complex state ``[B, dim, state_size / 2]`` is the cache, so decoding equals the full forward. Non-causal: one
+    FFT convolution with a forward and a backward kernel (shared ``A`` and ``dt``, separate ``C``).
+
+    Padded inputs are zeroed before the SSM: they never reach real positions, but still count as elapsed time.
+
+    ``forward(x [B, T, dim], padding_mask [B, T] | None, cache [B, dim, state_size / 2] complex | None)
+    -> (y [B, T, dim], cache)``.
+    """
+
+    def __init__(self, dim: int, heads: int, *, causal: bool = True, state_size: int = 64, dt_min: float = 1e-3,
+                 dt_max: float = 1e-1):
+        super().__init__(dim, heads, causal=causal)
+        if state_size < 2 or state_size % 2:
+            raise ValueError(f"S4DLayer state_size must be a positive even number (conjugate pairs), got {state_size}")
+        if not 0 < dt_min <= dt_max:
+            raise ValueError(f"S4DLayer needs 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
+        del self.to_qkv  # the SSM reads the channels of x directly
+        modes = state_size // 2
+        self.state_size = state_size
+        self.log_dt = nn.Parameter(torch.empty(dim).uniform_(math.log(dt_min), math.log(dt_max)))
+        self.log_a_real = nn.Parameter(torch.full((dim, modes), math.log(0.5)))
+        self.a_imag = nn.Parameter(math.pi * torch.arange(modes, dtype=torch.float32).expand(dim, modes).clone())
+        directions = 1 if causal else 2
+        self.c = nn.Parameter(torch.view_as_real(torch.randn(directions, dim, modes, dtype=torch.cfloat)))
+        self.skip = nn.Parameter(torch.randn(dim))
+        self.to_out = nn.Linear(dim, 2 * dim)
+
+    def system(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The discrete system: ``log_a [dim, N/2]`` and ``c_bar [directions, dim, N/2]``, complex."""
+        a = torch.complex(-self.log_a_real.exp(), self.a_imag)
+        return discretize(self.log_dt, a, torch.view_as_complex(self.c))
+
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
+                cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape [B, T, {self.dim}], got {tuple(x.shape)}")
+        check_padding_mask(padding_mask, x.shape[0], x.shape[1])
+        u = x if padding_mask is None else x.masked_fill(~padding_mask[..., None], 0)
+        log_a, c = self.system()
+        if cache is not None:
+            self.check_cache(cache, x.shape[0])
+        if self.causal:
+            y, cache = s4d_scan(u, log_a, c[0], cache)
+        else:
+            length = x.shape[1]
+            y = fft_convolution(u, s4d_kernel(log_a, c[0], length), s4d_kernel(log_a, c[1], length))
+        y = F.gelu(y + self.skip * u)
+        return F.glu(self.to_out(y), dim=-1), cache
+
+    def check_cache(self, cache: torch.Tensor, batch: int) -> None:
+        if not self.causal:
+            raise ValueError("S4DLayer was built with causal=False; a cache is only for causal decoding")
+        expected = (batch, self.dim, self.state_size // 2)
+        if not torch.is_tensor(cache) or not cache.is_complex() or tuple(cache.shape) != expected:
+            raise ValueError(f"S4DLayer cache must be a complex state of shape {expected}; pass what the previous "
+                             f"call returned")
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, state_size={self.state_size}, causal={self.causal}"
