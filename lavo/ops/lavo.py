@@ -5,7 +5,7 @@ import torch
 
 from ..cache import LavoCache
 from .checks import check_basis, check_padding_mask, check_pos_bias, check_same_shape, check_window
-from .local import local_attention, local_attention_chunk
+from .local import keep_visible, local_attention, local_attention_chunk
 from .memory import accumulation_dtype, causal_coefficients, masked_projection, memory_read, token_counts
 
 
@@ -58,8 +58,8 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         return out
     key_mask = counts.bool() if padding_mask is None else padding_mask
     done = T // window * window  # end of the last completed window
-    start = max(0, done - window)
-    cache = LavoCache(keys=k[:, start:].clone(), values=v[:, start:].clone(), key_mask=key_mask[:, start:].clone(),
+    keys, values, key_mask = (x.clone() for x in keep_visible(T, window, k, v, key_mask))
+    cache = LavoCache(keys=keys, values=values, key_mask=key_mask,
                       memory_sum=proj[:, :done].sum(1), memory_count=counts[:, :done].sum(1),
                       window_sum=proj[:, done:].sum(1), window_count=counts[:, done:].sum(1), position=T)
     return out, cache
@@ -125,8 +125,7 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
         if position % window == 0:
             memory_sum, memory_count = memory_sum + window_sum, memory_count + window_count
             window_sum, window_count = torch.zeros_like(window_sum), torch.zeros_like(window_count)
-        keep = position - max(0, (position // window - 1) * window)
-        keys, values, key_mask = (x[:, x.shape[1] - keep:] for x in (keys, values, key_mask))
+        keys, values, key_mask = keep_visible(position, window, keys, values, key_mask)
         begin = end
     cache = LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=memory_sum, memory_count=memory_count,
                       window_sum=window_sum, window_count=window_count, position=position)

@@ -114,6 +114,19 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
     return out
 
 
+def keep_visible(position: int, window: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    r"""Trim keys to what a causal query at ``position`` or later can still see.
+
+    Args:
+        position: tokens seen so far; each tensor's time axis (dim 1) ends at ``position - 1``.
+        tensors: e.g. keys ``[B, L, H, D]`` and their mask ``[B, L]``.
+    Returns:
+        each tensor from the start of the previous window on: its last ``<= 2w - 1`` positions.
+    """
+    keep = position - max(0, (position // window - 1) * window)
+    return tuple(t[:, t.shape[1] - keep:] for t in tensors)
+
+
 def local_attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int, window: int,
                           pos_bias: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
                           scale: float | None = None) -> torch.Tensor:

@@ -1,0 +1,54 @@
+"""Sliding-window attention alone: LAVO's local branch without the orthogonal memory."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.checks import check_window, pos_bias_size
+from ..ops.local import keep_visible, local_attention, local_attention_chunk
+from ..ops.softmax import KVCache
+from ..registry import register_attention
+from .base import AttentionLayer
+
+
+@register_attention("local")
+class LocalAttention(AttentionLayer):
+    r"""Blocked sliding-window attention with LAVO's window rule and learned relative-position bias.
+
+    Position ``t`` lies in window ``t // w``; a causal query sees the previous and its own window up to ``t``, a
+    non-causal one the previous, own and next windows (see :mod:`lavo.ops.local`).
+    ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``; a causal layer
+    returns a :class:`~lavo.ops.softmax.KVCache` of at most ``2w - 1`` positions, whatever the context length.
+    A chunk decoded from a cache costs ``O(T (2w + T) D)``: start long prompts without a cache.
+    """
+
+    def __init__(self, dim: int, heads: int, *, causal: bool = True, window: int = 64, position_bias: bool = True):
+        super().__init__(dim, heads, causal=causal)
+        check_window(window)
+        self.window = window
+        self.pos_bias = nn.Parameter(torch.zeros(heads, pos_bias_size(window, causal))) if position_bias else None
+
+    def attend(self, q, k, v, padding_mask, cache):
+        options = dict(window=self.window, pos_bias=self.pos_bias)
+        if cache is None:
+            out = local_attention(q, k, v, causal=self.causal, padding_mask=padding_mask, **options)
+            if not self.causal:
+                return out, None
+            cache = self.empty_cache(q.shape[0], q.device).append(k, v, padding_mask)
+        else:
+            start = cache.position
+            cache = cache.append(k, v, padding_mask)
+            out = local_attention_chunk(q, cache.keys, cache.values, start=start, key_mask=cache.key_mask, **options)
+            if padding_mask is not None:
+                out = out * padding_mask[:, :, None, None].to(out.dtype)
+        # Copies, so the cache does not pin the whole chunk's keys in memory.
+        kept = keep_visible(cache.position, self.window, cache.keys, cache.values, cache.key_mask)
+        return out, KVCache(*(x.clone() for x in kept), cache.position)
+
+    def empty_cache(self, batch_size: int, device: torch.device | None = None) -> KVCache:
+        """State before the first token; ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
+        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=self.to_qkv.weight.dtype, device=device)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, heads={self.heads}, window={self.window}, causal={self.causal}, "
+                f"position_bias={self.pos_bias is not None}")

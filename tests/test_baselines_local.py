@@ -1,0 +1,69 @@
+"""Local (sliding-window) baseline: layer vs the token-by-token reference, decoding with a bounded cache, errors."""
+import pytest
+import torch
+
+from lavo import build_attention
+from lavo.ops.local import keep_visible
+from lavo.ops.naive import local_attention_naive
+
+
+def _layer(causal, window, position_bias=True, dim=14, heads=2):
+    torch.manual_seed(0)
+    layer = build_attention("local", dim, heads, causal=causal, window=window, position_bias=position_bias).double()
+    if position_bias:
+        with torch.no_grad():
+            layer.pos_bias.normal_()
+    return layer
+
+
+@pytest.mark.parametrize("position_bias", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T", [1, 63])
+def test_layer_matches_naive_outputs_and_gradients(T, causal, position_bias):
+    layer = _layer(causal, window=5, position_bias=position_bias)  # head dim 7
+    q, k, v = (torch.randn(2, T, 2, 7, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[1, : T // 3] = False
+    fast, _ = layer.attend(q, k, v, mask, None)
+    slow = local_attention_naive(q, k, v, window=5, causal=causal, pos_bias=layer.pos_bias, padding_mask=mask)
+    torch.testing.assert_close(fast, slow)
+    inputs = [q, k, v] + ([layer.pos_bias] if position_bias else [])
+    weight = torch.randn_like(fast)
+    for a, b in zip(torch.autograd.grad((fast * weight).sum(), inputs),
+                    torch.autograd.grad((slow * weight).sum(), inputs)):
+        torch.testing.assert_close(a, b)
+
+
+def test_padded_decoding_matches_full_forward_with_a_bounded_cache():
+    w, T = 4, 23
+    layer = _layer(True, window=w)
+    x = torch.randn(2, T, 14, dtype=torch.float64)
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[0, :6] = False
+    mask[1, 9:14] = False
+    full, full_cache = layer(x, padding_mask=mask)
+    cache, outputs, start = None, [], 0
+    for size in (1, 2, 1, 7, 1, 1, 10):
+        y, cache = layer(x[:, start:start + size], padding_mask=mask[:, start:start + size], cache=cache)
+        outputs.append(y)
+        start += size
+        expected = start - max(0, (start // w - 1) * w)  # from the start of the previous window
+        assert cache.keys.shape[1] == cache.key_mask.shape[1] == expected <= 2 * w - 1
+    torch.testing.assert_close(torch.cat(outputs, 1), full)
+    for a, b in zip((cache.keys, cache.values, cache.key_mask), (full_cache.keys, full_cache.values, full_cache.key_mask)):
+        torch.testing.assert_close(a, b)
+
+
+def test_keep_visible_keeps_from_the_start_of_the_previous_window():
+    x = torch.arange(11)[None]
+    assert keep_visible(11, 4, x)[0].tolist() == [list(range(4, 11))]
+    assert keep_visible(3, 4, x[:, :3])[0].tolist() == [[0, 1, 2]]
+    assert keep_visible(8, 4, x[:, :8])[0].tolist() == [[4, 5, 6, 7]]
+
+
+def test_impossible_requests_are_named():
+    with pytest.raises(ValueError, match="window must be a positive integer"):
+        build_attention("local", 8, 2, window=0)
+    layer = build_attention("local", 8, 2, causal=False, window=2)
+    with pytest.raises(ValueError, match="causal=False; a cache is only for causal decoding"):
+        layer(torch.randn(1, 3, 8), cache=build_attention("local", 8, 2, window=2).empty_cache(1))
