@@ -1,0 +1,37 @@
+"""Performer (FAVOR+) self-attention (Choromanski et al., 2021)."""
+from __future__ import annotations
+
+from ..ops.performer import (PerformerState, orthogonal_random_features, performer_attention,
+                             performer_attention_causal)
+from ..registry import register_attention
+from .base import AttentionLayer
+
+
+@register_attention("performer")
+class PerformerAttention(AttentionLayer):
+    r"""Softmax attention approximated with ``features`` positive orthogonal random features per head.
+
+    The projection ``[features, head_dim]`` is drawn once at construction (from the global RNG), shared by the
+    heads and kept as a buffer: it is saved with the model and never redrawn. Causal layers use chunked prefix
+    sums and return a :class:`~lavo.ops.performer.PerformerState` of constant size ``H (F (D + 1) + 1)`` per
+    sequence.
+
+    ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``.
+    """
+
+    def __init__(self, dim: int, heads: int, *, causal: bool = True, features: int = 256, chunk: int = 64):
+        super().__init__(dim, heads, causal=causal)
+        for name, value in (("features", features), ("chunk", chunk)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"PerformerAttention {name} must be a positive integer, got {value!r}")
+        self.features, self.chunk = features, chunk
+        self.register_buffer("projection", orthogonal_random_features(features, self.head_dim))
+
+    def attend(self, q, k, v, padding_mask, cache: PerformerState | None):
+        if self.causal:
+            return performer_attention_causal(q, k, v, self.projection, padding_mask=padding_mask, state=cache,
+                                              chunk=self.chunk)
+        return performer_attention(q, k, v, self.projection, padding_mask=padding_mask), None
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}, features={self.features}, causal={self.causal}"

@@ -1,0 +1,68 @@
+r"""Attention through positive feature maps, ``o_t = phi(q_t) S / phi(q_t) z``, shared by the kernel baselines.
+
+``S = sum_s phi(k_s) v_s^T [F, D]`` and ``z = sum_s phi(k_s) [F]`` run over all keys (non-causal) or, as prefix
+sums, over keys up to the query (causal). Features are ``[B, T, H, F]``, values ``[B, T, H, D]``; a padded key is
+one whose features are zero. Denominators are clamped below at ``eps``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+    """Non-causal, by associativity: ``[B, T, H, F]``, ``[B, S, H, F]``, ``[B, S, H, D]`` -> ``[B, T, H, D]``."""
+    kv = torch.einsum("bshf,bshd->bhfd", k_feat, v)
+    numerator = torch.einsum("bthf,bhfd->bthd", q_feat, kv)
+    return numerator / torch.einsum("bthf,bhf->bth", q_feat, k_feat.sum(1)).clamp(min=eps)[..., None]
+
+
+def check_state(state: tuple[torch.Tensor, torch.Tensor], k_feat: torch.Tensor, v: torch.Tensor) -> None:
+    batch, _, heads, features = k_feat.shape
+    expected = (batch, heads, features, v.shape[-1]), (batch, heads, features)
+    if tuple(tuple(t.shape) for t in state) != expected:
+        raise ValueError(f"state sums must have shapes S {expected[0]} and z {expected[1]}, got "
+                         f"{tuple(state[0].shape)} and {tuple(state[1].shape)}; pass what the previous call returned")
+
+
+def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor,
+                             state: tuple[torch.Tensor, torch.Tensor] | None = None, *, eps: float,
+                             chunk: int = 64, rescale: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    r"""Causal, by prefix sums over time (cumsum of ``phi(k) v^T`` and ``phi(k)``), ``chunk`` tokens at a time so
+    the ``[B, chunk, H, F, D]`` running sums bound the memory.
+
+    Args:
+        q_feat, k_feat: ``[B, T, H, F]``; v: ``[B, T, H, D]``.
+        state: ``(S [B, H, F, D], z [B, H, F])`` summed over earlier tokens (None: zeros).
+        rescale: ``[B, n_chunks, H]``, a factor on the carried sums before each chunk (for stabilised features
+            whose scale changes between chunks).
+    Returns:
+        ``[B, T, H, D]`` and the sums after the last token.
+    """
+    batch, length, heads, features = k_feat.shape
+    if state is None:
+        state = (v.new_zeros(batch, heads, features, v.shape[-1]), v.new_zeros(batch, heads, features))
+    check_state(state, k_feat, v)
+    kv, k_sum = state
+    outputs = []
+    for index, start in enumerate(range(0, length, chunk)):
+        part = slice(start, start + chunk)
+        if rescale is not None:
+            kv, k_sum = kv * rescale[:, index, :, None, None], k_sum * rescale[:, index, :, None]
+        kv_t = kv[:, None] + torch.einsum("bthf,bthd->bthfd", k_feat[:, part], v[:, part]).cumsum(1)
+        k_t = k_sum[:, None] + k_feat[:, part].cumsum(1)
+        q = q_feat[:, part]
+        numerator = torch.einsum("bthf,bthfd->bthd", q, kv_t)
+        outputs.append(numerator / torch.einsum("bthf,bthf->bth", q, k_t).clamp(min=eps)[..., None])
+        kv, k_sum = kv_t[:, -1], k_t[:, -1]
+    return torch.cat(outputs, 1), (kv, k_sum)
+
+
+def feature_attention_naive(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                            eps: float) -> torch.Tensor:
+    """Reference: the explicit ``[T, S]`` weights ``phi(q) phi(k)^T``, lower-triangular when causal."""
+    weights = torch.einsum("bthf,bshf->bhts", q_feat, k_feat)
+    if causal:
+        weights = weights.tril()
+    out = torch.einsum("bhts,bshd->bthd", weights, v)
+    return out / weights.sum(-1).transpose(1, 2).clamp(min=eps)[..., None]

@@ -1,0 +1,138 @@
+"""Performer (FAVOR+): chunked prefix sums and the associative form against explicit quadratic weights."""
+import pytest
+import torch
+
+from lavo import build_attention
+from lavo.ops.performer import (orthogonal_random_features, performer_attention, performer_attention_causal,
+                                performer_attention_naive)
+
+HEADS, HEAD_DIM, FEATURES = 3, 5, 7
+
+
+def _qkv(length, batch=2, scale=0.7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, length, HEADS, HEAD_DIM)
+    return [(scale * torch.randn(shape, generator=g, dtype=torch.float64)).requires_grad_() for _ in range(3)]
+
+
+def _projection():
+    return orthogonal_random_features(FEATURES, HEAD_DIM, torch.Generator().manual_seed(1)).double()
+
+
+def _mask(length):
+    mask = torch.ones(2, length, dtype=torch.bool)
+    mask[0, : length // 3] = False
+    mask[1, -1] = length == 1  # a single position stays real
+    return mask
+
+
+def _grads(output, inputs):
+    weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(2), dtype=output.dtype)
+    return torch.autograd.grad((output * weights).sum(), inputs)
+
+
+def _assert_same(fast, naive, inputs, mask=None):
+    if mask is not None:  # outputs at padded queries are unspecified
+        fast, naive = fast * mask[:, :, None, None], naive * mask[:, :, None, None]
+    torch.testing.assert_close(fast, naive)
+    for a, b in zip(_grads(fast, inputs), _grads(naive, inputs)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("length, chunk", [(63, 64), (63, 8), (1, 64), (17, 1)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_causal_prefix_sums_match_quadratic_form(length, chunk, padded):
+    q, k, v = _qkv(length)
+    mask = _mask(length) if padded else None
+    out, _ = performer_attention_causal(q, k, v, _projection(), padding_mask=mask, chunk=chunk)
+    naive = performer_attention_naive(q, k, v, _projection(), causal=True, padding_mask=mask)
+    _assert_same(out, naive, [q, k, v], mask)
+
+
+@pytest.mark.parametrize("length", [63, 1])
+@pytest.mark.parametrize("padded", [False, True])
+def test_noncausal_matches_quadratic_form(length, padded):
+    q, k, v = _qkv(length)
+    mask = _mask(length) if padded else None
+    out = performer_attention(q, k, v, _projection(), padding_mask=mask)
+    naive = performer_attention_naive(q, k, v, _projection(), causal=False, padding_mask=mask)
+    _assert_same(out, naive, [q, k, v], mask)
+
+
+def test_state_continues_the_sequence():
+    q, k, v = _qkv(40)
+    full, full_state = performer_attention_causal(q, k, v, _projection(), chunk=8)
+    first, state = performer_attention_causal(q[:, :13], k[:, :13], v[:, :13], _projection(), chunk=8)
+    second, state = performer_attention_causal(q[:, 13:], k[:, 13:], v[:, 13:], _projection(), state=state)
+    torch.testing.assert_close(torch.cat([first, second], 1), full)
+    for a, b in zip(state, full_state):
+        assert a.shape == b.shape
+
+
+def test_growing_key_maximum_is_rescaled_exactly():
+    q, k, v = _qkv(30, scale=0.3)
+    with torch.no_grad():
+        k[:, 20:] *= 8  # much larger exponents late in the sequence
+    out, _ = performer_attention_causal(q, k, v, _projection(), chunk=4)
+    torch.testing.assert_close(out, performer_attention_naive(q, k, v, _projection(), causal=True))
+
+
+def test_stabilised_features_survive_where_plain_exponentials_underflow():
+    q, k, v = (t.detach().float() for t in _qkv(20))
+    # Keys of scaled length 15: exponents -|k'|^2 / 2 + w.k' in about [-145, -79], below float32's smallest
+    # normal number (e^-87), though within e^-66 of each other.
+    k = 15 * HEAD_DIM ** 0.25 * k / k.norm(dim=-1, keepdim=True)
+    projection = _projection().float()
+    plain = performer_attention_naive(q, k, v, projection, causal=True)
+    out, _ = performer_attention_causal(q, k, v, projection)
+    reference = performer_attention_naive(q.double(), k.double(), v.double(), projection.double(), causal=True)
+    assert not torch.allclose(plain.double(), reference, atol=1e-2)
+    torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=1e-4)
+
+
+def test_feature_blocks_are_orthogonal_with_gaussian_lengths():
+    projection = orthogonal_random_features(2 * HEAD_DIM + 2, HEAD_DIM, torch.Generator().manual_seed(3)).double()
+    directions = projection / projection.norm(dim=1, keepdim=True)
+    for block in directions.split(HEAD_DIM):
+        torch.testing.assert_close(block @ block.T, torch.eye(len(block), dtype=block.dtype), atol=1e-6, rtol=0)
+    assert not torch.allclose(directions[:HEAD_DIM], directions[HEAD_DIM:2 * HEAD_DIM])
+    lengths = projection.norm(dim=1)
+    assert lengths.std() > 0.05 and ((lengths - HEAD_DIM ** 0.5).abs() < 3).all()
+
+
+def test_many_features_approximate_softmax_attention():
+    q, k, v = (t.detach()[:1] for t in _qkv(16, scale=0.5))
+    projection = orthogonal_random_features(8192, HEAD_DIM, torch.Generator().manual_seed(4)).double()
+    out = performer_attention(q, k, v, projection)
+    exact = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    uniform = v.mean(1, keepdim=True)  # what attention without the q.k weighting would give
+    assert (out - exact).abs().max() < 0.1 < (uniform - exact).abs().max()
+
+
+def test_layer_projection_is_a_fixed_buffer():
+    layer = build_attention("performer", 16, 2, features=12)
+    assert layer.projection.shape == (12, 8) and "projection" in layer.state_dict()
+    assert "projection" not in dict(layer.named_parameters())
+    x = torch.randn(1, 5, 16)
+    torch.testing.assert_close(layer(x)[0], layer(x)[0])
+
+
+def test_layer_cache_has_constant_size():
+    layer = build_attention("performer", 16, 2, features=12)
+    _, cache = layer(torch.randn(3, 4, 16))
+    _, later = layer(torch.randn(3, 70, 16), cache=cache)
+    assert [t.shape for t in later] == [(3, 2, 12, 8), (3, 2, 12), (3, 2)] == [t.shape for t in cache]
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="features must be a positive integer"):
+        build_attention("performer", 16, 2, features=0)
+    with pytest.raises(ValueError, match="chunk must be a positive integer"):
+        build_attention("performer", 16, 2, chunk=0)
+    layer = build_attention("performer", 16, 2, features=12)
+    _, cache = layer(torch.randn(3, 4, 16))
+    with pytest.raises(ValueError, match=r"state sums must have shapes S \(2, 2, 12, 8\)"):
+        layer(torch.randn(2, 4, 16), cache=cache)
+    bidirectional = build_attention("performer", 16, 2, causal=False, features=12)
+    with pytest.raises(ValueError, match="causal=False; a cache is only for causal decoding"):
+        bidirectional(torch.randn(3, 4, 16), cache=cache)
