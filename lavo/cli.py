@@ -1,0 +1,160 @@
+"""``lavo`` command line: data, train, eval, generate, demo (``lavo COMMAND --help`` for each)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _list(kind):
+    def parse(text: str):
+        return [kind(item) for item in text.split(",") if item.strip()]
+    return parse
+
+
+def cmd_data(args) -> None:
+    from .data import describe, prepare
+    prepared = prepare(args.source, args.tokenizer, args.data_dir, args.holdout, rebuild=args.rebuild)
+    print(describe(prepared))
+
+
+def cmd_train(args) -> None:
+    from .config import load_config
+    from .train import train
+    config = load_config(args.config, args.set)
+    try:
+        summary = train(config, resume=args.resume, overwrite=args.overwrite)
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(summary))
+
+
+def cmd_eval(args) -> None:
+    from .evaluate import evaluate_runs
+    evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split,
+                  batch_size=args.batch_size, chunk_size=args.chunk_size or None, max_tokens=args.max_tokens,
+                  device=args.device, out_dir=args.out, progress=not args.quiet)
+
+
+def cmd_generate(args) -> None:
+    import json as _json
+    from pathlib import Path
+
+    from .data import load_tokenizer
+    from .generate import generate
+    from .train import load_run, resolve_device
+    device = resolve_device(args.device)
+    model, config = load_run(args.run, device)
+    manifest_path = Path(config["data_manifest"])
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{manifest_path} (the run's prepared data) is missing: run `lavo data --source "
+                                f"{config['data']['source']} --tokenizer {config['data']['tokenizer']}`")
+    tokenizer = load_tokenizer(_json.loads(manifest_path.read_text()), manifest_path.parent)
+    prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_id]
+    samples = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                       top_p=args.top_p, seed=args.seed, stop_id=tokenizer.eot_id, num_samples=args.num_samples,
+                       device=device)
+    for i, sample in enumerate(samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i} ---")
+        print(args.prompt + tokenizer.decode(sample))
+
+
+def cmd_demo(args) -> None:
+    from .demo import run_demo
+    run_demo(args.config, args.set)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lavo", description="LAVO language modelling: prepare data, train, "
+                                     "evaluate perplexity at many lengths, generate, run the demo.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser("data", help="download a corpus and tokenise it (cached)",
+                            description="Download a corpus if needed, split it by document and cache token arrays.")
+    p.add_argument("--source", default="austen", help="austen | shakespeare | a directory of .txt files "
+                   "(default: austen)")
+    p.add_argument("--tokenizer", default="bpe4096", help="gpt2 | bpe<vocab size> (default: bpe4096)")
+    p.add_argument("--data-dir", default="data", help="where downloads and prepared arrays go (default: data)")
+    p.add_argument("--holdout", type=_list(str), default=None, help="comma-separated document names to hold out")
+    p.add_argument("--rebuild", action="store_true", help="tokenise again even if a cache exists")
+    p.set_defaults(run=cmd_data)
+
+    p = commands.add_parser("train", help="train a language model",
+                            description="Train a model. Settings come from --config (JSON or TOML with sections "
+                            "data, model, train; see configs/) and --set section.key=value overrides, e.g. "
+                            "--set train.steps=200 --set model.attention=softmax --set model.position=rope. "
+                            "Data parallel: torchrun --nproc_per_node N -m lavo.cli train ...")
+    p.add_argument("--config", help="a JSON or TOML config file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue the checkpoint in train.out_dir")
+    p.add_argument("--overwrite", action="store_true", help="start again even if train.out_dir has a checkpoint")
+    p.set_defaults(run=cmd_train)
+
+    p = commands.add_parser("eval", help="perplexity at several lengths on held-out text",
+                            description="Perplexity of trained runs at several lengths over the same held-out "
+                            "tokens; prints a table, writes results.json and perplexity.png to --out.")
+    p.add_argument("runs", nargs="+", help="run directories (train.out_dir of each)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--lengths", type=_list(int), help="comma-separated lengths, e.g. 256,512,1024,2048")
+    group.add_argument("--multiples", type=_list(float), default=None,
+                       help="multiples of the first run's train_length (default: 1,2,4,8)")
+    p.add_argument("--split", default="valid", help="split to score (default: valid, the held-out documents)")
+    p.add_argument("--batch-size", type=int, default=8, help="segments per forward pass (default: 8)")
+    p.add_argument("--chunk-size", type=int, default=512, help="positions per forward pass through the cache; "
+                   "0 scores each segment in one pass (default: 512)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=None, help="directory for results.json and perplexity.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=cmd_eval)
+
+    p = commands.add_parser("generate", help="sample text from a trained run",
+                            description="Sample a continuation of --prompt (temperature, top-k, top-p, seeded).")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=50, help="0 disables (default: 50)")
+    p.add_argument("--top-p", type=float, default=0.95, help="1 disables (default: 0.95)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(run=cmd_generate)
+
+    p = commands.add_parser("demo", help="Austen: tiny LAVO vs tiny softmax+RoPE, perplexity vs length",
+                            description="Fetch the Austen novels, train a tiny LAVO and a tiny softmax+RoPE model "
+                            "with the same token budget, evaluate at 1x..8x the training length on the held-out "
+                            "novel, print the table and write runs/demo/perplexity.png. Override any setting, e.g. "
+                            "--set train.steps=300 --set models.lavo.attention_options.window=64 "
+                            "--set eval.max_tokens=8192 --set out_dir=runs/demo2 (see configs/demo.json).")
+    p.add_argument("--config", help="a JSON or TOML file with demo settings (see configs/demo.json)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
+    p.set_defaults(run=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .data import DataError
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (DataError, FileExistsError, FileNotFoundError, ValueError) as error:
+        if os.environ.get("LAVO_DEBUG"):
+            raise
+        print(f"lavo {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

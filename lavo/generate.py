@@ -1,0 +1,62 @@
+"""Sampling from a trained model: the prompt in one forward pass, then one token at a time through the cache
+(constant size for LAVO, a growing key/value cache for softmax)."""
+from __future__ import annotations
+
+import torch
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """Set to -inf every logit outside the ``top_k`` largest and outside the smallest set of mass ``top_p``."""
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the most likely token always stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, generator: torch.Generator, temperature: float = 1.0,
+                top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """``logits [B, V]`` -> next ids ``[B]``; ``temperature == 0`` is greedy."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = filter_logits(logits / temperature, top_k, top_p)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+@torch.no_grad()
+def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int = 0, stop_id: int | None = None, num_samples: int = 1,
+             device="cpu") -> list[list[int]]:
+    """``num_samples`` continuations of ``prompt`` (token ids), each at most ``max_new_tokens`` long."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
+    use_cache = getattr(model, "supports_decoding", False)
+    logits, cache = model(ids)
+    out = [[] for _ in range(num_samples)]
+    done = torch.zeros(num_samples, dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        next_ids = sample_next(logits[:, -1], generator, temperature, top_k, top_p)
+        for i, token in enumerate(next_ids.tolist()):
+            if not done[i]:
+                out[i].append(token)
+                done[i] = stop_id is not None and token == stop_id
+        if done.all():
+            break
+        if use_cache:
+            logits, cache = model(next_ids[:, None], cache=cache)
+        else:  # no decoding form: run the whole sequence again
+            ids = torch.cat([ids, next_ids[:, None]], 1)
+            logits, _ = model(ids)
+    return out
