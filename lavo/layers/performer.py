@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..ops.performer import (PerformerState, orthogonal_random_features, performer_attention,
                              performer_attention_causal)
+from ..ops.prefix_sums import check_positive
 from ..registry import register_attention
 from .base import AttentionLayer
 
@@ -21,9 +22,7 @@ class PerformerAttention(AttentionLayer):
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True, features: int = 256, chunk: int = 64):
         super().__init__(dim, heads, causal=causal)
-        for name, value in (("features", features), ("chunk", chunk)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"PerformerAttention {name} must be a positive integer, got {value!r}")
+        check_positive("PerformerAttention", features=features, chunk=chunk)
         self.features, self.chunk = features, chunk
         self.register_buffer("projection", orthogonal_random_features(features, self.head_dim))
 

@@ -9,6 +9,13 @@ from __future__ import annotations
 import torch
 
 
+def check_positive(owner: str, **options: int) -> None:
+    """Raise naming ``owner`` and the option unless every option is a positive integer."""
+    for name, value in options.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner} {name} must be a positive integer, got {value!r}")
+
+
 def feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """Non-causal, by associativity: ``[B, T, H, F]``, ``[B, S, H, F]``, ``[B, S, H, D]`` -> ``[B, T, H, D]``."""
     kv = torch.einsum("bshf,bshd->bhfd", k_feat, v)

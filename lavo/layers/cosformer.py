@@ -1,0 +1,34 @@
+"""cosFormer self-attention (Qin et al., 2022)."""
+from __future__ import annotations
+
+from ..ops.cosformer import CosformerState, cosformer_attention, cosformer_attention_causal
+from ..ops.prefix_sums import check_positive
+from ..registry import register_attention
+from .base import AttentionLayer
+
+
+@register_attention("cosformer")
+class CosformerAttention(AttentionLayer):
+    r"""Linear attention with ReLU features and the cos re-weighting ``cos(pi/2 (i - j) / M)``.
+
+    Non-causal layers take ``M`` = the (padded) sequence length, as in the paper. Causal layers fix
+    ``M = max_length`` so that decoding never changes earlier weights; a sequence (all cached calls together)
+    longer than ``max_length`` raises an error. Causal layers return a
+    :class:`~lavo.ops.cosformer.CosformerState` of constant size ``H (2D (D + 1))`` per sequence, plus the position.
+
+    ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``.
+    """
+
+    def __init__(self, dim: int, heads: int, *, causal: bool = True, max_length: int = 4096, chunk: int = 64):
+        super().__init__(dim, heads, causal=causal)
+        check_positive("CosformerAttention", max_length=max_length, chunk=chunk)
+        self.max_length, self.chunk = max_length, chunk
+
+    def attend(self, q, k, v, padding_mask, cache: CosformerState | None):
+        if self.causal:
+            return cosformer_attention_causal(q, k, v, self.max_length, padding_mask=padding_mask, state=cache,
+                                              chunk=self.chunk)
+        return cosformer_attention(q, k, v, padding_mask=padding_mask), None
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}, max_length={self.max_length}, causal={self.causal}"

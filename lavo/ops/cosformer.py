@@ -1,0 +1,82 @@
+r"""cosFormer (Qin et al. 2022): ReLU features with a cos re-weighting that decays with distance.
+
+The weight of key ``j`` for query ``i`` is ``relu(q_i) . relu(k_j) cos(pi/2 (i - j) / M)``; since
+``cos(a - b) = cos a cos b + sin a sin b`` it is a product of the ``2D`` features
+``phi(x_i) = [relu(x_i) cos(pi i / 2M), relu(x_i) sin(pi i / 2M)]``. Weights stay non-negative while
+``|i - j| < M``: non-causal attention takes ``M = T``; causal attention a fixed ``M`` (``max_length``), since a
+decoder does not know the final length, and positions from ``M`` on are refused. Denominators are clamped at
+``1e-6`` as in the paper.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .prefix_sums import causal_feature_attention, feature_attention
+
+EPS = 1e-6
+
+
+class CosformerState(NamedTuple):
+    """Decoding state: ``kv [B, H, 2D, D]`` and ``k_sum [B, H, 2D]`` over the context, and its length."""
+
+    kv: torch.Tensor
+    k_sum: torch.Tensor
+    position: int
+
+
+def cosformer_features(x: torch.Tensor, positions: torch.Tensor, horizon: int,
+                       padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [B, T, H, D]`` at ``positions [T]`` -> ``[B, T, H, 2D]``; zero at padded positions when masked."""
+    angle = (math.pi / 2 * positions / horizon).to(x.dtype)[:, None, None]
+    relu = torch.relu(x)
+    if padding_mask is not None:
+        relu = relu * padding_mask[:, :, None, None]
+    return torch.cat([relu * angle.cos(), relu * angle.sin()], -1)
+
+
+def cosformer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Non-causal cosFormer with ``M = T``. ``q, k, v [B, T, H, D]`` -> ``[B, T, H, D]``."""
+    length = q.shape[1]
+    positions = torch.arange(length, device=q.device)
+    return feature_attention(cosformer_features(q, positions, length),
+                             cosformer_features(k, positions, length, padding_mask), v, eps=EPS)
+
+
+def cosformer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_length: int, *,
+                               padding_mask: torch.Tensor | None = None, state: CosformerState | None = None,
+                               chunk: int = 64) -> tuple[torch.Tensor, CosformerState]:
+    """Causal cosFormer with ``M = max_length``, by chunked prefix sums, continuing from ``state``.
+    ``q, k, v [B, T, H, D]`` -> ``([B, T, H, D], CosformerState)``."""
+    start = 0 if state is None else state.position
+    end = start + q.shape[1]
+    if end > max_length:
+        raise ValueError(f"cosFormer reached position {end - 1} but was built with max_length={max_length}: the "
+                         f"cos re-weighting turns negative beyond it; build the layer with a larger max_length")
+    positions = torch.arange(start, end, device=q.device)
+    out, (kv, k_sum) = causal_feature_attention(
+        cosformer_features(q, positions, max_length), cosformer_features(k, positions, max_length, padding_mask),
+        v, None if state is None else state[:2], eps=EPS, chunk=chunk)
+    return out, CosformerState(kv, k_sum, end)
+
+
+def cosformer_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                              max_length: int | None = None,
+                              padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: explicit weights ``relu(q) relu(k)^T cos(pi/2 (i - j) / M)`` (``M = max_length`` when causal,
+    else ``T``)."""
+    length = q.shape[1]
+    position = torch.arange(length, device=q.device, dtype=q.dtype)
+    distance = position[:, None] - position[None, :]
+    horizon = max_length if causal else length
+    weights = torch.einsum("bthd,bshd->bhts", torch.relu(q), torch.relu(k))
+    weights = weights * torch.cos(math.pi / 2 * distance / horizon)
+    if padding_mask is not None:
+        weights = weights * padding_mask[:, None, None, :]
+    if causal:
+        weights = weights.tril()
+    out = torch.einsum("bhts,bshd->bthd", weights, v)
+    return out / weights.sum(-1).transpose(1, 2).clamp(min=EPS)[..., None]

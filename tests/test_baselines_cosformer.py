@@ -1,0 +1,102 @@
+"""cosFormer: chunked prefix sums and the associative form against the explicit cos-weighted quadratic form."""
+import math
+
+import pytest
+import torch
+
+from lavo import build_attention
+from lavo.ops.cosformer import cosformer_attention, cosformer_attention_causal, cosformer_attention_naive
+
+HEADS, HEAD_DIM = 3, 5
+
+
+def _qkv(length, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, length, HEADS, HEAD_DIM)
+    return [torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3)]
+
+
+def _mask(length):
+    mask = torch.ones(2, length, dtype=torch.bool)
+    mask[0, : length // 3] = False
+    mask[1, length // 2: length // 2 + 3] = length < 4
+    return mask
+
+
+def _grads(output, inputs):
+    weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(2), dtype=output.dtype)
+    return torch.autograd.grad((output * weights).sum(), inputs)
+
+
+def _assert_same(fast, naive, inputs, mask=None):
+    if mask is not None:  # outputs at padded queries are unspecified
+        fast, naive = fast * mask[:, :, None, None], naive * mask[:, :, None, None]
+    torch.testing.assert_close(fast, naive)
+    for a, b in zip(_grads(fast, inputs), _grads(naive, inputs)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("length, chunk, max_length", [(63, 64, 63), (63, 8, 100), (1, 64, 1), (17, 1, 40)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_causal_prefix_sums_match_quadratic_form(length, chunk, max_length, padded):
+    q, k, v = _qkv(length)
+    mask = _mask(length) if padded else None
+    out, state = cosformer_attention_causal(q, k, v, max_length, padding_mask=mask, chunk=chunk)
+    naive = cosformer_attention_naive(q, k, v, causal=True, max_length=max_length, padding_mask=mask)
+    _assert_same(out, naive, [q, k, v], mask)
+    assert state.position == length
+
+
+@pytest.mark.parametrize("length", [63, 2, 1])
+@pytest.mark.parametrize("padded", [False, True])
+def test_noncausal_matches_quadratic_form(length, padded):
+    q, k, v = _qkv(length)
+    mask = _mask(length) if padded else None
+    out = cosformer_attention(q, k, v, padding_mask=mask)
+    _assert_same(out, cosformer_attention_naive(q, k, v, causal=False, padding_mask=mask), [q, k, v], mask)
+
+
+def test_state_continues_the_sequence():
+    q, k, v = _qkv(40)
+    full, _ = cosformer_attention_causal(q, k, v, 50, chunk=8)
+    first, state = cosformer_attention_causal(q[:, :13], k[:, :13], v[:, :13], 50, chunk=8)
+    second, state = cosformer_attention_causal(q[:, 13:], k[:, 13:], v[:, 13:], 50, state=state)
+    torch.testing.assert_close(torch.cat([first, second], 1), full)
+    assert state.position == 40
+
+
+def test_reweighting_favours_nearby_keys():
+    # Equal, positive queries and keys: the weights are exactly the cos re-weighting.
+    length = 9
+    q = k = torch.ones(1, length, 1, 1, dtype=torch.float64)
+    v = torch.eye(length, dtype=torch.float64)[None, :, None, :]
+    out, _ = cosformer_attention_causal(q, k, v, max_length=length)
+    distance = torch.arange(length - 1, -1, -1, dtype=torch.float64)
+    expected = torch.cos(math.pi / 2 * distance / length)
+    torch.testing.assert_close(out[0, -1, 0], expected / expected.sum())
+
+
+def test_layer_cache_has_constant_size():
+    layer = build_attention("cosformer", 16, 2, max_length=100)
+    _, cache = layer(torch.randn(3, 4, 16))
+    _, later = layer(torch.randn(3, 70, 16), cache=cache)
+    assert cache[0].shape == later[0].shape == (3, 2, 16, 8) and cache[1].shape == later[1].shape == (3, 2, 16)
+    assert later.position == 74
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="max_length must be a positive integer"):
+        build_attention("cosformer", 16, 2, max_length=0)
+    with pytest.raises(ValueError, match="chunk must be a positive integer"):
+        build_attention("cosformer", 16, 2, chunk=1.5)
+    layer = build_attention("cosformer", 16, 2, max_length=10)
+    with pytest.raises(ValueError, match="reached position 10 but was built with max_length=10"):
+        layer(torch.randn(1, 11, 16))
+    _, cache = layer(torch.randn(2, 8, 16))
+    with pytest.raises(ValueError, match="reached position 11 but was built with max_length=10"):
+        layer(torch.randn(2, 4, 16), cache=cache)
+    with pytest.raises(ValueError, match=r"state sums must have shapes S \(1, 2, 16, 8\)"):
+        layer(torch.randn(1, 1, 16), cache=cache)
+    bidirectional = build_attention("cosformer", 16, 2, causal=False)
+    with pytest.raises(ValueError, match="causal=False; a cache is only for causal decoding"):
+        bidirectional(torch.randn(2, 4, 16), cache=cache)
