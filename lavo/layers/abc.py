@@ -1,0 +1,37 @@
+"""ABC (attention with bounded-memory control) with a learned control: a fixed number of memory slots per head."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.abc import ABCState, abc_attention
+from ..registry import register_attention
+from .base import AttentionLayer
+
+
+@register_attention("abc")
+class ABCAttention(AttentionLayer):
+    r"""ABC self-attention (Peng et al., 2022) with ``slots`` memory slots per head; see :mod:`lavo.ops.abc`.
+
+    ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``; a causal layer
+    returns an :class:`~lavo.ops.abc.ABCState` of ``2 slots (D + 1)`` numbers per batch and head, whatever the
+    context length.
+    """
+
+    def __init__(self, dim: int, heads: int, *, causal: bool = True, slots: int = 64):
+        super().__init__(dim, heads, causal=causal)
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        self.slots = slots
+        self.control = nn.Parameter(torch.randn(heads, slots, self.head_dim) * self.head_dim ** -0.5)
+
+    def attend(self, q, k, v, padding_mask, cache):
+        return abc_attention(q, k, v, self.control, causal=self.causal, padding_mask=padding_mask, state=cache)
+
+    def empty_cache(self, batch_size: int, device: torch.device | None = None) -> ABCState:
+        """State before the first token; ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
+        return ABCState.empty(batch_size, self.heads, self.slots, self.head_dim, dtype=self.control.dtype,
+                              device=device)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}, slots={self.slots}, causal={self.causal}"

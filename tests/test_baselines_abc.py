@@ -1,0 +1,92 @@
+"""ABC with learned control: chunked prefix-sum form vs the per-step reference, decoding, prefix normalisation."""
+import pytest
+import torch
+
+from lavo import build_attention
+from lavo.ops.abc import abc_attention, abc_attention_naive
+
+
+def _inputs(B, T, H, D, r, seed=0):
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    control = torch.randn(H, r, D, dtype=torch.float64, requires_grad=True)
+    return q, k, v, control
+
+
+def _mask(B, T):
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, : T // 4] = False  # left padding
+    mask[-1, T // 2: T // 2 + 3] = False  # a hole
+    return mask
+
+
+@pytest.mark.parametrize("T, causal, chunk", [(63, True, 5), (1, True, 64), (63, False, 64), (1, False, 64)])
+def test_fast_matches_naive_outputs_and_gradients(T, causal, chunk):
+    q, k, v, control = _inputs(2, T, 2, 7, 3)
+    mask = _mask(2, T)
+    fast, _ = abc_attention(q, k, v, control, causal=causal, padding_mask=mask, chunk=chunk)
+    slow = abc_attention_naive(q, k, v, control, causal=causal, padding_mask=mask)
+    torch.testing.assert_close(fast, slow)
+    inputs = [q, k, v, control]
+    weight = torch.randn_like(fast)
+    for a, b in zip(torch.autograd.grad((fast * weight).sum(), inputs),
+                    torch.autograd.grad((slow * weight).sum(), inputs)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_uniform_control_gives_the_mean_of_the_prefix_values(causal):
+    # With equal logits every slot is the mean of the (prefix) keys and values, whatever the read weights: a
+    # per-step normalisation would give sums, not means.
+    q, k, v, control = _inputs(2, 11, 2, 5, 4)
+    mask = _mask(2, 11)
+    out, _ = abc_attention(q, k, v, torch.zeros_like(control), causal=causal, padding_mask=mask, chunk=4)
+    real = mask[:, :, None, None].double()
+    if causal:
+        expected = (v * real).cumsum(1) / real.cumsum(1).clamp(min=1)
+    else:
+        expected = (v * real).sum(1, keepdim=True) / real.sum(1, keepdim=True)
+    torch.testing.assert_close(out, (expected * real).expand_as(out))
+
+
+@pytest.mark.parametrize("control_scale, chunk, least", [(3, 64, 12), (200, 1, 300)])
+def test_large_control_logits_stay_finite_and_exact_in_low_precision(control_scale, chunk, least):
+    # Logits past `least`: a plain exp() overflows float16 (at 12) or even float32 (at 89).
+    q, k, v, control = _inputs(1, 40, 2, 6, 3)
+    control = control.detach() * control_scale
+    assert torch.einsum("bthd,hrd->bthr", k, control).abs().max() > least
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        inputs = [x.detach().to(dtype) for x in (q, k, v, control)]
+        fast, _ = abc_attention(*inputs, chunk=chunk)
+        assert fast.dtype == dtype and torch.isfinite(fast).all()
+        slow = abc_attention_naive(*(x.double() for x in inputs))
+        torch.testing.assert_close(fast.double(), slow, atol=tolerance, rtol=tolerance)
+
+
+def test_padded_token_by_token_decoding_matches_full_forward_with_constant_state():
+    torch.manual_seed(0)
+    layer = build_attention("abc", 12, 2, causal=True, slots=5).double()
+    x = torch.randn(2, 17, 12, dtype=torch.float64)
+    mask = _mask(2, 17)
+    full, full_state = layer(x, padding_mask=mask)
+    cache, outputs = layer.empty_cache(2), []
+    for t in range(17):
+        y, cache = layer(x[:, t:t + 1], padding_mask=mask[:, t:t + 1], cache=cache)
+        outputs.append(y)
+        assert cache.keys.shape == (2, 2, 5, 6)
+    torch.testing.assert_close(torch.cat(outputs, 1), full)
+    torch.testing.assert_close(cache.normaliser / cache.normaliser.sum(-1, keepdim=True),
+                               full_state.normaliser / full_state.normaliser.sum(-1, keepdim=True))
+
+
+def test_impossible_requests_are_named():
+    with pytest.raises(ValueError, match="slots must be a positive integer"):
+        build_attention("abc", 8, 2, slots=0)
+    q = torch.randn(1, 3, 2, 4)
+    with pytest.raises(ValueError, match=r"control must have shape \[H, r, D\]"):
+        abc_attention(q, q, q, torch.randn(2, 3, 5))
+    layer = build_attention("abc", 8, 2)
+    with pytest.raises(ValueError, match="a state exists only for causal attention"):
+        abc_attention(q, q, q, layer.control, causal=False, state=layer.empty_cache(1))
+    with pytest.raises(ValueError, match="state was built for batch size 1"):
+        layer(torch.randn(2, 3, 8), cache=layer.empty_cache(1))
