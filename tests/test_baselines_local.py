@@ -50,8 +50,8 @@ def test_padded_decoding_matches_full_forward_with_a_bounded_cache():
         expected = start - max(0, (start // w - 1) * w)  # from the start of the previous window
         assert cache.keys.shape[1] == cache.key_mask.shape[1] == expected <= 2 * w - 1
     torch.testing.assert_close(torch.cat(outputs, 1), full)
-    for a, b in zip((cache.keys, cache.values, cache.key_mask), (full_cache.keys, full_cache.values, full_cache.key_mask)):
-        torch.testing.assert_close(a, b)
+    for name in ("keys", "values", "key_mask"):
+        torch.testing.assert_close(getattr(cache, name), getattr(full_cache, name))
 
 
 def test_keep_visible_keeps_from_the_start_of_the_previous_window():

@@ -1,0 +1,45 @@
+"""Transformer-LS long-short attention: a sliding window plus dynamically projected landmarks."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.checks import check_window
+from ..ops.longshort import longshort_attention
+from ..registry import register_attention
+from .base import AttentionLayer
+
+
+@register_attention("longshort")
+class LongShortAttention(AttentionLayer):
+    r"""Long-short attention (Zhu et al., 2021); see :mod:`lavo.ops.longshort` (no DualLN).
+
+    ``forward(x [B, T, dim], padding_mask [B, T] | None, cache=None) -> (y [B, T, dim], None)``.
+
+    Args:
+        window: sliding-window length ``w``; causal, also the segment length of the landmarks.
+        rank: landmarks, over the whole sequence (non-causal; default 32) or per completed segment (causal;
+            default 1).
+
+    No decoding form: causal landmarks accumulate ``rank`` per segment, so the state grows with the context, and
+    there is no exact constant-size recurrence; decode by re-running the forward pass.
+    """
+
+    supports_decoding = False
+
+    def __init__(self, dim: int, heads: int, *, causal: bool = True, window: int = 64, rank: int | None = None):
+        super().__init__(dim, heads, causal=causal)
+        check_window(window)
+        rank = (1 if causal else 32) if rank is None else rank
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank must be a positive integer, got {rank!r}")
+        self.window, self.rank = window, rank
+        self.projection = nn.Parameter(torch.randn(heads, self.head_dim, rank) * self.head_dim ** -0.5)
+
+    def attend(self, q, k, v, padding_mask, cache):
+        out = longshort_attention(q, k, v, self.projection, window=self.window, causal=self.causal,
+                                  padding_mask=padding_mask)
+        return out, None
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}, window={self.window}, rank={self.rank}, causal={self.causal}"

@@ -1,0 +1,132 @@
+r"""Long-short attention (Transformer-LS, Zhu et al., 2021): a sliding window plus dynamic low-rank projections.
+
+Short term: LAVO's window rule (windows of ``w``; a causal query at ``t`` sees keys ``[(c - 1) w, t]`` with
+``c = t // w``, a non-causal one the previous, own and next windows), masked by :func:`lavo.ops.local.block_bias`,
+without position bias.
+
+Long range: keys and values are compressed into ``r`` landmarks with a dynamic projection ``P = softmax(K W_p)``,
+``W_p [H, D, r]``, the softmax running over positions: ``K_bar = P^T K``, ``V_bar = P^T V``. Non-causal, ``P``
+covers the whole sequence; causal, each completed segment of ``w`` positions has its own ``r`` landmarks, and a
+query in window ``c`` sees the landmarks of segments ``0 .. c - 1``. Each query takes one softmax over its window
+keys and its landmarks together. The paper's DualLN (separate layer norms of the local and projected keys and
+values) is omitted.
+
+The landmark scores cost ``O(T (T / w) r D)`` causal (``O(T r D)`` non-causal); the window ``O(T w D)``.
+"""
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch.nn.functional import pad
+
+from .checks import check_padding_mask, check_same_shape, check_window
+from .local import block_bias, neg_inf
+
+
+def _windows(x: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """The keys around each block: ``x [B, T, ...]`` -> ``[B, n, ..., K]`` (``K = 2w`` causal, else ``3w``), zero
+    where the window runs past the sequence. Block ``c`` starts at position ``(c - 1) w``."""
+    T = x.shape[1]
+    n = -(-T // window)
+    after = n * window - T + (0 if causal else window)
+    x = pad(x, [0, 0] * (x.dim() - 2) + [window, after])
+    return x.unfold(1, (2 if causal else 3) * window, window)
+
+
+def _landmarks(k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, real: torch.Tensor,
+               segment: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Dynamic projection of each segment (the whole sequence when ``segment`` is None).
+
+    Args:
+        k, v: ``[B, T, H, D]``; projection: ``W_p [H, D, r]``; real: ``[B, T]`` bool.
+    Returns:
+        keys, values ``[B, S, H, r, D]`` and valid ``[B, S]`` (the segment has a real token), ``S`` segments.
+    """
+    T = k.shape[1]
+    size = T if segment is None else segment
+    after = -(-T // size) * size - T
+    logits = pad(torch.einsum("bthd,hdr->bthr", k, projection), (0, 0, 0, 0, 0, after))
+    real = pad(real, (0, after))
+    logits = logits.masked_fill(~real[:, :, None, None], neg_inf(logits.dtype))
+    weights = rearrange(logits, "b (s l) h r -> b s l h r", l=size).softmax(2)  # over the segment's positions
+    keys, values = (torch.einsum("bslhr,bslhd->bshrd", weights, rearrange(pad(x, (0, 0, 0, 0, 0, after)),
+                                                                               "b (s l) h d -> b s l h d", l=size))
+                    for x in (k, v))
+    return keys, values, real.view(real.shape[0], -1, size).any(-1)
+
+
+def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
+                        window: int, causal: bool = True, padding_mask: torch.Tensor | None = None,
+                        scale: float | None = None) -> torch.Tensor:
+    r"""Transformer-LS attention, blocked.
+
+    Args:
+        q, k, v: ``[B, T, H, D]``.
+        projection: ``W_p [H, D, r]``.
+        window: ``w``, the window and (causal) segment length.
+        padding_mask: ``[B, T]`` bool, True for real tokens; padding is never attended to and returns zeros.
+        scale: defaults to ``D ** -0.5``.
+    Returns:
+        ``[B, T, H, D]``.
+    """
+    check_window(window)
+    check_same_shape(q=q, k=k, v=v)
+    B, T, H, D = q.shape
+    check_padding_mask(padding_mask, B, T)
+    if projection.dim() != 3 or projection.shape[:2] != (H, D):
+        raise ValueError(f"projection must have shape [H, D, r] with H={H}, D={D}, got {tuple(projection.shape)}")
+    scale = D ** -0.5 if scale is None else scale
+    w, n = window, -(-T // window)
+    real = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask
+    fill = neg_inf(q.dtype)
+
+    queries = rearrange(pad(q * scale, (0, 0, 0, 0, 0, n * w - T)), "b (n w) h d -> b h n w d", w=w)
+    local_keys, local_values = (rearrange(_windows(x, w, causal), "b n h d k -> b h n k d") for x in (k, v))
+    local = queries @ local_keys.transpose(-1, -2) + block_bias(None, H, w, causal, q.dtype, q.device)
+    local = local.masked_fill(~_windows(real, w, causal)[:, None, :, None, :], fill)  # [B, H, n, w, K]
+
+    keys, values, valid = _landmarks(k, v, projection, real, w if causal else None)
+    keys, values = (rearrange(x, "b s h r d -> b h (s r) d") for x in (keys, values))
+    seen = valid[:, None, :]  # [B, 1 or n, S]: which landmark segments each block of queries may see
+    if causal:
+        block = torch.arange(n, device=q.device)
+        seen = seen & (block[None, None, :] < block[None, :, None])
+    far = torch.einsum("bhnwd,bhmd->bhnwm", queries, keys)
+    far = far.masked_fill(~seen.repeat_interleave(projection.shape[2], -1)[:, None, :, None, :], fill)
+
+    weights = torch.cat([local, far], -1).softmax(-1)
+    K = local.shape[-1]
+    out = weights[..., :K] @ local_values + torch.einsum("bhnwm,bhmd->bhnwd", weights[..., K:], values)
+    out = rearrange(out, "b h n w d -> b (n w) h d")[:, :T]
+    return out * real[:, :, None, None].to(out.dtype)
+
+
+def longshort_attention_naive(q, k, v, projection, *, window, causal=True, padding_mask=None, scale=None):
+    """Reference for :func:`longshort_attention`: each query's keys and landmarks listed one by one."""
+    B, T, H, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    mask = torch.ones(B, T, dtype=torch.bool) if padding_mask is None else padding_mask
+    out = torch.zeros_like(q)
+    for b in range(B):
+        def landmarks(lo, hi):
+            """[H, r, D] keys and values of the real positions in [lo, hi), or None when there are none."""
+            j = [i for i in range(lo, min(hi, T)) if mask[b, i]]
+            if not j:
+                return None
+            p = torch.einsum("jhd,hdr->jhr", k[b, j], projection).softmax(0)
+            return torch.einsum("jhr,jhd->hrd", p, k[b, j]), torch.einsum("jhr,jhd->hrd", p, v[b, j])
+
+        segments = [landmarks(s * window, (s + 1) * window) for s in range(-(-T // window))]
+        everything = landmarks(0, T)
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            c = t // window
+            hi = t + 1 if causal else (c + 2) * window
+            j = [i for i in range(max(0, (c - 1) * window), min(hi, T)) if mask[b, i]]
+            far = [s for s in segments[:c] if s is not None] if causal else [everything]
+            keys = torch.cat([k[b, j].transpose(0, 1)] + [s[0] for s in far], 1)  # [H, keys, D]
+            values = torch.cat([v[b, j].transpose(0, 1)] + [s[1] for s in far], 1)
+            weights = (torch.einsum("hd,hjd->hj", q[b, t], keys) * scale).softmax(-1)
+            out[b, t] = torch.einsum("hj,hjd->hd", weights, values)
+    return out

@@ -1,0 +1,55 @@
+"""Transformer-LS: blocked form vs the per-query reference, landmark visibility, errors."""
+import pytest
+import torch
+
+from lavo import build_attention
+from lavo.ops.longshort import longshort_attention, longshort_attention_naive
+
+
+def _inputs(B, T, H, D, r):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(H, D, r, dtype=torch.float64, requires_grad=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T", [1, 63])
+def test_blocked_matches_naive_outputs_and_gradients(T, causal):
+    q, k, v, projection = _inputs(2, T, 2, 7, 3)
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[0, : T // 3] = False
+    mask[1, T // 2: T // 2 + 9] = False  # a whole segment of padding
+    fast = longshort_attention(q, k, v, projection, window=8, causal=causal, padding_mask=mask)
+    slow = longshort_attention_naive(q, k, v, projection, window=8, causal=causal, padding_mask=mask)
+    torch.testing.assert_close(fast, slow)
+    inputs = [q, k, v, projection]
+    weight = torch.randn_like(fast)
+    # T=1 causal: no completed segment, so the reference never touches the projection (zero gradient).
+    for a, b in zip(torch.autograd.grad((fast * weight).sum(), inputs),
+                    torch.autograd.grad((slow * weight).sum(), inputs, materialize_grads=True)):
+        torch.testing.assert_close(a, b)
+
+
+def test_causal_queries_reach_past_their_window_only_through_landmarks():
+    # Values are non-zero only in segment 0; from window 2 on, no window key is there, so any non-zero output
+    # comes from segment 0's landmarks (and is diluted by the window keys).
+    q, k, v, projection = (x.detach() for x in _inputs(1, 16, 1, 4, 2))
+    v = torch.zeros_like(v)
+    v[:, :4] = 1
+    out = longshort_attention(q, k, v, projection, window=4)
+    assert torch.all(out[:, 8:] > 0) and torch.all(out[:, 8:] < 1)
+    torch.testing.assert_close(out[:, :4], torch.ones_like(out[:, :4]))
+
+
+def test_layer_defaults_and_impossible_requests():
+    causal, bidirectional = build_attention("longshort", 16, 2), build_attention("longshort", 16, 2, causal=False)
+    assert (causal.window, causal.rank, bidirectional.rank) == (64, 1, 32)
+    with pytest.raises(ValueError, match="LongShortAttention has no decoding form"):
+        causal(torch.randn(1, 3, 16), cache=object())
+    with pytest.raises(ValueError, match="rank must be a positive integer"):
+        build_attention("longshort", 16, 2, rank=0)
+    with pytest.raises(ValueError, match="window must be a positive integer"):
+        build_attention("longshort", 16, 2, window=0)
+    q = torch.randn(1, 3, 2, 4)
+    with pytest.raises(ValueError, match=r"projection must have shape \[H, D, r\]"):
+        longshort_attention(q, q, q, torch.randn(2, 5, 3), window=2)
