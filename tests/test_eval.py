@@ -1,0 +1,72 @@
+"""Evaluation by length: the same tokens at every length, chunked scoring through the cache, outputs."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lavo.evaluate import format_table, perplexity_by_length, save_plot, segment_nll, shared_length
+from lavo.model import build_model
+
+
+class Bigram(torch.nn.Module):
+    """Predicts from the current token only: its loss depends on which tokens are scored, not on the context."""
+
+    supports_decoding = True
+
+    def __init__(self, vocab):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.Embedding(vocab, vocab)
+        self.seen = []
+
+    def forward(self, ids, padding_mask=None, cache=None):
+        self.seen.append(ids.shape)
+        return self.table(ids), (0 if cache is None else cache) + ids.shape[1]
+
+
+def test_every_length_scores_the_same_tokens():
+    tokens = np.random.default_rng(0).integers(0, 50, 1000).astype(np.uint16)
+    model = Bigram(50)
+    results = perplexity_by_length(model, tokens, [16, 32, 64, 128], batch_size=3, chunk_size=None)
+    assert shared_length(1000, [16, 32, 64, 128]) == 896
+    assert {r["tokens"] for r in results.values()} == {896}
+    assert [results[L]["segments"] for L in (16, 32, 64, 128)] == [56, 28, 14, 7]
+    losses = [results[L]["loss"] for L in (16, 32, 64, 128)]
+    assert max(losses) - min(losses) < 1e-6  # float32 rounding; other tokens differ by ~1e-2
+    # and those are the first 896 targets
+    with torch.no_grad():
+        logits = model.table(torch.from_numpy(tokens[:896].astype(np.int64)))
+        expected = torch.nn.functional.cross_entropy(logits, torch.from_numpy(tokens[1:897].astype(np.int64)))
+    assert abs(losses[0] - expected.item()) < 1e-5
+
+
+def test_max_tokens_and_too_short_text():
+    assert shared_length(1000, [100, 300], max_tokens=700) == 600
+    with pytest.raises(ValueError, match="longest length 512 needs at least 513"):
+        shared_length(400, [256, 512])
+
+
+def test_chunked_scoring_through_the_cache_equals_one_pass():
+    torch.manual_seed(0)
+    model = build_model(dict(vocab_size=70, dim=32, depth=2, heads=2, attention="lavo",
+                             attention_options={"window": 8})).eval()
+    segments = torch.randint(0, 70, (2, 101))
+    one_pass = segment_nll(model, segments, chunk_size=None)
+    chunked = segment_nll(model, segments, chunk_size=24)
+    torch.testing.assert_close(chunked, one_pass, rtol=1e-5, atol=1e-4)
+
+
+def test_chunks_are_fed_through_the_cache():
+    model = Bigram(10)
+    segment_nll(model, torch.zeros(1, 101, dtype=torch.long), chunk_size=32)
+    assert [s[1] for s in model.seen] == [32, 32, 32, 4]
+
+
+def test_table_and_plot(tmp_path):
+    results = {"lavo": {256: {"ppl": 30.0, "tokens": 2048}, 512: {"ppl": 29.0, "tokens": 2048}},
+               "softmax-rope": {256: {"ppl": 28.0, "tokens": 2048}, 512: {"ppl": 80.5, "tokens": 2048}}}
+    table = format_table(results)
+    assert "L=256" in table and "80.50" in table and "same 2048 held-out tokens" in table
+    path = save_plot(results, tmp_path / "p.png", train_length=256)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

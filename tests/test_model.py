@@ -1,0 +1,92 @@
+"""The GPT model: cached decoding equals the full forward, causality, positions, config."""
+import pytest
+import torch
+
+from lavo import available_attentions
+from lavo.model import ModelConfig, build_model, count_parameters, model_config, sinusoidal_positions
+
+CASES = [("lavo", "none", {"window": 8}), ("lavo", "sinusoidal", {"window": 8, "basis": "learned"}),
+         ("softmax", "rope", {}), ("softmax", "sinusoidal", {})]
+
+
+def small(attention, position, options, **extra):
+    if attention not in available_attentions():
+        pytest.skip(f"attention {attention!r} is not registered yet")
+    torch.manual_seed(0)
+    return build_model(dict(vocab_size=97, dim=32, depth=2, heads=2, attention=attention, position=position,
+                            attention_options=options, **extra)).eval()
+
+
+@pytest.mark.parametrize("attention,position,options", CASES)
+def test_cached_decoding_matches_full_forward(attention, position, options):
+    model = small(attention, position, options)
+    with torch.no_grad():
+        for p in model.parameters():  # non-zero position biases and the like
+            p.add_(0.02 * torch.randn_like(p))
+    ids = torch.randint(0, 97, (2, 45))
+    with torch.no_grad():
+        full, _ = model(ids)
+        cache, outputs, start = None, [], 0
+        for size in (1, 1, 7, 8, 1, 16, 11):
+            logits, cache = model(ids[:, start:start + size], cache=cache)
+            outputs.append(logits)
+            start += size
+    assert cache.position == 45
+    torch.testing.assert_close(torch.cat(outputs, 1), full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention,position,options", CASES)
+def test_no_information_from_the_future(attention, position, options):
+    model = small(attention, position, options)
+    ids = torch.randint(0, 97, (1, 30))
+    changed = ids.clone()
+    changed[0, 20:] = (changed[0, 20:] + 1) % 97
+    with torch.no_grad():
+        a, _ = model(ids)
+        b, _ = model(changed)
+    torch.testing.assert_close(a[:, :20], b[:, :20])
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_sinusoidal_positions_continue_in_the_cache():
+    table = sinusoidal_positions(0, 10, 8)
+    torch.testing.assert_close(sinusoidal_positions(4, 6, 8), table[4:])
+    assert table[0, 1] == 1.0 and table[0, 0] == 0.0  # sin/cos interleaved
+
+
+def test_tied_embeddings_and_parameter_count():
+    model = small("lavo", "none", {"window": 8})
+    names = [n for n, _ in model.named_parameters()]
+    assert not any("head" in n for n in names)
+    expected = sum(p.numel() for p in model.parameters())
+    assert count_parameters(model) == expected
+    assert count_parameters(model, exclude_embedding=True) == expected - 97 * 32
+
+
+def test_presets_and_overrides():
+    tiny = model_config("tiny")
+    assert (tiny.dim, tiny.depth) == (192, 4)
+    custom = model_config("tiny", dim=64, attention="lavo", attention_options={"window": 16})
+    assert custom.dim == 64 and custom.depth == 4 and custom.attention_options == {"window": 16}
+    assert 1e6 < count_parameters(build_model(model_config("tiny", attention="lavo"))) < 5e6
+    with pytest.raises(ValueError, match="unknown model settings"):
+        model_config("tiny", width=3)
+    with pytest.raises(ValueError, match="unknown preset"):
+        model_config("huge")
+    with pytest.raises(ValueError, match="position must be one of"):
+        ModelConfig(position="learned")
+    with pytest.raises(ValueError, match="unknown attention"):
+        build_model(dict(attention="nonexistent"))
+
+
+def test_padding_mask_is_passed_to_attention():
+    model = small("lavo", "none", {"window": 8})
+    ids = torch.randint(0, 97, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, :8] = False  # left padding of one whole window: LAVO's windows stay aligned
+    with torch.no_grad():
+        padded, _ = model(ids, padding_mask=mask)
+        unmasked, _ = model(ids)
+        alone, _ = model(ids[1:, 8:])
+    torch.testing.assert_close(padded[1, 8:], alone[0], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(unmasked[1, 8:], alone[0], atol=1e-3)

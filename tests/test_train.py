@@ -1,0 +1,130 @@
+"""Training: exact resume, checkpoint files, schedule, data-parallel processes agree."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lavo.config import RunConfig, TrainConfig, load_config
+from lavo.train import WindowSampler, learning_rate, load_run, train, weights_digest
+from lm_corpus import tiny_run, write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"), documents=4, words=1500)
+
+
+def run(corpus, tmp, name, **train_settings):
+    return RunConfig.from_dict(tiny_run(corpus, tmp / "data", tmp / name, **train_settings))
+
+
+def test_interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one(corpus, tmp_path):
+    settings = dict(steps=6, grad_accum=2, checkpoint_interval=100)
+    whole = run(corpus, tmp_path, "whole", **settings)
+    whole.model["dropout"] = 0.1  # the RNG state must be restored too
+    straight = train(whole, log=quiet)
+
+    parted = run(corpus, tmp_path, "parted", **settings)
+    parted.model["dropout"] = 0.1
+    first = train(parted, stop_after=4, log=quiet)
+    assert first["step"] == 4
+    state = torch.load(tmp_path / "parted" / "state.pt", weights_only=True)
+    assert state["step"] == 4 and state["sampler"]["draws"] == 8
+    resumed = train(parted, resume=True, log=quiet)
+
+    assert resumed["step"] == straight["step"] == 6
+    assert resumed["tokens"] == straight["tokens"] == 6 * 2 * 4 * 32
+    assert resumed["loss"] == straight["loss"]
+    a, _ = load_run(tmp_path / "whole")
+    b, _ = load_run(tmp_path / "parted")
+    assert weights_digest(a) == weights_digest(b)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "parted" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 4, 5, 6, 6]  # per-step records plus a final record per call
+
+
+def test_checkpoint_files(corpus, tmp_path):
+    summary = train(run(corpus, tmp_path, "r", steps=3), log=quiet)
+    out = tmp_path / "r"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.jsonl", "model.safetensors", "state.pt"]
+    weights = load_file(str(out / "model.safetensors"))
+    assert "embed.weight" in weights and not any(k.startswith("head") for k in weights)
+    state = torch.load(out / "state.pt", weights_only=True)
+    assert set(state) == {"step", "tokens", "elapsed", "optimizer", "sampler", "rng"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["resolved_model"]["vocab_size"] == 320 and config["train"]["steps"] == 3
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["final"] and records[0]["tokens_per_s"] > 0 and summary["loss"] == records[-1]["loss"]
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(run(corpus, tmp_path, "r", steps=3), log=quiet)
+
+
+def test_learning_rate_schedule():
+    config = TrainConfig(lr=1.0, min_lr=0.1, warmup=10, steps=110)
+    assert learning_rate(0, config) == pytest.approx(0.1)
+    assert learning_rate(9, config) == pytest.approx(1.0)
+    assert learning_rate(60, config) == pytest.approx(0.55)
+    assert learning_rate(110, config) == pytest.approx(0.1)
+    values = [learning_rate(s, config) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_sampler_is_seeded_and_resumable():
+    a, b = WindowSampler(1000, 32, seed=1), WindowSampler(1000, 32, seed=1)
+    first = [a.next_offsets(4) for _ in range(3)]
+    b.load_state_dict({"seed": 1, "draws": 2, "length": 32})
+    assert (b.next_offsets(4) == first[2]).all()
+    assert all(((o >= 0) & (o <= 1000 - 33)).all() for o in first)
+    with pytest.raises(ValueError, match="fewer than train_length"):
+        WindowSampler(20, 32, seed=0)
+
+
+def test_config_overrides(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model": {"preset": "tiny", "attention": "lavo"}, "train": {"steps": 5}}))
+    config = load_config(path, ["train.steps=7", "model.attention_options.window=16", "data.source=shakespeare"])
+    assert config.train.steps == 7 and config.data.source == "shakespeare"
+    assert config.model_config().attention_options == {"window": 16}
+    with pytest.raises(ValueError, match="unknown train settings"):
+        load_config(path, ["train.stepz=1"])
+
+
+def test_data_parallel_processes_end_with_identical_weights(corpus, tmp_path):
+    config = tiny_run(corpus, tmp_path / "data", tmp_path / "ddp", steps=3, checkpoint_interval=0)
+    path = tmp_path / "ddp.json"
+    path.write_text(json.dumps(config))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    begin = time.time()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "lavo.cli", "train", "--config", str(path)]
+    # own process group, so a hang cannot leave worker processes behind
+    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"torchrun did not finish in 240s:\n{output[-3000:]}")
+    assert process.returncode == 0, output[-3000:]
+    final = json.loads((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["world_size"] == 2 and final["step"] == 3
+    assert final["tokens"] == 3 * 2 * 4 * 32
+    digests = final["rank_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    model, _ = load_run(tmp_path / "ddp")
+    assert weights_digest(model) == digests[0]
+    print(f"torchrun with 2 processes took {time.time() - begin:.1f}s")
