@@ -3,7 +3,7 @@
 Windows have length ``w``; position ``t`` lies in window ``c(t) = t // w``. A causal query sees keys
 ``[(c(t) - 1) w, t]``; a non-causal one sees the previous, its own and the next window. The fast form works on
 blocks of ``w`` queries against their ``2w`` (or ``3w``) neighbouring keys, so time is ``O(T w D)`` and memory
-``O(T w)``.
+``O(T w)`` (scores exist only for a few blocks at a time, forward and backward).
 """
 from __future__ import annotations
 
@@ -18,21 +18,84 @@ def neg_inf(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
-def _with_neighbours(x: torch.Tensor, dim: int, causal: bool) -> torch.Tensor:
-    r"""Concatenate each block with its neighbours.
+# Elements of scores computed at once: 4 MiB in float32, about what stays in cache.
+SCORES_PER_CHUNK = 1 << 20
 
-    Args:
-        x: blocked tensor, block index at ``dim`` and in-block position at ``dim + 1``.
-    Returns:
-        the same layout with ``dim + 1`` of size ``2w`` (previous, own) or ``3w`` (previous, own, next);
-        missing neighbours are zeros.
-    """
-    n = x.shape[dim]
-    zero = torch.zeros_like(x.narrow(dim, 0, 1))
-    parts = [torch.cat([zero, x.narrow(dim, 0, n - 1)], dim), x]
-    if not causal:
-        parts.append(torch.cat([x.narrow(dim, 1, n - 1), zero], dim))
-    return torch.cat(parts, dim + 1)
+
+def _neighbours(x: torch.Tensor, c0: int, c1: int, causal: bool) -> torch.Tensor:
+    r"""Blocks ``c0 .. c1 - 1`` of ``x [n, ..., w, D]`` with their neighbours along the in-block axis:
+    ``[c1 - c0, ..., K, D]``, ``K = 2w`` (previous, own) or ``3w`` (also next); missing neighbours are zeros."""
+    n = x.shape[0]
+
+    def shifted(step: int) -> torch.Tensor:
+        lo, hi = c0 + step, c1 + step
+        part = x[max(lo, 0):min(hi, n)]
+        pad = [0, 0] * (x.dim() - 1) + [max(0, -lo), max(0, hi - n)]
+        return torch.nn.functional.pad(part, pad)
+
+    return torch.cat([shifted(-1), x[c0:c1]] + ([] if causal else [shifted(1)]), -2)
+
+
+def _add_neighbour_grads(grad: torch.Tensor, into: torch.Tensor, c0: int, c1: int, causal: bool) -> None:
+    """Adjoint of :func:`_neighbours`: scatter-add ``grad [c, ..., K, D]`` back into ``into [n, ..., w, D]``."""
+    n, w = into.shape[0], into.shape[-2]
+    for part, step in enumerate((-1, 0) if causal else (-1, 0, 1)):
+        lo, hi = max(c0 + step, 0), min(c1 + step, n)
+        if lo < hi:
+            into[lo:hi] += grad[lo - c0 - step:hi - c0 - step, ..., part * w:(part + 1) * w, :]
+
+
+class _BlockedLocalAttention(torch.autograd.Function):
+    """Softmax attention of each block of queries over its neighbouring key blocks, computed a few blocks at a
+    time and recomputed in backward (as in FlashAttention), so scores never exist for the whole sequence."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, key_valid, causal):
+        # q, k, v: [n, B, H, w, D], q already scaled; bias: [H or 1, w, K]; key_valid: [n, B, K].
+        scores_per_block = q[0].numel() // q.shape[-1] * bias.shape[-1]
+        chunk = max(1, SCORES_PER_CHUNK // scores_per_block)
+        masked = (~key_valid).flatten(1).any(1).tolist()
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+        for c0 in range(0, q.shape[0], chunk):
+            c1 = min(q.shape[0], c0 + chunk)
+            weights = _block_scores(q, k, bias, key_valid, masked, c0, c1, causal)
+            lse[c0:c1] = weights.logsumexp(-1)
+            weights.sub_(lse[c0:c1, ..., None]).exp_()
+            torch.matmul(weights, _neighbours(v, c0, c1, causal), out=out[c0:c1])
+        ctx.save_for_backward(q, k, v, bias, key_valid, out, lse)
+        ctx.causal, ctx.chunk, ctx.masked = causal, chunk, masked
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, bias, key_valid, out, lse = ctx.saved_tensors
+        causal, chunk, masked = ctx.causal, ctx.chunk, ctx.masked
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_bias = torch.zeros_like(bias)
+        row_dot = (grad_out * out).sum(-1, keepdim=True)
+        for c0 in range(0, q.shape[0], chunk):
+            c1 = min(q.shape[0], c0 + chunk)
+            keys, values = _neighbours(k, c0, c1, causal), _neighbours(v, c0, c1, causal)
+            weights = _block_scores(q, k, bias, key_valid, masked, c0, c1, causal, keys)
+            weights.sub_(lse[c0:c1, ..., None]).exp_()
+            grad = grad_out[c0:c1]
+            _add_neighbour_grads(weights.transpose(-1, -2) @ grad, grad_v, c0, c1, causal)
+            grad_scores = (grad @ values.transpose(-1, -2)).sub_(row_dot[c0:c1]).mul_(weights)
+            torch.matmul(grad_scores, keys, out=grad_q[c0:c1])
+            _add_neighbour_grads(grad_scores.transpose(-1, -2) @ q[c0:c1], grad_k, c0, c1, causal)
+            if ctx.needs_input_grad[3]:
+                grad_bias += grad_scores.sum_to_size(bias.shape)
+        return grad_q, grad_k, grad_v, grad_bias, None, None
+
+
+def _block_scores(q, k, bias, key_valid, masked, c0, c1, causal, keys=None):
+    """Biased, masked scores of query blocks ``c0 .. c1 - 1``: ``[c, B, H, w, K]``."""
+    keys = _neighbours(k, c0, c1, causal) if keys is None else keys
+    scores = q[c0:c1] @ keys.transpose(-1, -2)
+    scores += bias
+    if any(masked[c0:c1]):
+        scores.masked_fill_(~key_valid[c0:c1, :, None, None, :], neg_inf(scores.dtype))
+    return scores
 
 
 def block_bias(pos_bias: torch.Tensor | None, heads: int, window: int, causal: bool,
@@ -87,28 +150,14 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
 
     def to_blocks(x: torch.Tensor) -> torch.Tensor:
         x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
-        return rearrange(x, "b (n w) h d -> b h n w d", w=w)
-
-    qb = to_blocks(q * scale)
-    kb = _with_neighbours(to_blocks(k), 2, causal)
-    vb = _with_neighbours(to_blocks(v), 2, causal)
+        return rearrange(x, "b (n w) h d -> n b h w d", w=w).contiguous()
 
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask
-    key_valid = _with_neighbours(torch.nn.functional.pad(real, (0, pad)).view(B, n, w), 1, causal)  # [B, n, K]
-
-    scores = qb @ kb.transpose(-1, -2)  # [B, H, n, w, K]
-    scores.add_(block_bias(pos_bias, H, w, causal, scores.dtype, q.device).unsqueeze(1))
-    fill = neg_inf(scores.dtype)
-    if padding_mask is not None:
-        scores.masked_fill_(~key_valid[:, None, :, None, :], fill)
-    else:
-        # Without padding only the first block (no previous window) and, non-causal, the last two (keys past T)
-        # hold invalid keys; a causal query never reaches past T.
-        edges = [slice(0, 1)] if causal else [slice(0, 1), slice(max(n - 2, 0), n)]
-        for edge in edges:
-            scores[:, :, edge].masked_fill_(~key_valid[:, None, edge, None, :], fill)
-    out = scores.softmax(-1) @ vb
-    out = rearrange(out, "b h n w d -> b (n w) h d")[:, :T]
+    key_valid = _neighbours(torch.nn.functional.pad(real, (0, pad)).view(B, n, w).transpose(0, 1)[..., None],
+                            0, n, causal)[..., 0]  # [n, B, K]
+    bias = block_bias(pos_bias, H, w, causal, q.dtype, q.device)
+    out = _BlockedLocalAttention.apply(to_blocks(q * scale), to_blocks(k), to_blocks(v), bias, key_valid, causal)
+    out = rearrange(out, "n b h w d -> b (n w) h d")[:, :T]
     if padding_mask is not None:
         out = out * padding_mask[:, :, None, None].to(out.dtype)
     return out
