@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default="data", help="where downloads and prepared arrays go (default: data)")
     p.add_argument("--holdout", type=_list(str), default=None, help="comma-separated document names to hold out")
     p.add_argument("--rebuild", action="store_true", help="tokenise again even if a cache exists")
-    p.set_defaults(run=cmd_data)
+    p.set_defaults(handler=cmd_data)
 
     p = commands.add_parser("train", help="train a language model",
                             description="Train a model. Settings come from --config (JSON or TOML with sections "
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in train.out_dir")
     p.add_argument("--overwrite", action="store_true", help="start again even if train.out_dir has a checkpoint")
-    p.set_defaults(run=cmd_train)
+    p.set_defaults(handler=cmd_train)
 
     p = commands.add_parser("eval", help="perplexity at several lengths on held-out text",
                             description="Perplexity of trained runs at several lengths over the same held-out "
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None, help="directory for results.json and perplexity.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(run=cmd_eval)
+    p.set_defaults(handler=cmd_eval)
 
     p = commands.add_parser("generate", help="sample text from a trained run",
                             description="Sample a continuation of --prompt (temperature, top-k, top-p, seeded).")
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--device", default="auto")
-    p.set_defaults(run=cmd_generate)
+    p.set_defaults(handler=cmd_generate)
 
     p = commands.add_parser("demo", help="Austen: tiny LAVO vs tiny softmax+RoPE, perplexity vs length",
                             description="Fetch the Austen novels, train a tiny LAVO and a tiny softmax+RoPE model "
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "--set eval.max_tokens=8192 --set out_dir=runs/demo2 (see configs/demo.json).")
     p.add_argument("--config", help="a JSON or TOML file with demo settings (see configs/demo.json)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
-    p.set_defaults(run=cmd_demo)
+    p.set_defaults(handler=cmd_demo)
     return parser
 
 
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from .data import DataError
     args = build_parser().parse_args(argv)
     try:
-        args.run(args)
+        args.handler(args)
     except (DataError, FileExistsError, FileNotFoundError, ValueError) as error:
         if os.environ.get("LAVO_DEBUG"):
             raise

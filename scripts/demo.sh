@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Create .venv if needed, install lavo (CPU torch pinned in pyproject.toml) and run the demo:
+# tiny LAVO vs tiny softmax+RoPE on Jane Austen, perplexity at 1x..8x the training length (runs/demo/).
+# Extra arguments go to `lavo demo`, e.g. `bash scripts/demo.sh --set train.steps=100`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install --quiet --disable-pip-version-check -e .
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec .venv/bin/lavo demo "$@"

@@ -1,0 +1,62 @@
+"""The `lavo` command line, end to end on a small generated corpus."""
+import json
+
+import pytest
+
+from lavo.cli import main
+from lm_corpus import tiny_run, write_corpus
+
+
+@pytest.mark.parametrize("command", [[], ["data"], ["train"], ["eval"], ["generate"], ["demo"]])
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(command + ["--help"])
+    assert exit_info.value.code == 0
+    assert "usage: lavo" in capsys.readouterr().out
+
+
+def test_data_train_eval_generate(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
+    config = tiny_run(corpus, tmp_path / "data", tmp_path / "run", steps=4)
+    (tmp_path / "run.json").write_text(json.dumps(config))
+    data = ["--source", str(corpus), "--tokenizer", "bpe320", "--data-dir", str(tmp_path / "data"),
+            "--holdout", "doc3"]
+    assert main(["data", *data]) == 0
+    assert "valid" in capsys.readouterr().out
+    assert main(["train", "--config", str(tmp_path / "run.json"), "--set", "train.steps=3"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 3
+    assert main(["train", "--config", str(tmp_path / "run.json"), "--resume"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 4
+
+    assert main(["eval", str(tmp_path / "run"), "--multiples", "1,2,4", "--out", str(tmp_path / "eval"),
+                 "--chunk-size", "40", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "L=32" in out and "L=128" in out
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())["results"]["run"]
+    assert sorted(results, key=int) == ["32", "64", "128"]
+    assert (tmp_path / "eval" / "perplexity.png").is_file()
+
+    args = ["generate", str(tmp_path / "run"), "--prompt", "the sister", "--max-new-tokens", "12", "--seed", "3"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first and first.startswith("the sister")
+
+
+def test_errors_are_one_clear_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["data", "--source", str(tmp_path / "empty"), "--data-dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "lavo data: error: no .txt files in" in err and "Traceback" not in err
+    assert main(["eval", str(tmp_path / "missing")]) == 2
+    assert "is not a trained run" in capsys.readouterr().err
+    assert main(["train", "--set", "train.nonsense=1"]) == 2
+    assert "unknown train settings ['nonsense']" in capsys.readouterr().err
+
+
+def test_demo_settings_overrides():
+    from lavo.demo import demo_settings
+    settings = demo_settings(None, ["train.steps=5", "models.lavo.attention_options.window=64", "out_dir=x"])
+    assert settings["train"]["steps"] == 5 and settings["out_dir"] == "x"
+    assert settings["models"]["lavo"]["attention_options"]["window"] == 64
+    assert settings["models"]["softmax-rope"]["position"] == "rope"
