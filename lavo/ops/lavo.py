@@ -5,8 +5,9 @@ import torch
 
 from ..cache import LavoCache
 from .checks import check_basis, check_padding_mask, check_pos_bias, check_same_shape, check_window
-from .local import keep_visible, local_attention, local_attention_chunk
-from .memory import accumulation_dtype, causal_coefficients, masked_projection, memory_read, token_counts
+from .local import (blocked_local_attention, from_blocks, keep_visible, local_attention_chunk, real_tokens,
+                    to_blocks)
+from .memory import accumulation_dtype, memory_read, project
 
 
 def _check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask):
@@ -18,8 +19,8 @@ def _check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask):
     check_padding_mask(padding_mask, B, T)
 
 
-def _zero_padding(x: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
-    return x if padding_mask is None else x * padding_mask[:, :, None, None].to(x.dtype)
+def _exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.cumsum(dim) - x
 
 
 def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor, *, window: int,
@@ -45,31 +46,41 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         raise ValueError("a cache exists only for causal attention (causal=False was given)")
     B, T, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
-    local = local_attention(q, k, v, window=window, causal=causal, pos_bias=pos_bias, padding_mask=padding_mask,
-                            scale=scale)
-    proj = masked_projection(local if dissection else v, basis, padding_mask)
-    counts = token_counts(padding_mask, B, T, q.device)
-    if causal:
-        coefficients = causal_coefficients(proj, counts, window=window, dissection=dissection)
-    else:
-        coefficients = proj.sum(1, keepdim=True) / counts.sum(1).clamp(min=1)[:, None, None, None]
-    out = _zero_padding((local + memory_read(q, coefficients, basis, scale)) / 2, padding_mask)
+    # Everything below works on windows: [n, B, H, w, D], one matmul-friendly layout for both branches.
+    qb, kb, vb = to_blocks(q * scale, window), to_blocks(k, window), to_blocks(v, window)
+    real = real_tokens(padding_mask, B, T, window, q.device)
+    local = blocked_local_attention(qb, kb, vb, real, causal=causal, pos_bias=pos_bias)
+    counts = real[:, :, None, :, None].to(accumulation_dtype(q.dtype))  # [n, B, 1, w, 1]
+    proj = project(local if dissection else vb, basis) * counts  # [n, B, H, w, r]
+    block_sum, block_count = proj.sum(3, keepdim=True), counts.sum(3, keepdim=True)
+    if not causal:
+        coefficients = block_sum.sum(0) / block_count.sum(0).clamp(min=1)
+    elif dissection:  # whole earlier windows only
+        coefficients = _exclusive_cumsum(block_sum, 0) / _exclusive_cumsum(block_count, 0).clamp(min=1)
+    else:  # every token up to and including the query
+        running = _exclusive_cumsum(block_sum, 0) + proj.cumsum(3)
+        coefficients = running / (_exclusive_cumsum(block_count, 0) + counts.cumsum(3)).clamp(min=1)
+    out = from_blocks((local + memory_read(qb, coefficients, basis)) / 2, T)
+    if padding_mask is not None:
+        out = out * padding_mask[:, :, None, None].to(out.dtype)
     if not return_cache:
         return out
-    key_mask = counts.bool() if padding_mask is None else padding_mask
-    done = T // window * window  # end of the last completed window
+    done = T // window  # completed windows
+    key_mask = real.transpose(0, 1).flatten(1)[:, :T]
     keys, values, key_mask = (x.clone() for x in keep_visible(T, window, k, v, key_mask))
+    flat = (0, 3)
     cache = LavoCache(keys=keys, values=values, key_mask=key_mask,
-                      memory_sum=proj[:, :done].sum(1), memory_count=counts[:, :done].sum(1),
-                      window_sum=proj[:, done:].sum(1), window_count=counts[:, done:].sum(1), position=T)
+                      memory_sum=proj[:done].sum(flat), memory_count=counts[:done].sum((0, 2, 3, 4)),
+                      window_sum=proj[done:].sum(flat), window_count=counts[done:].sum((0, 2, 3, 4)), position=T)
     return out, cache
 
 
 def empty_cache(q: torch.Tensor, rank: int) -> LavoCache:
     """The cache before any token, shaped for inputs like ``q [B, T, H, D]``."""
     B, _, H, D = q.shape
-    memory = torch.zeros(B, H, rank, dtype=accumulation_dtype(q.dtype), device=q.device)
-    count = torch.zeros(B, device=q.device)
+    dtype = accumulation_dtype(q.dtype)
+    memory = torch.zeros(B, H, rank, dtype=dtype, device=q.device)
+    count = torch.zeros(B, dtype=dtype, device=q.device)
     return LavoCache(keys=q.new_zeros(B, 0, H, D), values=q.new_zeros(B, 0, H, D),
                      key_mask=torch.zeros(B, 0, dtype=torch.bool, device=q.device),
                      memory_sum=memory, memory_count=count, window_sum=memory, window_count=count, position=0)
@@ -95,7 +106,7 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
     if cache.batch_size != B:
         raise ValueError(f"cache was built for batch size {cache.batch_size}, got input of batch size {B}")
     scale = D ** -0.5 if scale is None else scale
-    counts = token_counts(padding_mask, B, T, q.device)
+    real = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask
     keys, values, key_mask = cache.keys, cache.values, cache.key_mask
     memory_sum, memory_count = cache.memory_sum, cache.memory_count
     window_sum, window_count = cache.window_sum, cache.window_count
@@ -107,20 +118,21 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
         piece = slice(begin, end)
         keys = torch.cat([keys, k[:, piece]], 1)
         values = torch.cat([values, v[:, piece]], 1)
-        key_mask = torch.cat([key_mask, counts[:, piece].bool()], 1)
+        key_mask = torch.cat([key_mask, real[:, piece]], 1)
         local = local_attention_chunk(q[:, piece], keys, values, start=position, window=window, pos_bias=pos_bias,
                                       key_mask=key_mask, scale=scale)
-        piece_mask = None if padding_mask is None else padding_mask[:, piece]
-        proj = masked_projection(local if dissection else v[:, piece], basis, piece_mask)
+        counts = real[:, None, piece, None].to(memory_sum.dtype)  # [B, 1, L, 1]
+        proj = project((local if dissection else v[:, piece]).transpose(1, 2), basis) * counts  # [B, H, L, r]
         if dissection:
-            coefficients = (memory_sum / memory_count.clamp(min=1)[:, None, None])[:, None]
+            coefficients = (memory_sum / memory_count.clamp(min=1)[:, None, None])[:, :, None]
         else:
-            running = (memory_sum + window_sum)[:, None] + proj.cumsum(1)
-            seen = (memory_count + window_count)[:, None] + counts[:, piece].cumsum(1)
-            coefficients = running / seen.clamp(min=1)[:, :, None, None]
-        outputs.append(_zero_padding((local + memory_read(q[:, piece], coefficients, basis, scale)) / 2, piece_mask))
-        window_sum = window_sum + proj.sum(1)
-        window_count = window_count + counts[:, piece].sum(1)
+            running = (memory_sum + window_sum)[:, :, None] + proj.cumsum(2)
+            seen = (memory_count + window_count)[:, None, None, None] + counts.cumsum(2)
+            coefficients = running / seen.clamp(min=1)
+        memory = memory_read((q[:, piece] * scale).transpose(1, 2), coefficients, basis).transpose(1, 2)
+        outputs.append((local + memory) / 2 * real[:, piece, None, None].to(q.dtype))
+        window_sum = window_sum + proj.sum(2)
+        window_count = window_count + counts.sum((1, 2, 3))
         position += end - begin
         if position % window == 0:
             memory_sum, memory_count = memory_sum + window_sum, memory_count + window_count

@@ -123,6 +123,42 @@ def block_bias(pos_bias: torch.Tensor | None, heads: int, window: int, causal: b
     return bias.masked_fill(~allowed, neg_inf(dtype))
 
 
+def to_blocks(x: torch.Tensor, window: int) -> torch.Tensor:
+    """``[B, T, H, D]`` -> ``[n, B, H, w, D]``, zero-padded to ``n = ceil(T / w)`` whole windows."""
+    pad = -x.shape[1] % window
+    return rearrange(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)), "b (n w) h d -> n b h w d",
+                     w=window).contiguous()
+
+
+def from_blocks(x: torch.Tensor, length: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocks`: ``[n, B, H, w, D]`` -> ``[B, T, H, D]``."""
+    return rearrange(x, "n b h w d -> b (n w) h d")[:, :length]
+
+
+def real_tokens(padding_mask: torch.Tensor | None, batch: int, length: int, window: int,
+                device: torch.device) -> torch.Tensor:
+    """``[n, B, w]`` bool: True at real tokens, False at padding and past the end."""
+    real = torch.ones(batch, length, dtype=torch.bool, device=device) if padding_mask is None else padding_mask
+    return torch.nn.functional.pad(real, (0, -length % window)).view(batch, -1, window).transpose(0, 1)
+
+
+def blocked_local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, *,
+                            causal: bool, pos_bias: torch.Tensor | None) -> torch.Tensor:
+    r"""Sliding-window attention on blocked inputs (see :func:`to_blocks`).
+
+    Args:
+        q: ``[n, B, H, w, D]``, already multiplied by the scale.
+        k, v: ``[n, B, H, w, D]``.
+        real: ``[n, B, w]`` bool from :func:`real_tokens`.
+    Returns:
+        ``[n, B, H, w, D]``; rows of padded queries hold garbage, the caller masks them.
+    """
+    n, B, H, w, D = q.shape
+    key_valid = _neighbours(real[..., None], 0, n, causal)[..., 0]  # [n, B, K]
+    bias = block_bias(pos_bias, H, w, causal, q.dtype, q.device)
+    return _BlockedLocalAttention.apply(q, k, v, bias, key_valid, causal)
+
+
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int, causal: bool = True,
                     pos_bias: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
                     scale: float | None = None) -> torch.Tensor:
@@ -144,20 +180,9 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
     check_pos_bias(pos_bias, H, window, causal)
     check_padding_mask(padding_mask, B, T)
     scale = D ** -0.5 if scale is None else scale
-    w = window
-    n = -(-T // w)
-    pad = n * w - T
-
-    def to_blocks(x: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
-        return rearrange(x, "b (n w) h d -> n b h w d", w=w).contiguous()
-
-    real = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask
-    key_valid = _neighbours(torch.nn.functional.pad(real, (0, pad)).view(B, n, w).transpose(0, 1)[..., None],
-                            0, n, causal)[..., 0]  # [n, B, K]
-    bias = block_bias(pos_bias, H, w, causal, q.dtype, q.device)
-    out = _BlockedLocalAttention.apply(to_blocks(q * scale), to_blocks(k), to_blocks(v), bias, key_valid, causal)
-    out = rearrange(out, "n b h w d -> b (n w) h d")[:, :T]
+    out = blocked_local_attention(to_blocks(q * scale, window), to_blocks(k, window), to_blocks(v, window),
+                                  real_tokens(padding_mask, B, T, window, q.device), causal=causal, pos_bias=pos_bias)
+    out = from_blocks(out, T)
     if padding_mask is not None:
         out = out * padding_mask[:, :, None, None].to(out.dtype)
     return out
