@@ -12,9 +12,11 @@ from .config import RunConfig, apply_overrides, read_config_file
 DEMO = {
     "out_dir": "runs/demo",
     "data": {"source": "austen", "tokenizer": "bpe4096", "data_dir": "data"},
-    "train": {"train_length": 256, "batch_size": 8, "grad_accum": 1, "steps": 600, "lr": 2e-3, "min_lr": 2e-4,
-              "warmup": 30, "log_interval": 10, "checkpoint_interval": 200, "seed": 0, "device": "auto",
-              "time_limit": 330},
+    # steps: at most this many; fewer when the slowest model would not fit in seconds_per_model (both models
+    # always get the same number of steps, i.e. the same token budget)
+    "seconds_per_model": 270,
+    "train": {"train_length": 256, "batch_size": 8, "grad_accum": 1, "steps": 2000, "lr": 2e-3, "min_lr": 2e-4,
+              "warmup": 30, "log_interval": 10, "checkpoint_interval": 100, "seed": 0, "device": "auto"},
     "models": {
         "lavo": {"preset": "tiny", "attention": "lavo", "attention_options": {"window": 32}, "position": "none"},
         "softmax-rope": {"preset": "tiny", "attention": "softmax", "position": "rope"},
@@ -34,6 +36,34 @@ def demo_settings(path: str | None = None, overrides: list[str] = ()) -> dict:
     return apply_overrides(settings, list(overrides), allow_top_level=True)
 
 
+def seconds_per_step(config: RunConfig, vocab_size: int, steps: int = 3, warmup: int = 2) -> float:
+    """Measured time of one optimiser step of ``config``'s model on random tokens (after warm-up steps)."""
+    import torch
+    import torch.nn.functional as F
+
+    from .model import LanguageModel
+    from .train import resolve_device
+
+    device = resolve_device(config.train.device)
+    torch.manual_seed(0)
+    model = LanguageModel(config.model_config(vocab_size)).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, vocab_size, (config.train.batch_size, config.train.train_length + 1), device=device)
+    for i in range(warmup + steps):
+        if i == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            begin = time.perf_counter()
+        for _ in range(config.train.grad_accum):
+            logits, _ = model(ids[:, :-1])
+            F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - begin) / steps
+
+
 def run_demo(path: str | None = None, overrides: list[str] = (), log=print) -> dict:
     from .data import describe, prepare
     from .evaluate import evaluate_runs
@@ -46,26 +76,50 @@ def run_demo(path: str | None = None, overrides: list[str] = (), log=print) -> d
     (out / "demo.json").write_text(json.dumps(settings, indent=1) + "\n")
     begin = time.perf_counter()
     data = settings["data"]
-    log(describe(prepare(data["source"], data["tokenizer"], data["data_dir"], data.get("holdout"), log=log)))
-    runs = []
+    prepared = prepare(data["source"], data["tokenizer"], data["data_dir"], data.get("holdout"), log=log)
+    log(describe(prepared))
+    configs = {}
     for name, model in settings["models"].items():
         if model.get("attention", "lavo") not in available_attentions():
             log(f"skipping {name}: attention {model.get('attention')!r} is not registered "
                 f"(available: {', '.join(available_attentions())})")
             continue
-        config = RunConfig.from_dict({"data": data, "model": model,
-                                      "train": {**settings["train"], "out_dir": str(out / name)}})
+        configs[name] = RunConfig.from_dict({"data": data, "model": model,
+                                             "train": {**settings["train"], "out_dir": str(out / name)}})
+    if not configs:
+        raise ValueError("no demo model could be built")
+
+    budget = settings.get("seconds_per_model")
+    steps = settings["train"]["steps"]
+    if budget:
+        timing = {name: seconds_per_step(c, prepared.tokenizer.vocab_size) for name, c in configs.items()}
+        log("measured seconds per step: " + ", ".join(f"{n} {t:.2f}" for n, t in timing.items()))
+        steps = max(10, min(steps, int(budget / max(timing.values()))))
+    tc = settings["train"]
+    log(f"training every model for {steps} steps of {tc['batch_size'] * tc.get('grad_accum', 1)} x "
+        f"{tc['train_length']} tokens ({steps * tc['batch_size'] * tc.get('grad_accum', 1) * tc['train_length']:,} "
+        "tokens each)")
+    runs, summaries = [], {}
+    for name, config in configs.items():
+        config.train.steps = steps
+        if budget and config.train.time_limit is None:
+            config.train.time_limit = 1.25 * budget  # a guard against a machine much busier than measured
         log(f"\n== training {name} ==")
         summary = train(config, overwrite=True, log=log)
         log(f"{name}: {summary['step']} steps, {summary['tokens']:,} tokens, final training loss "
             f"{summary['loss']:.3f}, {summary['elapsed']:.0f}s")
+        if summary["step"] < steps:
+            log(f"warning: {name} hit the time limit after {summary['step']} of {steps} steps; the token budgets "
+                "differ")
         runs.append(str(out / name))
-    if not runs:
-        raise ValueError("no demo model could be built")
+        summaries[name] = summary
     log("\n== held-out perplexity by evaluation length ==")
     ev = settings["eval"]
     results = evaluate_runs(runs, multiples=ev.get("multiples"), lengths=ev.get("lengths"),
                             batch_size=ev["batch_size"], chunk_size=ev["chunk_size"], max_tokens=ev["max_tokens"],
                             device=settings["train"].get("device", "auto"), out_dir=str(out), log=log)
+    for name, summary in summaries.items():
+        log(f"{name}: {summary['parameters'] / 1e6:.2f}M parameters, {summary['tokens']:,} training tokens, "
+            f"{summary['elapsed']:.0f}s")
     log(f"demo finished in {time.perf_counter() - begin:.0f}s; results in {out}")
     return results

@@ -128,7 +128,10 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     from .train import load_run, resolve_device
 
     device = resolve_device(device)
-    loaded = [(Path(run).name, *load_run(run, device)) for run in run_dirs]
+    names = [Path(run).name for run in run_dirs]
+    if len(set(names)) < len(names):  # same folder name in different places: use the paths
+        names = [str(run) for run in run_dirs]
+    loaded = [(name, *load_run(run, device)) for name, run in zip(names, run_dirs)]
     data_keys = {(c["data"]["source"], c["data"]["tokenizer"]) for _, _, c in loaded}
     if len(data_keys) > 1:
         log(f"warning: the runs use different data or tokenizers {sorted(data_keys)}: perplexities do not compare")
