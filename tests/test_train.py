@@ -128,3 +128,12 @@ def test_data_parallel_processes_end_with_identical_weights(corpus, tmp_path):
     model, _ = load_run(tmp_path / "ddp")
     assert weights_digest(model) == digests[0]
     print(f"torchrun with 2 processes took {time.time() - begin:.1f}s")
+
+
+def test_bfloat16_autocast_and_time_limit(corpus, tmp_path):
+    summary = train(run(corpus, tmp_path, "bf16", steps=2, dtype="bfloat16"), log=quiet)
+    assert summary["step"] == 2 and summary["loss"] == summary["loss"]  # finite, not NaN
+    stopped = train(run(corpus, tmp_path, "limited", steps=50, time_limit=0.0), log=quiet)
+    assert stopped["step"] == 1
+    state = torch.load(tmp_path / "limited" / "state.pt", weights_only=True)
+    assert state["step"] == 1
