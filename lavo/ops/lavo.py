@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..cache import LavoCache
 from .checks import check_basis, check_padding_mask, check_pos_bias, check_same_shape, check_window
@@ -21,6 +22,23 @@ def _check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask):
 
 def _exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.cumsum(dim) - x
+
+
+def _memory_branch(q, features, counts, basis, scale, causal, dissection, skip_counts):
+    r"""Global branch on blocks: ``q, features [n, B, H, w, D]``, ``counts [n, B, 1, w, 1]`` ->
+    (read-out ``[n, B, H, w, D]``, per-window projection sums ``[n, B, H, 1, r]``)."""
+    proj = project(features, basis)  # [n, B, H, w, r]
+    if not skip_counts:
+        proj = proj * counts
+    block_sum, block_count = proj.sum(3, keepdim=True), counts.sum(3, keepdim=True)
+    if not causal:
+        coefficients = block_sum.sum(0) / block_count.sum(0).clamp(min=1)
+    elif dissection:  # whole earlier windows only
+        coefficients = _exclusive_cumsum(block_sum, 0) / _exclusive_cumsum(block_count, 0).clamp(min=1)
+    else:  # every token up to and including the query
+        running = _exclusive_cumsum(block_sum, 0) + proj.cumsum(3)
+        coefficients = running / (_exclusive_cumsum(block_count, 0) + counts.cumsum(3)).clamp(min=1)
+    return memory_read(q, coefficients, basis, scale), block_sum
 
 
 def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor, *, window: int,
@@ -46,21 +64,16 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         raise ValueError("a cache exists only for causal attention (causal=False was given)")
     B, T, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
-    # Everything below works on windows: [n, B, H, w, D], one matmul-friendly layout for both branches.
-    qb, kb, vb = to_blocks(q * scale, window), to_blocks(k, window), to_blocks(v, window)
+    # Both branches work on windows, [n, B, H, w, D]: one matmul-friendly layout, views of the inputs.
+    qb, kb, vb = to_blocks(q, window), to_blocks(k, window), to_blocks(v, window)
     real = real_tokens(padding_mask, B, T, window, q.device)
-    local = blocked_local_attention(qb, kb, vb, real, causal=causal, pos_bias=pos_bias)
+    local = blocked_local_attention(qb, kb, vb, real, causal=causal, pos_bias=pos_bias, scale=scale)
     counts = real[:, :, None, :, None].to(accumulation_dtype(q.dtype))  # [n, B, 1, w, 1]
-    proj = project(local if dissection else vb, basis) * counts  # [n, B, H, w, r]
-    block_sum, block_count = proj.sum(3, keepdim=True), counts.sum(3, keepdim=True)
-    if not causal:
-        coefficients = block_sum.sum(0) / block_count.sum(0).clamp(min=1)
-    elif dissection:  # whole earlier windows only
-        coefficients = _exclusive_cumsum(block_sum, 0) / _exclusive_cumsum(block_count, 0).clamp(min=1)
-    else:  # every token up to and including the query
-        running = _exclusive_cumsum(block_sum, 0) + proj.cumsum(3)
-        coefficients = running / (_exclusive_cumsum(block_count, 0) + counts.cumsum(3)).clamp(min=1)
-    out = from_blocks((local + memory_read(qb, coefficients, basis)) / 2, T)
+    skip_counts = padding_mask is None and T % window == 0  # every count is 1
+    # Recomputed in backward: its [T, H, r] intermediates would otherwise outweigh everything else kept.
+    memory, block_sum = checkpoint(_memory_branch, qb, local if dissection else vb, counts, basis, scale, causal,
+                                   dissection, skip_counts, use_reentrant=False)
+    out = from_blocks((local + memory).mul_(0.5), T)
     if padding_mask is not None:
         out = out * padding_mask[:, :, None, None].to(out.dtype)
     if not return_cache:
@@ -68,10 +81,10 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
     done = T // window  # completed windows
     key_mask = real.transpose(0, 1).flatten(1)[:, :T]
     keys, values, key_mask = (x.clone() for x in keep_visible(T, window, k, v, key_mask))
-    flat = (0, 3)
+    counts = counts.sum((2, 3, 4))  # [n, B]
     cache = LavoCache(keys=keys, values=values, key_mask=key_mask,
-                      memory_sum=proj[:done].sum(flat), memory_count=counts[:done].sum((0, 2, 3, 4)),
-                      window_sum=proj[done:].sum(flat), window_count=counts[done:].sum((0, 2, 3, 4)), position=T)
+                      memory_sum=block_sum[:done].sum(0)[:, :, 0], memory_count=counts[:done].sum(0),
+                      window_sum=block_sum[done:].sum(0)[:, :, 0], window_count=counts[done:].sum(0), position=T)
     return out, cache
 
 
@@ -129,7 +142,7 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
             running = (memory_sum + window_sum)[:, :, None] + proj.cumsum(2)
             seen = (memory_count + window_count)[:, None, None, None] + counts.cumsum(2)
             coefficients = running / seen.clamp(min=1)
-        memory = memory_read((q[:, piece] * scale).transpose(1, 2), coefficients, basis).transpose(1, 2)
+        memory = memory_read(q[:, piece].transpose(1, 2), coefficients, basis, scale).transpose(1, 2)
         outputs.append((local + memory) / 2 * real[:, piece, None, None].to(q.dtype))
         window_sum = window_sum + proj.sum(2)
         window_count = window_count + counts.sum((1, 2, 3))

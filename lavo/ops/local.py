@@ -47,52 +47,56 @@ def _add_neighbour_grads(grad: torch.Tensor, into: torch.Tensor, c0: int, c1: in
 
 class _BlockedLocalAttention(torch.autograd.Function):
     """Softmax attention of each block of queries over its neighbouring key blocks, computed a few blocks at a
-    time and recomputed in backward (as in FlashAttention), so scores never exist for the whole sequence."""
+    time and recomputed in backward (as in FlashAttention): scores never exist for the whole sequence, and only
+    the inputs, the output and one log-sum-exp per query are kept for backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, key_valid, causal):
-        # q, k, v: [n, B, H, w, D], q already scaled; bias: [H or 1, w, K]; key_valid: [n, B, K].
+    def forward(ctx, q, k, v, bias, key_valid, causal, scale):
+        # q, k, v: [n, B, H, w, D] (views are fine); bias: [H or 1, w, K]; key_valid: [n, B, K].
         scores_per_block = q[0].numel() // q.shape[-1] * bias.shape[-1]
         chunk = max(1, SCORES_PER_CHUNK // scores_per_block)
         masked = (~key_valid).flatten(1).any(1).tolist()
-        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+        out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:-1])
         for c0 in range(0, q.shape[0], chunk):
             c1 = min(q.shape[0], c0 + chunk)
-            weights = _block_scores(q, k, bias, key_valid, masked, c0, c1, causal)
-            lse[c0:c1] = weights.logsumexp(-1)
-            weights.sub_(lse[c0:c1, ..., None]).exp_()
+            weights = _block_scores(q[c0:c1] * scale, _neighbours(k, c0, c1, causal), bias, key_valid, masked, c0)
+            peak = weights.amax(-1, keepdim=True)
+            total = weights.sub_(peak).exp_().sum(-1, keepdim=True)
+            weights.div_(total)
+            lse[c0:c1] = (peak + total.log()).squeeze(-1)
             torch.matmul(weights, _neighbours(v, c0, c1, causal), out=out[c0:c1])
         ctx.save_for_backward(q, k, v, bias, key_valid, out, lse)
-        ctx.causal, ctx.chunk, ctx.masked = causal, chunk, masked
+        ctx.causal, ctx.chunk, ctx.masked, ctx.scale = causal, chunk, masked, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, bias, key_valid, out, lse = ctx.saved_tensors
-        causal, chunk, masked = ctx.causal, ctx.chunk, ctx.masked
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        causal, chunk, masked, scale = ctx.causal, ctx.chunk, ctx.masked, ctx.scale
+        grad_q, grad_k, grad_v = q.new_empty(q.shape), torch.zeros_like(k), torch.zeros_like(v)
         grad_bias = torch.zeros_like(bias)
         row_dot = (grad_out * out).sum(-1, keepdim=True)
         for c0 in range(0, q.shape[0], chunk):
             c1 = min(q.shape[0], c0 + chunk)
+            queries = q[c0:c1] * scale
             keys, values = _neighbours(k, c0, c1, causal), _neighbours(v, c0, c1, causal)
-            weights = _block_scores(q, k, bias, key_valid, masked, c0, c1, causal, keys)
+            weights = _block_scores(queries, keys, bias, key_valid, masked, c0)
             weights.sub_(lse[c0:c1, ..., None]).exp_()
             grad = grad_out[c0:c1]
             _add_neighbour_grads(weights.transpose(-1, -2) @ grad, grad_v, c0, c1, causal)
             grad_scores = (grad @ values.transpose(-1, -2)).sub_(row_dot[c0:c1]).mul_(weights)
-            torch.matmul(grad_scores, keys, out=grad_q[c0:c1])
-            _add_neighbour_grads(grad_scores.transpose(-1, -2) @ q[c0:c1], grad_k, c0, c1, causal)
+            torch.matmul(grad_scores, keys, out=grad_q[c0:c1]).mul_(scale)
+            _add_neighbour_grads(grad_scores.transpose(-1, -2) @ queries, grad_k, c0, c1, causal)
             if ctx.needs_input_grad[3]:
                 grad_bias += grad_scores.sum_to_size(bias.shape)
-        return grad_q, grad_k, grad_v, grad_bias, None, None
+        return grad_q, grad_k, grad_v, grad_bias, None, None, None
 
 
-def _block_scores(q, k, bias, key_valid, masked, c0, c1, causal, keys=None):
-    """Biased, masked scores of query blocks ``c0 .. c1 - 1``: ``[c, B, H, w, K]``."""
-    keys = _neighbours(k, c0, c1, causal) if keys is None else keys
-    scores = q[c0:c1] @ keys.transpose(-1, -2)
+def _block_scores(queries, keys, bias, key_valid, masked, c0):
+    """Biased, masked scores of the query blocks starting at block ``c0``: ``[c, B, H, w, K]``."""
+    scores = queries @ keys.transpose(-1, -2)
     scores += bias
+    c1 = c0 + scores.shape[0]
     if any(masked[c0:c1]):
         scores.masked_fill_(~key_valid[c0:c1, :, None, None, :], neg_inf(scores.dtype))
     return scores
@@ -124,10 +128,12 @@ def block_bias(pos_bias: torch.Tensor | None, heads: int, window: int, causal: b
 
 
 def to_blocks(x: torch.Tensor, window: int) -> torch.Tensor:
-    """``[B, T, H, D]`` -> ``[n, B, H, w, D]``, zero-padded to ``n = ceil(T / w)`` whole windows."""
+    """``[B, T, H, D]`` -> ``[n, B, H, w, D]``, zero-padded to ``n = ceil(T / w)`` whole windows; a view when
+    ``T`` is a multiple of ``w``."""
     pad = -x.shape[1] % window
-    return rearrange(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)), "b (n w) h d -> n b h w d",
-                     w=window).contiguous()
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+    return rearrange(x, "b (n w) h d -> n b h w d", w=window)
 
 
 def from_blocks(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -143,12 +149,11 @@ def real_tokens(padding_mask: torch.Tensor | None, batch: int, length: int, wind
 
 
 def blocked_local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, *,
-                            causal: bool, pos_bias: torch.Tensor | None) -> torch.Tensor:
+                            causal: bool, pos_bias: torch.Tensor | None, scale: float) -> torch.Tensor:
     r"""Sliding-window attention on blocked inputs (see :func:`to_blocks`).
 
     Args:
-        q: ``[n, B, H, w, D]``, already multiplied by the scale.
-        k, v: ``[n, B, H, w, D]``.
+        q, k, v: ``[n, B, H, w, D]``.
         real: ``[n, B, w]`` bool from :func:`real_tokens`.
     Returns:
         ``[n, B, H, w, D]``; rows of padded queries hold garbage, the caller masks them.
@@ -156,7 +161,7 @@ def blocked_local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
     n, B, H, w, D = q.shape
     key_valid = _neighbours(real[..., None], 0, n, causal)[..., 0]  # [n, B, K]
     bias = block_bias(pos_bias, H, w, causal, q.dtype, q.device)
-    return _BlockedLocalAttention.apply(q, k, v, bias, key_valid, causal)
+    return _BlockedLocalAttention.apply(q, k, v, bias, key_valid, causal, scale)
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int, causal: bool = True,
@@ -180,8 +185,9 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
     check_pos_bias(pos_bias, H, window, causal)
     check_padding_mask(padding_mask, B, T)
     scale = D ** -0.5 if scale is None else scale
-    out = blocked_local_attention(to_blocks(q * scale, window), to_blocks(k, window), to_blocks(v, window),
-                                  real_tokens(padding_mask, B, T, window, q.device), causal=causal, pos_bias=pos_bias)
+    out = blocked_local_attention(to_blocks(q, window), to_blocks(k, window), to_blocks(v, window),
+                                  real_tokens(padding_mask, B, T, window, q.device), causal=causal, pos_bias=pos_bias,
+                                  scale=scale)
     out = from_blocks(out, T)
     if padding_mask is not None:
         out = out * padding_mask[:, :, None, None].to(out.dtype)

@@ -22,17 +22,17 @@ def project(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return (x @ basis.to(x.dtype).transpose(-1, -2)).to(accumulation_dtype(x.dtype))
 
 
-def memory_read(q: torch.Tensor, coefficients: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+def memory_read(q: torch.Tensor, coefficients: torch.Tensor, basis: torch.Tensor, scale: float) -> torch.Tensor:
     r"""Read the memory ``diag(H) B``.
 
     Args:
-        q: ``[..., H, L, D]`` queries, already multiplied by the scale.
+        q: ``[..., H, L, D]`` queries.
         coefficients: broadcastable to ``[..., H, L, r]`` (``L = 1`` for one memory shared by all queries).
         basis: ``[H, r, D]``.
     Returns:
         ``[..., H, L, D]`` in ``q``'s dtype.
     """
-    weights = (coefficients * project(q, basis)).softmax(-1)
+    weights = (coefficients * scale * project(q, basis)).softmax(-1)
     return ((weights * coefficients) @ basis.to(coefficients.dtype)).to(q.dtype)
 
 
@@ -61,4 +61,4 @@ def code_cross_attention(q: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, 
     else:
         real = padding_mask[:, None, :, None].to(proj.dtype)
         coefficients = (proj * real).sum(2, keepdim=True) / real.sum(2, keepdim=True).clamp(min=1)
-    return memory_read((q * scale).transpose(1, 2), coefficients, basis).transpose(1, 2)
+    return memory_read(q.transpose(1, 2), coefficients, basis, scale).transpose(1, 2)
