@@ -12,9 +12,12 @@ from .config import RunConfig, apply_overrides, read_config_file
 DEMO = {
     "out_dir": "runs/demo",
     "data": {"source": "austen", "tokenizer": "bpe4096", "data_dir": "data"},
-    # steps: at most this many; fewer when the slowest model would not fit in seconds_per_model (both models
-    # always get the same number of steps, i.e. the same token budget)
-    "seconds_per_model": 270,
+    # train.steps: at most this many; fewer when the slowest model would not fit in seconds_per_model (measured
+    # before training; every model gets the same number of steps, i.e. the same token budget). Set
+    # seconds_per_model to 0 (or null) to train exactly train.steps. The slowest model trains first; if it is
+    # still running at 1.25 x the budget (a much busier machine than measured) it stops there, and the other
+    # models stop at the same step, on the same learning-rate schedule.
+    "seconds_per_model": 240,
     "train": {"train_length": 256, "batch_size": 8, "grad_accum": 1, "steps": 2000, "lr": 2e-3, "min_lr": 2e-4,
               "warmup": 30, "log_interval": 10, "checkpoint_interval": 100, "seed": 0, "device": "auto"},
     "models": {
@@ -36,8 +39,9 @@ def demo_settings(path: str | None = None, overrides: list[str] = ()) -> dict:
     return apply_overrides(settings, list(overrides), allow_top_level=True)
 
 
-def seconds_per_step(config: RunConfig, vocab_size: int, steps: int = 3, warmup: int = 2) -> float:
-    """Measured time of one optimiser step of ``config``'s model on random tokens (after warm-up steps)."""
+def seconds_per_step(config: RunConfig, vocab_size: int, steps: int = 4, warmup: int = 2) -> float:
+    """Time of one optimiser step of ``config``'s model on random tokens: the fastest of ``steps`` timed steps
+    after ``warmup`` steps (the minimum is what the machine can do; other load on it only adds)."""
     import torch
     import torch.nn.functional as F
 
@@ -49,19 +53,19 @@ def seconds_per_step(config: RunConfig, vocab_size: int, steps: int = 3, warmup:
     model = LanguageModel(config.model_config(vocab_size)).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, vocab_size, (config.train.batch_size, config.train.train_length + 1), device=device)
+    times = []
     for i in range(warmup + steps):
-        if i == warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            begin = time.perf_counter()
+        begin = time.perf_counter()
         for _ in range(config.train.grad_accum):
             logits, _ = model(ids[:, :-1])
             F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
         optimizer.step()
         optimizer.zero_grad()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - begin) / steps
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - begin)
+    return min(times)
 
 
 def run_demo(path: str | None = None, overrides: list[str] = (), log=print) -> dict:
@@ -95,22 +99,26 @@ def run_demo(path: str | None = None, overrides: list[str] = (), log=print) -> d
         timing = {name: seconds_per_step(c, prepared.tokenizer.vocab_size) for name, c in configs.items()}
         log("measured seconds per step: " + ", ".join(f"{n} {t:.2f}" for n, t in timing.items()))
         steps = max(10, min(steps, int(budget / max(timing.values()))))
+        configs = dict(sorted(configs.items(), key=lambda item: -timing[item[0]]))  # slowest first
     tc = settings["train"]
     log(f"training every model for {steps} steps of {tc['batch_size'] * tc.get('grad_accum', 1)} x "
         f"{tc['train_length']} tokens ({steps * tc['batch_size'] * tc.get('grad_accum', 1) * tc['train_length']:,} "
         "tokens each)")
-    runs, summaries = [], {}
+    runs, summaries, cap = [], {}, None
     for name, config in configs.items():
-        config.train.steps = steps
-        if budget and config.train.time_limit is None:
+        config.train.steps = steps  # the same schedule for every model, even if one is cut short
+        if budget and config.train.time_limit is None and cap is None:
             config.train.time_limit = 1.25 * budget  # a guard against a machine much busier than measured
         log(f"\n== training {name} ==")
-        summary = train(config, overwrite=True, log=log)
+        summary = train(config, overwrite=True, stop_after=cap, log=log)
         log(f"{name}: {summary['step']} steps, {summary['tokens']:,} tokens, final training loss "
             f"{summary['loss']:.3f}, {summary['elapsed']:.0f}s")
-        if summary["step"] < steps:
-            log(f"warning: {name} hit the time limit after {summary['step']} of {steps} steps; the token budgets "
-                "differ")
+        if cap is None and summary["step"] < steps:
+            cap = summary["step"]
+            log(f"{name} reached the time limit after {cap} of {steps} steps (the machine is busier than when "
+                f"measured): the other models stop at step {cap} too, on the same learning-rate schedule")
+        elif cap is not None and summary["step"] < cap:
+            log(f"warning: {name} stopped after {summary['step']} steps, before the others: token budgets differ")
         runs.append(str(out / name))
         summaries[name] = summary
     log("\n== held-out perplexity by evaluation length ==")

@@ -60,3 +60,27 @@ def test_demo_settings_overrides():
     assert settings["train"]["steps"] == 5 and settings["out_dir"] == "x"
     assert settings["models"]["lavo"]["attention_options"]["window"] == 64
     assert settings["models"]["softmax-rope"]["position"] == "rope"
+
+
+def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, monkeypatch):
+    import lavo.demo
+    import lavo.evaluate
+    import lavo.train
+    corpus = write_corpus(tmp_path / "corpus", documents=3, words=400)
+    calls = []
+
+    def fake_train(config, overwrite=False, stop_after=None, log=print):
+        calls.append((config.model["attention"], config.train.steps, stop_after, config.train.time_limit))
+        step = 7 if stop_after is None else stop_after  # the first (slowest) model hits its time limit
+        return {"step": step, "tokens": step * 100, "loss": 1.0, "elapsed": 1.0, "parameters": 10}
+
+    monkeypatch.setattr(lavo.train, "train", fake_train)
+    monkeypatch.setattr(lavo.evaluate, "evaluate_runs", lambda runs, **kwargs: {})
+    monkeypatch.setattr(lavo.demo, "seconds_per_step",
+                        lambda config, vocab: {"lavo": 2.0, "softmax": 1.0}[config.model["attention"]])
+    lines = []
+    lavo.demo.run_demo(None, [f"out_dir={tmp_path / 'demo'}", f"data.source={corpus}", "data.tokenizer=bpe300",
+                              f"data.data_dir={tmp_path / 'data'}", "seconds_per_model=100", "train.steps=1000"],
+                       log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    assert calls == [("lavo", 50, None, 125.0), ("softmax", 50, 7, None)]
+    assert any("stop at step 7 too" in line for line in lines)
