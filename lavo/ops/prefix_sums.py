@@ -35,8 +35,9 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
                              state: tuple[torch.Tensor, torch.Tensor] | None = None, *, eps: float,
                              chunk: int = 64, rescale: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    r"""Causal, by prefix sums over time (cumsum of ``phi(k) v^T`` and ``phi(k)``), ``chunk`` tokens at a time so
-    the ``[B, chunk, H, F, D]`` running sums bound the memory.
+    r"""Causal, ``chunk`` tokens at a time: inside a chunk the masked ``[chunk, chunk]`` weights
+    ``phi(q) phi(k)^T``, across chunks the carried sums ``S`` and ``z``. Time ``O(T (chunk + D) F)``; no per-token
+    ``[F, D]`` sums are ever formed.
 
     Args:
         q_feat, k_feat: ``[B, T, H, F]``; v: ``[B, T, H, D]``.
@@ -56,12 +57,13 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
         part = slice(start, start + chunk)
         if rescale is not None:
             kv, k_sum = kv * rescale[:, index, :, None, None], k_sum * rescale[:, index, :, None]
-        kv_t = kv[:, None] + torch.einsum("bthf,bthd->bthfd", k_feat[:, part], v[:, part]).cumsum(1)
-        k_t = k_sum[:, None] + k_feat[:, part].cumsum(1)
-        q = q_feat[:, part]
-        numerator = torch.einsum("bthf,bthfd->bthd", q, kv_t)
-        outputs.append(numerator / torch.einsum("bthf,bthf->bth", q, k_t).clamp(min=eps)[..., None])
-        kv, k_sum = kv_t[:, -1], k_t[:, -1]
+        q, k, values = q_feat[:, part], k_feat[:, part], v[:, part]
+        weights = torch.einsum("bthf,bshf->bhts", q, k).tril()
+        numerator = torch.einsum("bhts,bshd->bthd", weights, values) + torch.einsum("bthf,bhfd->bthd", q, kv)
+        denominator = weights.sum(-1).transpose(1, 2) + torch.einsum("bthf,bhf->bth", q, k_sum)
+        outputs.append(numerator / denominator.clamp(min=eps)[..., None])
+        kv = kv + torch.einsum("bshf,bshd->bhfd", k, values)
+        k_sum = k_sum + k.sum(1)
     return torch.cat(outputs, 1), (kv, k_sum)
 
 
