@@ -88,10 +88,16 @@ def s4d_scan(u: torch.Tensor, log_a: torch.Tensor, c: torch.Tensor, state: torch
     kernel = s4d_kernel(log_a, c, size)
     toeplitz = kernel[:, lag.clamp(min=0)] * (lag >= 0)  # [C, L, L]: zero above the diagonal, exactly
     blocks = F.pad(u, (0, 0, 0, -length % size)).unflatten(1, (-1, size))  # [B, n, L, C]
+    # What each whole block adds to the state, all blocks at once; only the carry between blocks is sequential.
+    within = decay_powers(log_a, torch.arange(size - 1, -1, -1, device=u.device))  # [C, N, L]
+    added = torch.einsum("bklc,cnl->bkcn", blocks.to(within.dtype), within)
+    block_decay = (log_a * size).exp()
     entering, state = [], zero_state(u, log_a) if state is None else state
-    for start in range(0, length, size):
+    for index in range(blocks.shape[1]):
         entering.append(state)
-        state = advance(state, u[:, start:start + size], log_a)
+        state = state * block_decay + added[:, index]
+    if length % size:  # the last block is partial: its padding must not age the state
+        state = advance(entering[-1], u[:, length - length % size:], log_a)
     readout = c[..., None] * decay_powers(log_a, torch.arange(1, size + 1, device=u.device))  # [C, N, L]
     from_state = 2 * torch.einsum("bkcn,cni->bkic", torch.stack(entering, 1), readout).real
     y = torch.einsum("bkjc,cij->bkic", blocks, toeplitz) + from_state
