@@ -82,15 +82,26 @@ def _read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, normaliser:
 
 
 def _causal_chunk(q, k, v, logits, real, state: ABCState, scale: float) -> tuple[torch.Tensor, ABCState]:
-    """Causal ABC over one chunk of positions, continuing ``state``. Shapes as in :func:`abc_attention`."""
+    """Causal ABC over one chunk of positions, continuing ``state``. Shapes as in :func:`abc_attention`.
+
+    Inside the chunk the prefix memories are never formed per token: with the masked ``[C, C]`` products
+    ``q k^T`` and ``p w^T``, reading them costs ``O(C (C + r) D)``."""
     reference = torch.maximum(state.reference, logits.amax(1)).detach()
     carry = torch.exp(state.reference - reference)  # rescales the earlier sums to the new reference
     weights = torch.exp(logits - reference[:, None]) * real[:, :, None, None]  # [B, C, H, r]
     normaliser = carry[:, None] * state.normaliser[:, None] + weights.cumsum(1)
-    keys, values = ((carry[..., None] * old)[:, None] + torch.einsum("bthr,bthd->bthrd", weights, x).cumsum(1)
-                    for old, x in ((state.keys, k), (state.values, v)))
-    out = _read(q, keys, values, normaliser, scale)
-    return out, ABCState(reference, keys[:, -1], values[:, -1], normaliser[:, -1])
+    inverse = 1 / normaliser.clamp(min=torch.finfo(normaliser.dtype).tiny)
+    old_keys, old_values = carry[..., None] * state.keys, carry[..., None] * state.values  # [B, H, r, D]
+    causal = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device).tril()
+    q = q * scale
+    qk = torch.einsum("bthd,bshd->bhts", q, k) * causal
+    scores = (torch.einsum("bhts,bshr->bthr", qk, weights) + torch.einsum("bthd,bhrd->bthr", q, old_keys)) * inverse
+    probs = scores.softmax(-1) * inverse
+    mixing = torch.einsum("bthr,bshr->bhts", probs, weights) * causal
+    out = torch.einsum("bhts,bshd->bthd", mixing, v) + torch.einsum("bthr,bhrd->bthd", probs, old_values)
+    keys = old_keys + torch.einsum("bshr,bshd->bhrd", weights, k)
+    values = old_values + torch.einsum("bshr,bshd->bhrd", weights, v)
+    return out, ABCState(reference, keys, values, normaliser[:, -1])
 
 
 def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, control: torch.Tensor, *, causal: bool = True,
