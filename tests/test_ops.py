@@ -103,3 +103,18 @@ def test_bfloat16_forward_is_close_to_float32():
     assert low.dtype == torch.bfloat16
     error = (low.float() - reference).norm() / reference.norm()
     assert error < 2e-2, f"relative error {error:.4f}"
+
+
+@pytest.mark.parametrize("keep_weights", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunked_and_recomputed_local_kernel_matches_naive(monkeypatch, causal, keep_weights):
+    """One window per chunk, weights recomputed in backward: the path long sequences take."""
+    import lavo.ops.local as local_ops
+
+    monkeypatch.setattr(local_ops, "SCORES_PER_CHUNK", 1)
+    if not keep_weights:
+        monkeypatch.setattr(local_ops, "SAVED_WEIGHTS_LIMIT", 0)
+    q, k, v, basis, pos_bias, mask = _inputs(63, 8, 10, 6, causal, True, True)
+    options = dict(window=8, causal=causal, pos_bias=pos_bias, padding_mask=mask)
+    _assert_same_outputs_and_grads(lavo_attention(q, k, v, basis, **options),
+                                   lavo_attention_naive(q, k, v, basis, **options), [q, k, v, basis, pos_bias])

@@ -20,6 +20,11 @@ def neg_inf(dtype: torch.dtype) -> float:
 
 # Elements of scores computed at once: 4 MiB in float32, about what stays in cache.
 SCORES_PER_CHUNK = 1 << 20
+# Softmax weights of a whole sequence up to this many elements (64 MiB in float32) are kept for backward;
+# longer sequences recompute them instead, so memory stays O(T D).
+SAVED_WEIGHTS_LIMIT = 1 << 24
+# Scores this far below their row's maximum are clamped before exp(): their weight is < 2e-35 either way.
+EXP_FLOOR = -80.0
 
 
 def _neighbours(x: torch.Tensor, c0: int, c1: int, causal: bool) -> torch.Tensor:
@@ -47,31 +52,37 @@ def _add_neighbour_grads(grad: torch.Tensor, into: torch.Tensor, c0: int, c1: in
 
 class _BlockedLocalAttention(torch.autograd.Function):
     """Softmax attention of each block of queries over its neighbouring key blocks, computed a few blocks at a
-    time and recomputed in backward (as in FlashAttention): scores never exist for the whole sequence, and only
-    the inputs, the output and one log-sum-exp per query are kept for backward."""
+    time: scores never exist for the whole sequence. Backward recomputes them (as in FlashAttention) unless the
+    whole sequence's weights fit in ``SAVED_WEIGHTS_LIMIT`` elements, so long inputs keep only the inputs, the
+    output and one log-sum-exp per query."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, key_valid, causal, scale):
         # q, k, v: [n, B, H, w, D] (views are fine); bias: [H or 1, w, K]; key_valid: [n, B, K].
-        scores_per_block = q[0].numel() // q.shape[-1] * bias.shape[-1]
+        n, K = q.shape[0], bias.shape[-1]
+        scores_per_block = q[0].numel() // q.shape[-1] * K
         chunk = max(1, SCORES_PER_CHUNK // scores_per_block)
         masked = (~key_valid).flatten(1).any(1).tolist()
+        keep_weights = n * scores_per_block <= SAVED_WEIGHTS_LIMIT
         out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:-1])
-        for c0 in range(0, q.shape[0], chunk):
-            c1 = min(q.shape[0], c0 + chunk)
-            weights = _block_scores(q[c0:c1] * scale, _neighbours(k, c0, c1, causal), bias, key_valid, masked, c0)
-            peak = weights.amax(-1, keepdim=True)
-            total = weights.sub_(peak).exp_().sum(-1, keepdim=True)
+        saved = q.new_empty(*q.shape[:-1], K) if keep_weights else None
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            weights, peak = _block_weights(q[c0:c1] * scale, _neighbours(k, c0, c1, causal), bias, key_valid, masked,
+                                           c0, causal)
+            total = weights.sum(-1, keepdim=True).clamp_(min=torch.finfo(weights.dtype).tiny)  # 0: no key at all
             weights.div_(total)
             lse[c0:c1] = (peak + total.log()).squeeze(-1)
             torch.matmul(weights, _neighbours(v, c0, c1, causal), out=out[c0:c1])
-        ctx.save_for_backward(q, k, v, bias, key_valid, out, lse)
+            if keep_weights:
+                saved[c0:c1] = weights
+        ctx.save_for_backward(q, k, v, bias, key_valid, out, lse, saved)
         ctx.causal, ctx.chunk, ctx.masked, ctx.scale = causal, chunk, masked, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, bias, key_valid, out, lse = ctx.saved_tensors
+        q, k, v, bias, key_valid, out, lse, saved = ctx.saved_tensors
         causal, chunk, masked, scale = ctx.causal, ctx.chunk, ctx.masked, ctx.scale
         grad_q, grad_k, grad_v = q.new_empty(q.shape), torch.zeros_like(k), torch.zeros_like(v)
         grad_bias = torch.zeros_like(bias)
@@ -80,8 +91,10 @@ class _BlockedLocalAttention(torch.autograd.Function):
             c1 = min(q.shape[0], c0 + chunk)
             queries = q[c0:c1] * scale
             keys, values = _neighbours(k, c0, c1, causal), _neighbours(v, c0, c1, causal)
-            weights = _block_scores(queries, keys, bias, key_valid, masked, c0)
-            weights.sub_(lse[c0:c1, ..., None]).exp_()
+            if saved is None:
+                weights, _ = _block_weights(queries, keys, bias, key_valid, masked, c0, causal, lse[c0:c1, ..., None])
+            else:
+                weights = saved[c0:c1]
             grad = grad_out[c0:c1]
             _add_neighbour_grads(weights.transpose(-1, -2) @ grad, grad_v, c0, c1, causal)
             grad_scores = (grad @ values.transpose(-1, -2)).sub_(row_dot[c0:c1]).mul_(weights)
@@ -92,14 +105,32 @@ class _BlockedLocalAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_bias, None, None, None
 
 
-def _block_scores(queries, keys, bias, key_valid, masked, c0):
-    """Biased, masked scores of the query blocks starting at block ``c0``: ``[c, B, H, w, K]``."""
+def _block_weights(queries, keys, bias, key_valid, masked, c0, causal, shift=None):
+    """Unnormalised softmax weights ``exp(score - shift)`` of the query blocks starting at block ``c0``:
+    ``[c, B, H, w, K]``, exactly zero where masked. ``shift`` defaults to each row's maximum; returns it too."""
     scores = queries @ keys.transpose(-1, -2)
     scores += bias
     c1 = c0 + scores.shape[0]
-    if any(masked[c0:c1]):
+    padded = any(masked[c0:c1])
+    if padded:
         scores.masked_fill_(~key_valid[c0:c1, :, None, None, :], neg_inf(scores.dtype))
-    return scores
+    shift = scores.amax(-1, keepdim=True) if shift is None else shift
+    # exp() of a value that underflows takes a slow path on CPU (about 10x); clamp, then zero what is masked.
+    weights = scores.sub_(shift).clamp_(min=EXP_FLOOR).exp_()
+    if padded:
+        keep = key_valid[c0:c1, :, None, None, :] & (bias > neg_inf(bias.dtype)) if causal else \
+            key_valid[c0:c1, :, None, None, :]
+        weights.masked_fill_(~keep, 0)
+    elif causal:
+        weights.masked_fill_(bias == neg_inf(bias.dtype), 0)
+    return weights, shift
+
+
+def causal_window_mask(window: int, device: torch.device | None = None) -> torch.Tensor:
+    """``[w, 2w]`` bool: which of its ``2w`` neighbouring keys (previous and own block) each query may see."""
+    a = torch.arange(window, device=device)[:, None]
+    b = torch.arange(2 * window, device=device)[None, :]
+    return b <= window + a
 
 
 def block_bias(pos_bias: torch.Tensor | None, heads: int, window: int, causal: bool,
@@ -114,17 +145,14 @@ def block_bias(pos_bias: torch.Tensor | None, heads: int, window: int, causal: b
     a = torch.arange(w, device=device)[:, None]
     b = torch.arange(3 * w if not causal else 2 * w, device=device)[None, :]
     if causal:
-        offset = w + a - b  # t - j, in [-(w - 1), 2w - 1]
-        allowed = offset >= 0
-        index = offset.clamp(min=0)
+        index = (w + a - b).clamp(min=0)  # t - j, in [0, 2w - 1] where allowed
     else:
         index = b - a + w - 1  # (j - t) + 2w - 1, in [0, 4w - 2]
-        allowed = torch.ones_like(index, dtype=torch.bool)
     if pos_bias is None:
         bias = torch.zeros(1, w, b.shape[1], dtype=dtype, device=device)
     else:
         bias = pos_bias[:, index].to(dtype)
-    return bias.masked_fill(~allowed, neg_inf(dtype))
+    return bias.masked_fill(~causal_window_mask(w, device), neg_inf(dtype)) if causal else bias
 
 
 def to_blocks(x: torch.Tensor, window: int) -> torch.Tensor:
