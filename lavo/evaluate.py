@@ -19,15 +19,16 @@ import torch.nn.functional as F
 
 
 def shared_length(num_tokens: int, lengths: list[int], max_tokens: int | None = None) -> int:
-    """``N``: the number of target tokens scored at every length."""
-    longest = max(lengths)
+    """``N``: the number of target tokens scored at every length, a multiple of every length."""
+    longest = math.lcm(*lengths)  # every length must divide N (e.g. 384 and 4096), or some targets go unscored
     available = num_tokens - 1  # the last token is only ever a target
     if max_tokens is not None:
         available = min(available, max_tokens)
     n = available // longest * longest
     if n == 0:
-        raise ValueError(f"the evaluation text has {num_tokens} tokens; the longest length {longest} needs at least "
-                         f"{longest + 1} (and --max-tokens >= {longest}): use shorter lengths")
+        raise ValueError(f"the evaluation text has {num_tokens} tokens; lengths {lengths} need a multiple of "
+                         f"{longest} scored tokens, so at least {longest + 1} tokens (and --max-tokens >= {longest}): "
+                         "use shorter lengths")
     return n
 
 

@@ -43,8 +43,9 @@ def test_every_length_scores_the_same_tokens():
 
 def test_max_tokens_and_too_short_text():
     assert shared_length(1000, [100, 300], max_tokens=700) == 600
-    with pytest.raises(ValueError, match="longest length 512 needs at least 513"):
+    with pytest.raises(ValueError, match="at least 513 tokens"):
         shared_length(400, [256, 512])
+    assert shared_length(2000, [48, 128]) == 1920  # a multiple of both (lcm 384), not only of 128
 
 
 def test_chunked_scoring_through_the_cache_equals_one_pass():
