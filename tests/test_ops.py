@@ -110,11 +110,28 @@ def test_bfloat16_forward_is_close_to_float32():
 def test_chunked_and_recomputed_local_kernel_matches_naive(monkeypatch, causal, keep_weights):
     """One window per chunk, weights recomputed in backward: the path long sequences take."""
     import lavo.ops.local as local_ops
+    import lavo.ops.memory as memory_ops
 
     monkeypatch.setattr(local_ops, "SCORES_PER_CHUNK", 1)
+    monkeypatch.setattr(memory_ops, "READ_ELEMENTS_PER_CHUNK", 1)
     if not keep_weights:
         monkeypatch.setattr(local_ops, "SAVED_WEIGHTS_LIMIT", 0)
     q, k, v, basis, pos_bias, mask = _inputs(63, 8, 10, 6, causal, True, True)
     options = dict(window=8, causal=causal, pos_bias=pos_bias, padding_mask=mask)
     _assert_same_outputs_and_grads(lavo_attention(q, k, v, basis, **options),
                                    lavo_attention_naive(q, k, v, basis, **options), [q, k, v, basis, pos_bias])
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_memory_read_backward_matches_autograd(monkeypatch, shared):
+    import lavo.ops.memory as memory_ops
+
+    monkeypatch.setattr(memory_ops, "READ_ELEMENTS_PER_CHUNK", 1)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 2, 3, 7, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    coefficients = torch.randn(1 if shared else 5, 2, 3, 1 if shared else 7, 9, generator=g, dtype=torch.float64,
+                               requires_grad=True)
+    basis = orthogonal_basis(3, 9, 12, generator=g, dtype=torch.float64).requires_grad_()
+    _assert_same_outputs_and_grads(memory_ops.memory_read(q, coefficients, basis, 0.3),
+                                   memory_ops.memory_read_reference(q, coefficients, basis, 0.3),
+                                   [q, coefficients, basis])

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..cache import LavoCache
 from .checks import check_basis, check_padding_mask, check_pos_bias, check_same_shape, check_window
@@ -27,12 +26,17 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
 def _memory_branch(q, features, counts, basis, scale, causal, dissection, skip_counts):
     r"""Global branch on blocks: ``q, features [n, B, H, w, D]``, ``counts [n, B, 1, w, 1]`` ->
     (read-out ``[n, B, H, w, D]``, per-window projection sums ``[n, B, H, 1, r]``)."""
-    proj = project(features, basis)  # [n, B, H, w, r]
     if not skip_counts:
-        proj = proj * counts
-    block_sum, block_count = proj.sum(3, keepdim=True), counts.sum(3, keepdim=True)
+        features = features * counts.to(features.dtype)
+    block_count = counts.sum(3, keepdim=True)
+    if dissection or not causal:
+        # Projection is linear: project each window's sum rather than every token.
+        block_sum = project(features.sum(3, keepdim=True), basis)
+    else:
+        proj = project(features, basis)  # [n, B, H, w, r]
+        block_sum = proj.sum(3, keepdim=True)
     if not causal:
-        coefficients = block_sum.sum(0) / block_count.sum(0).clamp(min=1)
+        coefficients = (block_sum.sum(0) / block_count.sum(0).clamp(min=1))[None]
     elif dissection:  # whole earlier windows only
         coefficients = _exclusive_cumsum(block_sum, 0) / _exclusive_cumsum(block_count, 0).clamp(min=1)
     else:  # every token up to and including the query
@@ -70,10 +74,9 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
     local = blocked_local_attention(qb, kb, vb, real, causal=causal, pos_bias=pos_bias, scale=scale)
     counts = real[:, :, None, :, None].to(accumulation_dtype(q.dtype))  # [n, B, 1, w, 1]
     skip_counts = padding_mask is None and T % window == 0  # every count is 1
-    # Recomputed in backward: its [T, H, r] intermediates would otherwise outweigh everything else kept.
-    memory, block_sum = checkpoint(_memory_branch, qb, local if dissection else vb, counts, basis, scale, causal,
-                                   dissection, skip_counts, use_reentrant=False)
-    out = from_blocks((local + memory).mul_(0.5), T)
+    memory, block_sum = _memory_branch(qb, local if dissection else vb, counts, basis, scale, causal, dissection,
+                                       skip_counts)
+    out = from_blocks(memory.add_(local).mul_(0.5), T)  # the read-out is not kept for backward: reuse it
     if padding_mask is not None:
         out = out * padding_mask[:, :, None, None].to(out.dtype)
     if not return_cache:

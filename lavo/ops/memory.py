@@ -22,16 +22,79 @@ def project(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return (x @ basis.to(x.dtype).transpose(-1, -2)).to(accumulation_dtype(x.dtype))
 
 
+# Elements of [.., r] intermediates per step of the read (4 MiB in float32).
+READ_ELEMENTS_PER_CHUNK = 1 << 20
+
+
+class _MemoryRead(torch.autograd.Function):
+    """The read, a few rows of dim 0 at a time, with a hand-written backward: its [.., L, r] intermediates exist
+    for one chunk only, forward and backward, instead of for the whole sequence."""
+
+    @staticmethod
+    def forward(ctx, q, coefficients, basis, scale):
+        chunk = max(1, READ_ELEMENTS_PER_CHUNK // (q[0].numel() // q.shape[-1] * basis.shape[1]))
+        out = q.new_empty(q.shape)
+        for c0 in range(0, q.shape[0], chunk):
+            c1 = min(q.shape[0], c0 + chunk)
+            coef = _rows(coefficients, c0, c1)
+            weights = (coef * scale * project(q[c0:c1], basis)).softmax(-1)
+            out[c0:c1] = ((weights * coef) @ basis.to(coef.dtype)).to(q.dtype)
+        ctx.save_for_backward(q, coefficients, basis)
+        ctx.scale, ctx.chunk = scale, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, coefficients, basis, = ctx.saved_tensors
+        scale, chunk = ctx.scale, ctx.chunk
+        basis_acc = basis.to(coefficients.dtype)
+        grad_q = q.new_empty(q.shape)
+        grad_coefficients = torch.zeros_like(coefficients)
+        grad_basis = torch.zeros_like(basis_acc)
+        for c0 in range(0, q.shape[0], chunk):
+            c1 = min(q.shape[0], c0 + chunk)
+            coef, grad = _rows(coefficients, c0, c1), grad_out[c0:c1].to(coefficients.dtype)
+            q_acc = q[c0:c1].to(coefficients.dtype)
+            q_proj = q_acc @ basis_acc.transpose(-1, -2)
+            weights = (coef * scale * q_proj).softmax(-1)
+            grad_read = grad @ basis_acc.transpose(-1, -2)  # d/d(weights * coef)
+            grad_weights = grad_read * coef
+            grad_logits = weights * (grad_weights - (grad_weights * weights).sum(-1, keepdim=True))
+            grad_proj = grad_logits * coef * scale
+            grad_q[c0:c1] = (grad_proj @ basis_acc).to(q.dtype)
+            grad_coef = grad_read * weights + grad_logits * scale * q_proj
+            if coefficients.shape[0] == 1:
+                grad_coefficients += grad_coef.sum_to_size(coefficients.shape)
+            else:
+                grad_coefficients[c0:c1] = grad_coef.sum_to_size(coef.shape)
+            if ctx.needs_input_grad[2]:
+                grad_basis += (grad_proj.transpose(-1, -2) @ q_acc + (weights * coef).transpose(-1, -2) @ grad
+                               ).sum_to_size(basis.shape)
+        return grad_q, grad_coefficients, grad_basis.to(basis.dtype), None
+
+
+def _rows(coefficients: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
+    """Rows ``c0 .. c1 - 1`` of dim 0, or the one row that broadcasts over it."""
+    return coefficients if coefficients.shape[0] == 1 else coefficients[c0:c1]
+
+
 def memory_read(q: torch.Tensor, coefficients: torch.Tensor, basis: torch.Tensor, scale: float) -> torch.Tensor:
     r"""Read the memory ``diag(H) B``.
 
     Args:
-        q: ``[..., H, L, D]`` queries.
-        coefficients: broadcastable to ``[..., H, L, r]`` (``L = 1`` for one memory shared by all queries).
+        q: ``[N, ..., H, L, D]`` queries.
+        coefficients: ``[N or 1, ..., H, L or 1, r]``, broadcastable against ``project(q)`` (``L = 1``: one
+            memory shared by all queries).
         basis: ``[H, r, D]``.
     Returns:
-        ``[..., H, L, D]`` in ``q``'s dtype.
+        ``[N, ..., H, L, D]`` in ``q``'s dtype.
     """
+    return _MemoryRead.apply(q, coefficients, basis, scale)
+
+
+def memory_read_reference(q: torch.Tensor, coefficients: torch.Tensor, basis: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """:func:`memory_read` in plain autograd, for tests."""
     weights = (coefficients * scale * project(q, basis)).softmax(-1)
     return ((weights * coefficients) @ basis.to(coefficients.dtype)).to(q.dtype)
 
