@@ -42,6 +42,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from .ops import local as local_ops
+
 SECTIONS = ("attention", "decode", "model", "flops")
 PASSES = ("fwd", "fwd+bwd")
 OPS = ("lavo_attention", "sdpa")
@@ -197,21 +199,22 @@ def measure(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup
 
 def lavo_flops(batch: int, length: int, heads: int, head_dim: int, rank: int, window: int, *,
                backward: bool = False, causal: bool = True, basis_grad: bool = False) -> dict[str, int]:
-    r"""Matmul FLOPs of one :func:`~lavo.ops.lavo_attention` call (a multiply-add counts 2; softmax, masking,
-    sums and other elementwise work are not counted).
+    r"""Matmul FLOPs of one :func:`~lavo.ops.lavo_attention` call with context dissection (a multiply-add counts
+    2; softmax, masking, sums and other elementwise work are not counted).
 
     Per batch element and head, with ``T' = ceil(T / w) w`` (the padded length: whole blocks are computed),
-    ``K = 2w`` keys per block causal (``3w`` non-causal), ``D`` the head dim and ``r`` the rank:
+    ``n = T' / w`` windows, ``K = 2w`` keys per block causal (``3w`` non-causal), ``D`` the head dim and ``r`` the
+    rank:
 
-    - local branch, forward: ``Q K^T`` and ``P V`` over every block's ``K`` keys: ``2 * T' K D * 2``.
-    - local branch, backward: the scores are recomputed (``2 T' K D``), then ``dV = P^T dO``, ``dP = dO V^T``,
-      ``dQ = dS K`` and ``dK = dS^T Q`` (``4 * 2 T' K D``): with the forward, ``14 T' K D`` = 3x forward + the
-      recompute.
-    - memory branch, forward: projection of the local outputs on the basis, projection of the queries, and the
-      read ``(weights * H) @ basis``: ``3 * 2 T' r D``.
-    - memory branch, backward: it is checkpointed; recomputation stops after the last tensor backward needs, so
-      the two projections run again but not the read (``2 * 2 T' r D``); then one gradient matmul per forward
-      matmul for the activations (``3 * 2 T' r D``), and three more for the basis when it is learned.
+    - local branch, forward: ``Q K^T`` and ``P V`` over every block's ``K`` keys: ``2 * 2 T' K D``.
+    - local branch, backward: ``dV = P^T dO``, ``dP = dO V^T``, ``dQ = dS K`` and ``dK = dS^T Q``
+      (``4 * 2 T' K D``), plus the recomputed scores (``2 T' K D``) when the whole sequence's weights exceed
+      ``lavo.ops.local.SAVED_WEIGHTS_LIMIT`` elements and are not kept.
+    - memory branch, forward: each window's feature sum projected once (``2 n r D``), the queries projected and
+      the read ``(weights * H) @ basis`` (``2 * 2 T' r D``).
+    - memory branch, backward: the read recomputes the query projection and runs two gradient matmuls
+      (``3 * 2 T' r D``), two more when the basis is learned; the window projection's gradient is ``2 n r D``
+      (twice that with a learned basis).
 
     Returns:
         ``{"local": ..., "memory": ..., "total": ...}`` for the forward, or forward + backward when ``backward``.
@@ -220,11 +223,13 @@ def lavo_flops(batch: int, length: int, heads: int, head_dim: int, rank: int, wi
     keys = (2 if causal else 3) * window
     unit_local = 2 * padded * keys * head_dim * batch * heads  # one [T', K, D] matmul
     unit_memory = 2 * padded * rank * head_dim * batch * heads  # one [T', r, D] matmul
+    per_window = unit_memory // window  # one [n, r, D] matmul
     local = 2 * unit_local
-    memory = 3 * unit_memory
+    memory = 2 * unit_memory + per_window
     if backward:
-        local += unit_local + 4 * unit_local
-        memory += 2 * unit_memory + 3 * unit_memory + (3 * unit_memory if basis_grad else 0)
+        recomputed = padded * keys * batch * heads > local_ops.SAVED_WEIGHTS_LIMIT
+        local += (5 if recomputed else 4) * unit_local
+        memory += (5 if basis_grad else 3) * unit_memory + (2 if basis_grad else 1) * per_window
     return {"local": local, "memory": memory, "total": local + memory}
 
 
