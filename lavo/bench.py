@@ -438,12 +438,14 @@ def attention_call(name: str, settings: Settings, length: int, which: str, runne
     grads: dict[torch.dtype, torch.Tensor] = {}
 
     def step():
-        for leaf in leaves:
-            leaf.grad = None
         y = forward()
         if y.dtype not in grads:
             grads[y.dtype] = torch.randn(y.shape, device=device).to(y.dtype)
         y.backward(grads[y.dtype])
+        # Dropped at the end, not the start: a measured call's peak then includes the gradients it makes, and no
+        # earlier call's gradients are freed inside it to make room.
+        for leaf in leaves:
+            leaf.grad = None
     return step
 
 
