@@ -146,7 +146,10 @@ class LanguageModel(nn.Module):
         start = 0 if cache is None else cache.position
         x = self.embed(ids)
         if self.config.position == "sinusoidal":
-            x = x + sinusoidal_positions(start, ids.shape[1], self.config.dim, ids.device).to(x.dtype)
+            # scaled to the token embeddings' size at initialisation (RMS init_std); at amplitude 1 they were ~35x
+            # larger and swamped the tokens (a small model stayed at the unigram loss)
+            scale = self.config.init_std * math.sqrt(2)
+            x = x + scale * sinusoidal_positions(start, ids.shape[1], self.config.dim, ids.device).to(x.dtype)
         x = self.dropout(x)
         layer_caches = []
         for i, block in enumerate(self.blocks):
