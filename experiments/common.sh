@@ -1,0 +1,38 @@
+# Shared by the experiments' run.sh scripts: pinned, single-threaded, resumable training and evaluation.
+# Every process runs on core 0 with one thread (core 1 is kept free).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+source "$ROOT/.venv/bin/activate"
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
+PIN="taskset -c 0"
+
+# train_run EXP_DIR NAME [--set key=value ...]: trains EXP_DIR/runs/NAME unless it already finished;
+# an interrupted run resumes from its last checkpoint.
+train_run() {
+  local exp="$1" name="$2"; shift 2
+  local dir="$exp/runs/$name"
+  if [ -f "$dir/metrics.jsonl" ] && grep -q '"final": true' "$dir/metrics.jsonl"; then
+    echo "[skip] $dir already trained"; return 0
+  fi
+  mkdir -p "$dir"
+  local t0=$(date +%s)
+  $PIN lavo train --config "$exp/base.json" --set "train.out_dir=$dir" "$@" --resume > "$dir/train.log" 2>&1
+  local t1=$(date +%s)
+  echo "{\"what\": \"train $name\", \"wall_s\": $((t1 - t0))}" >> "$exp/wall_times.jsonl"
+  echo "[done] $dir in $((t1 - t0)) s"
+}
+
+# eval_runs EXP_DIR OUT_NAME EVAL_ARGS... -- RUN_DIRS...: skipped when EXP_DIR/eval/OUT_NAME/results.json exists.
+eval_runs() {
+  local exp="$1" out="$2"; shift 2
+  local args=()
+  while [ "$1" != "--" ]; do args+=("$1"); shift; done; shift
+  if [ -f "$exp/eval/$out/results.json" ]; then echo "[skip] $exp/eval/$out evaluated"; return 0; fi
+  mkdir -p "$exp/eval/$out"
+  local t0=$(date +%s)
+  $PIN lavo eval "$@" "${args[@]}" --device cpu --quiet --out "$exp/eval/$out" > "$exp/eval/$out/eval.log" 2>&1
+  local t1=$(date +%s)
+  echo "{\"what\": \"eval $out\", \"wall_s\": $((t1 - t0))}" >> "$exp/wall_times.jsonl"
+  echo "[done] eval $out in $((t1 - t0)) s"
+}

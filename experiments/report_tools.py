@@ -1,0 +1,206 @@
+"""Helpers for the experiments: collect results.json, draw the plot, and write the tables into REPORT.md.
+
+    python experiments/report_tools.py results experiments/<name>   # results.json + plot + tables
+    python experiments/report_tools.py tables experiments/<name>    # tables only (from results.json)
+
+Tables go into REPORT.md between ``<!-- BEGIN name -->`` and ``<!-- END name -->`` markers, so no number in a
+report is typed by hand.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+# Paper (arXiv 2312.11135), PG-19, trained at 8K; perplexity at 8K / 12K / 16K where the paper gives them.
+PAPER_8K = {
+    "lavo": {"1": 19.43, "1.5": 19.41, "2": 19.40},
+    "softmax-rope": {"1": 15.09, "2": 34.84},
+    "local": {"1": 19.73, "2": 22.16},
+    "abc": {"1": 31.53, "2": 147.43},
+    "longshort": {"1": 15.52, "2": 26.06},
+    "s4d": {"1": 15.78, "2": 51.96},
+}
+PAPER_NAMES = {"lavo": "LAVO", "softmax-rope": "FlashAttention + RoPE", "local": "Local", "abc": "ABC",
+               "longshort": "LongShort", "s4d": "S4D"}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def collect(exp: Path) -> dict:
+    evaluation = json.loads((exp / "eval" / "all" / "results.json").read_text())
+    ppl, params, tokens, steps, train_wall, loss = {}, {}, {}, {}, {}, {}
+    scored = set()
+    for name, run in evaluation["runs"].items():
+        run = Path(run)
+        per_length = evaluation["results"][name]
+        ppl[name] = {length: round(v["ppl"], 3) for length, v in sorted(per_length.items(), key=lambda x: int(x[0]))}
+        scored |= {v["tokens"] for v in per_length.values()}
+        final = [m for m in read_jsonl(run / "metrics.jsonl") if m.get("final")][-1]
+        params[name], tokens[name], steps[name] = final["parameters"], final["tokens"], final["step"]
+        train_wall[name], loss[name] = final["elapsed"], round(final["loss"], 4)
+    config = json.loads((Path(next(iter(evaluation["runs"].values()))) / "config.json").read_text())
+    train_length = config["train"]["train_length"]
+    if len(set(tokens.values())) != 1:
+        raise SystemExit(f"token budgets differ: {tokens}")
+    result = {
+        "train_length": train_length,
+        "tokens_seen": next(iter(tokens.values())),
+        "ppl": ppl,
+        "params": params,
+        "steps": next(iter(steps.values())),
+        "batch_size": config["train"]["batch_size"],
+        "scored_tokens": sorted(scored),
+        "split": evaluation["split"],
+        "final_train_loss": loss,
+        "train_seconds": train_wall,
+        "wall_times": read_jsonl(exp / "wall_times.jsonl"),
+        "model": {k: v for k, v in config["resolved_model"].items() if k not in ("attention", "attention_options")},
+        "options": {name: json.loads((Path(run) / "config.json").read_text())["resolved_model"]
+                    for name, run in evaluation["runs"].items()},
+    }
+    result["options"] = {name: {"attention": m["attention"], "attention_options": m["attention_options"],
+                                "position": m["position"]} for name, m in result["options"].items()}
+    return result
+
+
+def plot(exp: Path, result: dict) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, per_length in result["ppl"].items():
+        lengths = [int(k) for k in per_length]
+        ax.plot(lengths, list(per_length.values()), marker="o", label=name)
+    ax.axvline(result["train_length"], color="grey", linestyle=":", linewidth=1, label="training length")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_ylabel("held-out perplexity (log scale)")
+    ax.set_title(f"{exp.name}: trained at L={result['train_length']}, {result['tokens_seen']:,} tokens")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = exp / f"{exp.name}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def fmt(x: float) -> str:
+    return f"{x:,.2f}" if x < 1000 else f"{x:,.0f}"
+
+
+def ppl_table(result: dict) -> str:
+    L = result["train_length"]
+    lengths = list(next(iter(result["ppl"].values())))
+    header = "| model | params | " + " | ".join(f"{int(k):,} ({int(k) / L:g}x)" for k in lengths) + " |"
+    lines = [header, "|" + "---|" * (len(lengths) + 2)]
+    for name, per_length in result["ppl"].items():
+        lines.append(f"| {name} | {result['params'][name]:,} | " + " | ".join(fmt(v) for v in per_length.values())
+                     + " |")
+    return "\n".join(lines)
+
+
+def ratio_table(result: dict, multiples: list[str], paper_columns: bool = False) -> str:
+    """ppl at k L divided by ppl at L (1.00 = flat), ours beside the paper's where it has the numbers."""
+    L = result["train_length"]
+    extra = " paper 8K ppl | paper 1.5x / 1x | paper 2x / 1x |" if paper_columns else ""
+    lines = ["| model | " + " | ".join(f"{m}x / 1x" for m in multiples) + " |" + extra,
+             "|" + "---|" * (len(multiples) + 1 + 3 * paper_columns)]
+    for name, per_length in result["ppl"].items():
+        base = per_length[str(L)]
+        cells = [f"{per_length[str(int(float(m) * L))] / base:.2f}" if str(int(float(m) * L)) in per_length else "-"
+                 for m in multiples]
+        paper = PAPER_8K.get(name, {})
+        p1 = paper.get("1")
+        if paper_columns:
+            cells.append(f"{p1:.2f}" if p1 else "-")
+            cells.append(f"{paper['1.5'] / p1:.2f}" if "1.5" in paper else "-")
+            cells.append(f"{paper['2'] / p1:.2f}" if "2" in paper else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def paper_table() -> str:
+    lines = ["| paper model (PG-19, trained at 8K) | 8K | 12K | 16K |", "|---|---|---|---|"]
+    for key, name in PAPER_NAMES.items():
+        p = PAPER_8K[key]
+        lines.append(f"| {name} | {p['1']:.2f} | {p.get('1.5', '-')} | {p['2']:.2f} |")
+    return "\n".join(lines)
+
+
+def wall_table(result: dict) -> str:
+    lines = ["| step | wall time (s) |", "|---|---|"]
+    for entry in result["wall_times"]:
+        lines.append(f"| {entry['what']} | {entry['wall_s']} |")
+    total = sum(e["wall_s"] for e in result["wall_times"])
+    lines.append(f"| **total (this experiment's queue)** | {total} |")
+    return "\n".join(lines)
+
+
+def budget_table(result: dict) -> str:
+    lines = ["| model | attention | options | position | params | steps x batch x L = tokens | final train loss |"
+             " training time (s) |", "|---|---|---|---|---|---|---|---|"]
+    for name, opts in result["options"].items():
+        lines.append(f"| {name} | {opts['attention']} | {json.dumps(opts['attention_options'])} | "
+                     f"{opts['position']} | {result['params'][name]:,} | {result['steps']} x "
+                     f"{result['batch_size']} x {result['train_length']} = {result['tokens_seen']:,} | "
+                     f"{result['final_train_loss'][name]:.3f} | {result['train_seconds'][name]:.0f} |")
+    return "\n".join(lines)
+
+
+def delta_table(result: dict) -> str:
+    """Each variant's perplexity and its change against the first model (full LAVO), at every length."""
+    names = list(result["ppl"])
+    base = result["ppl"][names[0]]
+    L = result["train_length"]
+    head = " | ".join(f"ppl at {int(k) // L}x ({int(k):,}) | change vs {names[0]}" for k in base)
+    lines = [f"| variant | {head} |", "|" + "---|" * (1 + 2 * len(base))]
+    for name in names[1:]:
+        cells = []
+        for length, value in result["ppl"][name].items():
+            cells += [fmt(value), f"{100 * (value / base[length] - 1):+.1f}%"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def fill(report: Path, tables: dict[str, str]) -> None:
+    if not report.exists():
+        return
+    text = report.read_text()
+    for name, table in tables.items():
+        pattern = re.compile(rf"(<!-- BEGIN {re.escape(name)} -->\n).*?(<!-- END {re.escape(name)} -->)", re.S)
+        text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
+    report.write_text(text)
+
+
+def tables(exp: Path) -> None:
+    result = json.loads((exp / "results.json").read_text())
+    L = result["train_length"]
+    multiples = [f"{int(k) / L:g}" for k in next(iter(result["ppl"].values()))][1:]
+    out = {"ppl": ppl_table(result), "ratio": ratio_table(result, multiples, exp.name == "lm_extrapolation"), "paper": paper_table(),
+           "wall": wall_table(result), "budget": budget_table(result), "delta": delta_table(result)}
+    (exp / "tables.md").write_text("".join(f"## {k}\n\n{v}\n\n" for k, v in out.items()))
+    fill(exp / "REPORT.md", out)
+
+
+def main(argv: list[str]) -> None:
+    command, exp = argv[0], Path(argv[1])
+    if command == "results":
+        result = collect(exp)
+        (exp / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+        plot(exp, result)
+    tables(exp)
+    print(f"{exp}: results.json, {exp.name}.png, tables.md" + (", REPORT.md tables" if (exp / 'REPORT.md').exists()
+                                                               else ""))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
