@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from reference_checks import assert_same_outputs_and_grads
 
 from lavo import build_attention
 from lavo.ops.cosformer import cosformer_attention, cosformer_attention_causal, cosformer_attention_naive
@@ -23,19 +24,6 @@ def _mask(length):
     return mask
 
 
-def _grads(output, inputs):
-    weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(2), dtype=output.dtype)
-    return torch.autograd.grad((output * weights).sum(), inputs)
-
-
-def _assert_same(fast, naive, inputs, mask=None):
-    if mask is not None:  # outputs at padded queries are unspecified
-        fast, naive = fast * mask[:, :, None, None], naive * mask[:, :, None, None]
-    torch.testing.assert_close(fast, naive)
-    for a, b in zip(_grads(fast, inputs), _grads(naive, inputs)):
-        torch.testing.assert_close(a, b)
-
-
 @pytest.mark.parametrize("length, chunk, max_length", [(63, 64, 63), (63, 8, 100), (1, 64, 1), (17, 1, 40)])
 @pytest.mark.parametrize("padded", [False, True])
 def test_causal_prefix_sums_match_quadratic_form(length, chunk, max_length, padded):
@@ -43,7 +31,7 @@ def test_causal_prefix_sums_match_quadratic_form(length, chunk, max_length, padd
     mask = _mask(length) if padded else None
     out, state = cosformer_attention_causal(q, k, v, max_length, padding_mask=mask, chunk=chunk)
     naive = cosformer_attention_naive(q, k, v, causal=True, max_length=max_length, padding_mask=mask)
-    _assert_same(out, naive, [q, k, v], mask)
+    assert_same_outputs_and_grads(out, naive, [q, k, v], mask)
     assert state.position == length
 
 
@@ -53,7 +41,7 @@ def test_noncausal_matches_quadratic_form(length, padded):
     q, k, v = _qkv(length)
     mask = _mask(length) if padded else None
     out = cosformer_attention(q, k, v, padding_mask=mask)
-    _assert_same(out, cosformer_attention_naive(q, k, v, causal=False, padding_mask=mask), [q, k, v], mask)
+    assert_same_outputs_and_grads(out, cosformer_attention_naive(q, k, v, causal=False, padding_mask=mask), [q, k, v], mask)
 
 
 def test_state_continues_the_sequence():

@@ -1,6 +1,7 @@
 """Performer (FAVOR+): chunked prefix sums and the associative form against explicit quadratic weights."""
 import pytest
 import torch
+from reference_checks import assert_same_outputs_and_grads
 
 from lavo import build_attention
 from lavo.ops.performer import (orthogonal_random_features, performer_attention, performer_attention_causal,
@@ -26,19 +27,6 @@ def _mask(length):
     return mask
 
 
-def _grads(output, inputs):
-    weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(2), dtype=output.dtype)
-    return torch.autograd.grad((output * weights).sum(), inputs)
-
-
-def _assert_same(fast, naive, inputs, mask=None):
-    if mask is not None:  # outputs at padded queries are unspecified
-        fast, naive = fast * mask[:, :, None, None], naive * mask[:, :, None, None]
-    torch.testing.assert_close(fast, naive)
-    for a, b in zip(_grads(fast, inputs), _grads(naive, inputs)):
-        torch.testing.assert_close(a, b)
-
-
 @pytest.mark.parametrize("length, chunk", [(63, 64), (63, 8), (1, 64), (17, 1)])
 @pytest.mark.parametrize("padded", [False, True])
 def test_causal_prefix_sums_match_quadratic_form(length, chunk, padded):
@@ -46,7 +34,7 @@ def test_causal_prefix_sums_match_quadratic_form(length, chunk, padded):
     mask = _mask(length) if padded else None
     out, _ = performer_attention_causal(q, k, v, _projection(), padding_mask=mask, chunk=chunk)
     naive = performer_attention_naive(q, k, v, _projection(), causal=True, padding_mask=mask)
-    _assert_same(out, naive, [q, k, v], mask)
+    assert_same_outputs_and_grads(out, naive, [q, k, v], mask)
 
 
 @pytest.mark.parametrize("length", [63, 1])
@@ -56,7 +44,7 @@ def test_noncausal_matches_quadratic_form(length, padded):
     mask = _mask(length) if padded else None
     out = performer_attention(q, k, v, _projection(), padding_mask=mask)
     naive = performer_attention_naive(q, k, v, _projection(), causal=False, padding_mask=mask)
-    _assert_same(out, naive, [q, k, v], mask)
+    assert_same_outputs_and_grads(out, naive, [q, k, v], mask)
 
 
 def test_state_continues_the_sequence():
