@@ -47,17 +47,17 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
     Returns:
         ``[B, T, H, D]`` and the sums after the last token.
     """
-    batch, length, heads, features = k_feat.shape
+    batch, _, heads, features = k_feat.shape
     if state is None:
         state = (v.new_zeros(batch, heads, features, v.shape[-1]), v.new_zeros(batch, heads, features))
     check_state(state, k_feat, v)
     kv, k_sum = state
     outputs = []
-    for index, start in enumerate(range(0, length, chunk)):
-        part = slice(start, start + chunk)
+    # split(), not slicing: a slice's backward fills a zero tensor as long as the whole sequence (quadratic in T).
+    pieces = zip(q_feat.split(chunk, 1), k_feat.split(chunk, 1), v.split(chunk, 1))
+    for index, (q, k, values) in enumerate(pieces):
         if rescale is not None:
             kv, k_sum = kv * rescale[:, index, :, None, None], k_sum * rescale[:, index, :, None]
-        q, k, values = q_feat[:, part], k_feat[:, part], v[:, part]
         weights = torch.einsum("bthf,bshf->bhts", q, k).tril()
         numerator = torch.einsum("bhts,bshd->bthd", weights, values) + torch.einsum("bthf,bhfd->bthd", q, kv)
         denominator = weights.sum(-1).transpose(1, 2) + torch.einsum("bthf,bhf->bth", q, k_sum)

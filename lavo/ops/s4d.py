@@ -93,9 +93,9 @@ def s4d_scan(u: torch.Tensor, log_a: torch.Tensor, c: torch.Tensor, state: torch
     added = torch.einsum("bklc,cnl->bkcn", blocks.to(within.dtype), within)
     block_decay = (log_a * size).exp()
     entering, state = [], zero_state(u, log_a) if state is None else state
-    for index in range(blocks.shape[1]):
+    for block_added in added.unbind(1):  # unbind: indexing in a loop would make the backward quadratic in T
         entering.append(state)
-        state = state * block_decay + added[:, index]
+        state = state * block_decay + block_added
     if length % size:  # the last block is partial: its padding must not age the state
         state = advance(entering[-1], u[:, length - length % size:], log_a)
     readout = c[..., None] * decay_powers(log_a, torch.arange(1, size + 1, device=u.device))  # [C, N, L]
