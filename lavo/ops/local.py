@@ -64,9 +64,9 @@ class _BlockedLocalAttention(torch.autograd.Function):
         chunk = max(1, SCORES_PER_CHUNK // scores_per_block)
         masked = (~key_valid).flatten(1).any(1).tolist()
         keep_weights = n * scores_per_block <= SAVED_WEIGHTS_LIMIT
-        # empty_like keeps q's strides: outputs and gradients of block views of [B, T, H, D] inputs are laid out
-        # like those inputs, so going back to [B, T, H, D] costs no copy.
-        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+        # Outputs and gradients are contiguous blocks: matmul into strided slices of a [B, T, H, D] layout copies
+        # through a temporary at every chunk, which cost far more than one copy back at the end.
+        out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:-1])
         saved = q.new_empty(*q.shape[:-1], K) if keep_weights else None
         for c0 in range(0, n, chunk):
             c1 = min(n, c0 + chunk)
@@ -86,7 +86,7 @@ class _BlockedLocalAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, bias, key_valid, out, lse, saved = ctx.saved_tensors
         causal, chunk, masked, scale = ctx.causal, ctx.chunk, ctx.masked, ctx.scale
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_q, grad_k, grad_v = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
         grad_bias = torch.zeros_like(bias)
         row_dot = (grad_out * out).sum(-1, keepdim=True)
         for c0 in range(0, q.shape[0], chunk):

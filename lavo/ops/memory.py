@@ -33,7 +33,7 @@ class _MemoryRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, coefficients, basis, scale):
         chunk = max(1, READ_ELEMENTS_PER_CHUNK // (q[0].numel() // q.shape[-1] * basis.shape[1]))
-        out = torch.empty_like(q)  # q's strides: see lavo.ops.local
+        out = q.new_empty(q.shape)
         for c0 in range(0, q.shape[0], chunk):
             c1 = min(q.shape[0], c0 + chunk)
             coef = _rows(coefficients, c0, c1)
@@ -48,7 +48,7 @@ class _MemoryRead(torch.autograd.Function):
         q, coefficients, basis, = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk
         basis_acc = basis.to(coefficients.dtype)
-        grad_q = torch.empty_like(q)
+        grad_q = q.new_empty(q.shape)
         grad_coefficients = torch.zeros_like(coefficients)
         grad_basis = torch.zeros_like(basis_acc)
         for c0 in range(0, q.shape[0], chunk):
