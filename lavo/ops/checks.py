@@ -50,3 +50,11 @@ def check_basis(basis: torch.Tensor, heads: int, head_dim: int) -> None:
         raise ValueError(f"basis must have shape [H, r, D] with H={heads}, D={head_dim}, got {tuple(basis.shape)}")
     if basis.shape[1] > head_dim:
         raise ValueError(f"rank ({basis.shape[1]}) must be <= head_dim ({head_dim})")
+
+
+def check_window_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                        padding_mask: torch.Tensor | None) -> None:
+    """What every windowed op checks first: the window, matching ``[B, T, H, D]`` q/k/v and the padding mask."""
+    check_window(window)
+    check_same_shape(q=q, k=k, v=v)
+    check_padding_mask(padding_mask, q.shape[0], q.shape[1])

@@ -4,19 +4,16 @@ from __future__ import annotations
 import torch
 
 from ..cache import LavoCache
-from .checks import check_basis, check_padding_mask, check_pos_bias, check_same_shape, check_window
+from .checks import check_basis, check_pos_bias, check_window_inputs
 from .local import (blocked_local_attention, from_blocks, keep_visible, local_attention_chunk, real_tokens,
                     to_blocks)
 from .memory import accumulation_dtype, memory_read, project
 
 
 def _check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask):
-    check_window(window)
-    check_same_shape(q=q, k=k, v=v)
-    B, T, H, D = q.shape
-    check_basis(basis, H, D)
-    check_pos_bias(pos_bias, H, window, causal)
-    check_padding_mask(padding_mask, B, T)
+    check_window_inputs(q, k, v, window, padding_mask)
+    check_basis(basis, q.shape[2], q.shape[3])
+    check_pos_bias(pos_bias, q.shape[2], window, causal)
 
 
 def _exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:

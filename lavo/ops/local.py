@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from .checks import check_padding_mask, check_pos_bias, check_same_shape, check_window
+from .checks import check_pos_bias, check_window_inputs
 
 
 def neg_inf(dtype: torch.dtype) -> float:
@@ -209,11 +209,9 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
     Returns:
         ``[B, T, H, D]``.
     """
-    check_window(window)
-    check_same_shape(q=q, k=k, v=v)
+    check_window_inputs(q, k, v, window, padding_mask)
     B, T, H, D = q.shape
     check_pos_bias(pos_bias, H, window, causal)
-    check_padding_mask(padding_mask, B, T)
     scale = D ** -0.5 if scale is None else scale
     out = blocked_local_attention(to_blocks(q, window), to_blocks(k, window), to_blocks(v, window),
                                   real_tokens(padding_mask, B, T, window, q.device), causal=causal, pos_bias=pos_bias,

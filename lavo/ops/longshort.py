@@ -19,7 +19,7 @@ import torch
 from einops import rearrange
 from torch.nn.functional import pad
 
-from .checks import check_padding_mask, check_same_shape, check_window
+from .checks import check_window_inputs
 from .local import block_bias, neg_inf
 
 
@@ -69,10 +69,8 @@ def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     Returns:
         ``[B, T, H, D]``.
     """
-    check_window(window)
-    check_same_shape(q=q, k=k, v=v)
+    check_window_inputs(q, k, v, window, padding_mask)
     B, T, H, D = q.shape
-    check_padding_mask(padding_mask, B, T)
     if projection.dim() != 3 or projection.shape[:2] != (H, D):
         raise ValueError(f"projection must have shape [H, D, r] with H={H}, D={D}, got {tuple(projection.shape)}")
     scale = D ** -0.5 if scale is None else scale
