@@ -10,7 +10,8 @@ def assert_same_outputs_and_grads(fast, naive, inputs, mask=None, **tolerance):
         fast, naive = (x * mask.reshape(*mask.shape, *[1] * (x.dim() - 2)) for x in (fast, naive))
     torch.testing.assert_close(fast, naive, **tolerance)
     weights = torch.randn(fast.shape, generator=torch.Generator().manual_seed(2), dtype=fast.dtype)
-    grads_fast = torch.autograd.grad((fast * weights).sum(), inputs, materialize_grads=True)
-    grads_naive = torch.autograd.grad((naive * weights).sum(), inputs, materialize_grads=True)
+    # retain_graph: both forms may share a prefix of the graph (e.g. parameters transformed once for both).
+    grads_fast = torch.autograd.grad((fast * weights).sum(), inputs, retain_graph=True, materialize_grads=True)
+    grads_naive = torch.autograd.grad((naive * weights).sum(), inputs, retain_graph=True, materialize_grads=True)
     for a, b in zip(grads_fast, grads_naive):
         torch.testing.assert_close(a, b, **tolerance)

@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from reference_checks import assert_same_outputs_and_grads
 
 from lavo import build_attention
 from lavo.ops.s4d import bidirectional_recurrence, fft_convolution, s4d_kernel, s4d_recurrence, s4d_scan
@@ -28,17 +29,6 @@ def _input(batch, length, seed=1):
     return torch.randn(batch, length, CHANNELS, generator=g, dtype=torch.float64, requires_grad=True)
 
 
-def _grads(output, inputs):
-    weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(2), dtype=output.dtype)
-    return torch.autograd.grad((output * weights).sum(), inputs, retain_graph=True)
-
-
-def _assert_same(fast, naive, inputs):
-    torch.testing.assert_close(fast, naive)
-    for a, b in zip(_grads(fast, inputs), _grads(naive, inputs)):
-        torch.testing.assert_close(a, b)
-
-
 @pytest.mark.parametrize("length, block", [(63, 64), (63, 8), (1, 64), (130, 64)])
 def test_scan_matches_recurrence(length, block):
     params, u = _system(), _input(2, length)
@@ -46,7 +36,7 @@ def test_scan_matches_recurrence(length, block):
     y, state = s4d_scan(u, log_a, c[0], block=block)
     y_ref, state_ref = s4d_recurrence(u, log_a, c[0])
     torch.testing.assert_close(state, state_ref)
-    _assert_same(y, y_ref, [u, *params])
+    assert_same_outputs_and_grads(y, y_ref, [u, *params])
 
 
 @pytest.mark.parametrize("length", [63, 1])
@@ -57,7 +47,7 @@ def test_scan_continues_from_a_state(length):
     y, state = s4d_scan(u, log_a, c[0], start, block=16)
     y_ref, state_ref = s4d_recurrence(u, log_a, c[0], start)
     torch.testing.assert_close(state, state_ref)
-    _assert_same(y, y_ref, [u, *params])
+    assert_same_outputs_and_grads(y, y_ref, [u, *params])
 
 
 @pytest.mark.parametrize("length", [63, 1])
@@ -65,7 +55,7 @@ def test_causal_fft_matches_recurrence(length):
     params, u = _system(), _input(2, length)
     log_a, c = _complex(*params)
     y = fft_convolution(u, s4d_kernel(log_a, c[0], length))
-    _assert_same(y, s4d_recurrence(u, log_a, c[0])[0], [u, *params])
+    assert_same_outputs_and_grads(y, s4d_recurrence(u, log_a, c[0])[0], [u, *params])
 
 
 @pytest.mark.parametrize("length", [63, 2, 1])
@@ -73,7 +63,7 @@ def test_bidirectional_fft_matches_two_recurrences(length):
     params, u = _system(), _input(2, length)
     log_a, c = _complex(*params)
     y = fft_convolution(u, s4d_kernel(log_a, c[0], length), s4d_kernel(log_a, c[1], length))
-    _assert_same(y, bidirectional_recurrence(u, log_a, c[0], c[1]), [u, *params])
+    assert_same_outputs_and_grads(y, bidirectional_recurrence(u, log_a, c[0], c[1]), [u, *params])
 
 
 def test_bidirectional_reads_later_tokens_only_through_the_backward_kernel():
