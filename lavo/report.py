@@ -1,0 +1,86 @@
+"""Tables and plots of results: one markdown/plain table writer and one line-plot writer for every report."""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Sequence
+
+
+def number(x: float | None, digits: int = 3) -> str:
+    """``x`` with ``digits`` significant digits (all digits before the point kept); ``—`` for None."""
+    if x is None:
+        return "—"
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    magnitude = math.floor(math.log10(abs(x)))
+    return f"{x:.{max(0, digits - 1 - magnitude)}f}" if magnitude < digits else f"{x:.0f}"
+
+
+def length_label(n: int) -> str:
+    """``4096`` -> ``4K``; lengths that are not a multiple of 1024 stay as they are."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]], align: str | None = None) -> str:
+    """A markdown table; ``align`` is one character per column, ``l`` or ``r`` (default: first column left,
+    the others right)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    if len(align) != len(header) or any(len(row) != len(header) for row in rows):
+        raise ValueError(f"every row needs {len(header)} cells, as the header has")
+    rule = ["---" if a == "l" else "---:" for a in align]
+    lines = [header, rule, *rows]
+    return "\n".join("| " + " | ".join(str(cell) for cell in line) + " |" for line in lines)
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table for the terminal: the first column left-aligned, the others right-aligned."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    head = line(cells[0])
+    return "\n".join([head, "-" * len(head)] + [line(row) for row in cells[1:]])
+
+
+def line_plot(series: dict[str, Sequence[tuple[float, float]]], path: str | os.PathLike, *, xlabel: str,
+              ylabel: str, title: str, logx: bool = True, logy: bool = False, vline: tuple[float, str] | None = None,
+              dashed: Sequence[str] = (), length_ticks: bool = False) -> Path | None:
+    """One line per entry of ``series`` (label -> ``(x, y)`` points; points with ``y`` None or, on a log axis,
+    ``<= 0`` are left out), saved as a PNG. ``vline`` draws a labelled vertical line; labels in ``dashed`` are
+    drawn dashed; ``length_ticks`` labels the x ticks 1K, 2K, .... Returns the path, or None when nothing is
+    left to draw."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = {}
+    for label, points in series.items():
+        kept = sorted((x, y) for x, y in points if y is not None and (y > 0 or not logy))
+        if kept:
+            lines[label] = kept
+    if not lines:
+        return None
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for label, points in lines.items():
+        axes.plot(*zip(*points), "--" if label in dashed else "-", marker="o", markersize=3, label=label)
+    if vline is not None:
+        axes.axvline(vline[0], color="grey", linestyle=":", linewidth=1, label=vline[1])
+    axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    if logx:
+        axes.set_xscale("log", base=2)
+    if logy:
+        axes.set_yscale("log")
+    if length_ticks:
+        ticks = sorted({x for points in lines.values() for x, _ in points})
+        axes.set_xticks(ticks, [length_label(int(x)) for x in ticks])
+        axes.minorticks_off()
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
