@@ -22,15 +22,19 @@ def length_label(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]], align: str | None = None) -> str:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]], align: str | None = None,
+                   notes: Sequence[str] = ()) -> str:
     """A markdown table; ``align`` is one character per column, ``l`` or ``r`` (default: first column left,
-    the others right)."""
+    the others right). ``notes`` are listed under the table as ``[1] ...``, ``[2] ...``: cells refer to them by
+    those marks (e.g. why a cell is empty)."""
     align = align or "l" + "r" * (len(header) - 1)
     if len(align) != len(header) or any(len(row) != len(header) for row in rows):
         raise ValueError(f"every row needs {len(header)} cells, as the header has")
     rule = ["---" if a == "l" else "---:" for a in align]
-    lines = [header, rule, *rows]
-    return "\n".join("| " + " | ".join(str(cell) for cell in line) + " |" for line in lines)
+    lines = ["| " + " | ".join(str(cell) for cell in line) + " |" for line in [header, rule, *rows]]
+    if notes:
+        lines += [""] + [f"[{i}] {note}" for i, note in enumerate(notes, 1)]
+    return "\n".join(lines)
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
