@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lavo import bench
+from lavo import report
+from lavo.bench import cli, decode, flops, measure, output, settings
 from lavo.cache import LavoCache
 from lavo.ops import lavo_attention, orthogonal_basis
 from lavo.registry import available_attentions, build_attention
@@ -26,7 +27,7 @@ def one_thread():
 
 def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench.main(["--quick", "--no-progress", "--threads", "1", "--json", str(out),
+    assert cli.main(["--quick", "--no-progress", "--threads", "1", "--json", str(out),
                        "--plots", str(tmp_path / "plots")]) == 0
     text = capsys.readouterr().out
     for heading in ("## Attention, fwd:", "## Attention, fwd+bwd:", "## Decoding", "## Model", "## LAVO op FLOP"):
@@ -37,7 +38,7 @@ def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
     assert payload["machine"]["torch"] == torch.__version__
     records = payload["records"]
     assert records and all(RECORD_FIELDS <= set(r) for r in records)
-    assert {r["section"] for r in records} == set(bench.SECTIONS)
+    assert {r["section"] for r in records} == set(settings.SECTIONS)
     failed = [r for r in records if r["status"] != "ok"]
     assert not failed, failed
 
@@ -66,7 +67,7 @@ def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
 
 def test_help_documents_every_section(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--help"])
+        cli.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in ("--sections", "--quick", "--max-quadratic-length", "--dtype", "--repeats", "--time-limit",
@@ -76,17 +77,17 @@ def test_help_documents_every_section(capsys):
 
 def test_unknown_mechanism_is_an_error():
     with pytest.raises(SystemExit, match="unknown"):
-        bench.main(["--quick", "--attentions", "nope"])
+        cli.main(["--quick", "--attentions", "nope"])
 
 
 def test_slow_and_failing_measurements_are_skipped_with_a_note(capsys, tmp_path):
     out = tmp_path / "bench.json"
-    bench.main(["--quick", "--no-progress", "--sections", "attention", "--attentions", "local", "--ops", "sdpa",
+    cli.main(["--quick", "--no-progress", "--sections", "attention", "--attentions", "local", "--ops", "sdpa",
                 "--passes", "fwd", "--time-limit", "0", "--json", str(out)])
     records = json.loads(out.read_text())["records"]
     assert [r["status"] for r in records] == ["skipped"] * len(records)
     assert "--time-limit" in records[0]["note"] and "skipped" in records[-1]["note"]
-    bench.main(["--quick", "--no-progress", "--sections", "attention", "--attentions", "local", "--ops", "sdpa",
+    cli.main(["--quick", "--no-progress", "--sections", "attention", "--attentions", "local", "--ops", "sdpa",
                 "--passes", "fwd", "--attention-options", '{"local": {"window": -1}}', "--json", str(out)])
     local = [r for r in json.loads(out.read_text())["records"] if r["mechanism"] == "local"]
     assert local[0]["status"] == "failed" and "window" in local[0]["note"]
@@ -108,9 +109,9 @@ def test_tensor_nbytes_on_a_known_structure():
                    parts=(shared, [torch.zeros(7, dtype=torch.bool), shared], None),  # 48 + 7
                    extra={"h": torch.zeros(2, dtype=torch.complex64), "name": "x"},  # 16
                    position=12)
-    assert bench.tensor_nbytes(state) == 80 + 48 + 7 + 16
-    assert bench.tensor_nbytes([state, {"n": 3}]) == 151
-    assert bench.tensor_nbytes(None) == 0
+    assert decode.tensor_nbytes(state) == 80 + 48 + 7 + 16
+    assert decode.tensor_nbytes([state, {"n": 3}]) == 151
+    assert decode.tensor_nbytes(None) == 0
 
 
 def test_tensor_nbytes_matches_lavo_cache_nbytes():
@@ -118,15 +119,15 @@ def test_tensor_nbytes_matches_lavo_cache_nbytes():
     with torch.no_grad():
         _, cache = layer(torch.randn(2, 21, 32))
     assert isinstance(cache, LavoCache)
-    assert bench.tensor_nbytes(cache) == cache.nbytes()
+    assert decode.tensor_nbytes(cache) == cache.nbytes()
 
 
 def test_softmax_prefill_past_the_quadratic_limit_builds_the_same_cache():
-    settings = bench.settings_from_args(bench.build_parser().parse_args(["--quick", "--max-quadratic-length", "8"]))
+    run_settings = cli.settings_from_args(cli.build_parser().parse_args(["--quick", "--max-quadratic-length", "8"]))
     for rotary in (False, True):
         layer = build_attention("softmax", 32, 2, rotary=rotary)
         x = torch.randn(1, 20, 32)
-        direct, ran = bench.prefill(layer, x, settings)
+        direct, ran = decode.prefill(layer, x, run_settings)
         assert not ran
         with torch.no_grad():
             _, full = layer(x)
@@ -139,10 +140,10 @@ def test_lavo_flops_small_case_by_hand():
     # T=8, w=4, D=2, r=2, one head: two blocks of 4 queries against K=8 keys.
     # forward: local 2 blocks * (QK^T 4*8*2 + PV 4*8*2 multiply-adds) * 2 = 512;
     # memory: query projection and read 2 * (8*2*2) * 2 = 128, window sums 2 windows * 2*2 * 2 = 16
-    forward = bench.lavo_flops(1, 8, 1, 2, 2, 4)
+    forward = flops.lavo_flops(1, 8, 1, 2, 2, 4)
     assert forward == {"local": 512, "memory": 144, "total": 656}
     # backward: 4 gradient matmuls = 4 * 256 = 1024 more (weights kept); memory: 3 * 64 + 16
-    both = bench.lavo_flops(1, 8, 1, 2, 2, 4, backward=True)
+    both = flops.lavo_flops(1, 8, 1, 2, 2, 4, backward=True)
     assert both == {"local": 512 + 1024, "memory": 144 + 3 * 64 + 16, "total": 1888}
 
 
@@ -165,8 +166,8 @@ def test_lavo_flops_matches_the_matmuls_the_op_runs(monkeypatch, B, T, H, D, r, 
     with FlopCounterMode(display=False) as counter:
         y.backward(torch.randn_like(y))
     backward = counter.get_total_flops()
-    assert bench.lavo_flops(B, T, H, D, r, w, causal=causal)["total"] == forward
-    assert bench.lavo_flops(B, T, H, D, r, w, causal=causal, backward=True,
+    assert flops.lavo_flops(B, T, H, D, r, w, causal=causal)["total"] == forward
+    assert flops.lavo_flops(B, T, H, D, r, w, causal=causal, backward=True,
                             basis_grad=basis_grad)["total"] == forward + backward
 
 
@@ -179,15 +180,28 @@ def test_peak_memory_reports_none_without_proc(monkeypatch):
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr("builtins.open", no_clear_refs)
-    with bench.PeakMemory(torch.device("cpu")) as peak:
+    with measure.PeakMemory(torch.device("cpu")) as peak:
         torch.zeros(1000)
     assert peak.mib is None
 
 
 def test_peak_memory_sees_a_large_allocation():
-    with bench.PeakMemory(torch.device("cpu")) as peak:
+    with measure.PeakMemory(torch.device("cpu")) as peak:
         x = torch.ones(64, 2 ** 20 // 4)  # 64 MiB, touched
         del x
     if peak.mib is None:
         pytest.skip("/proc/self/clear_refs is not writable here")
     assert peak.mib >= 60
+
+
+def test_wide_table_marks_skipped_cells_and_lists_their_reasons_once():
+    def entry(mechanism, length, ms, note=""):
+        return dict(mechanism=mechanism, length=length, ms=ms, status="ok" if ms else "skipped", note=note)
+
+    records = [entry("a", 1024, 1.5), entry("a", 4096, None, "too slow"), entry("b", 1024, 2.0),
+               entry("b", 4096, None, "failed before")]
+    text = output.wide_table(records, lambda r: r["mechanism"], lambda r: report.number(r["ms"]), "mechanism")
+    assert text.splitlines() == ["| mechanism | 1K | 4K |", "| --- | ---: | ---: |", "| a | 1.50 | — [1] |",
+                                 "| b | 2.00 | — [2] |", "", "[1] a at 4K: too slow", "[2] b at 4K: failed before"]
+    unnoted = output.wide_table(records, lambda r: r["mechanism"], lambda r: "x", "mechanism", notes=False)
+    assert "[1]" not in unnoted and "| a | x | — |" in unnoted

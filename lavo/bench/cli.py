@@ -1,0 +1,163 @@
+"""The command line: ``python -m lavo.bench`` (:func:`main`), or mounted on another parser with
+:func:`add_arguments` and :func:`run_from_args`."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..model import PRESETS
+from ..registry import available_attentions
+from . import attention, decode, flops, model
+from .measure import machine_info
+from .output import markdown, plots, write_records
+from .runner import Runner
+from .settings import DTYPES, FULL, PASSES, QUICK, SECTIONS, Settings
+
+RUN = {"attention": attention, "decode": decode, "model": model, "flops": flops}  # in SECTIONS order
+
+DESCRIPTION = ("Efficiency benchmark of LAVO and the other attention mechanisms: time and peak memory of the layers "
+               "and raw ops, decoding step time and cache size, whole-model training throughput and LAVO's FLOP "
+               "efficiency. Prints markdown tables; see benchmarks/README.md.")
+EPILOG = ("Lengths accept a K suffix (1K = 1024). Defaults in brackets are the full run's; --quick uses tiny sizes "
+          "for any setting not given.")
+
+
+def _list(kind):
+    def parse(text: str) -> list:
+        return [kind(item.strip()) for item in text.split(",") if item.strip()]
+    return parse
+
+
+def _length_value(text: str) -> int:
+    text = text.strip().lower()
+    return int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options, on ``parser``."""
+    a = parser.add_argument
+    a("--sections", type=_list(str), default=list(SECTIONS),
+      help=f"comma-separated sections to run, of {','.join(SECTIONS)} [all]")
+    a("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run of every section in seconds")
+    a("--attentions", type=_list(str), default=None,
+      help="attention section: registered mechanisms to measure as layers [all registered]")
+    a("--ops", type=_list(str), default=list(attention.OPS),
+      help=f"raw ops to measure, of {','.join(attention.OPS)} [both]")
+    a("--passes", type=_list(str), default=list(PASSES), help="fwd, fwd+bwd or both [both]")
+    a("--lengths", type=_list(_length_value), default=None, help="sequence lengths [1K,2K,...,64K]")
+    a("--max-quadratic-length", type=_length_value, default=None,
+      help="longest sequence for softmax and SDPA (attention, model sections; decode fills longer softmax "
+           "caches without running the attention) [16K]")
+    a("--batch", type=int, default=1, help="batch size of the attention and decode sections [1]")
+    a("--heads", type=int, default=None, help="heads H [8]")
+    a("--head-dim", type=int, default=None, help="head dim D; the layers' dim is H*D [64]")
+    a("--rank", type=int, default=None, help="LAVO's memory rank r [64]")
+    a("--window", type=int, default=None, help="LAVO's (and local, long-short) window w [128]")
+    a("--dtype", choices=sorted(DTYPES), default="fp32",
+      help="fp32, or bf16: ops take bf16 inputs, layers and models run under bf16 autocast [fp32]")
+    a("--repeats", type=int, default=None, help="timed calls per measurement; the median is reported [5]")
+    a("--warmup", type=int, default=None, help="untimed calls before each measurement [1]")
+    a("--time-limit", type=float, default=None,
+      help="seconds one call may take; slower measurements and the longer lengths after them are skipped [60]")
+    a("--decode-attentions", type=_list(str), default=["lavo", "softmax", "local"],
+      help="decode section: mechanisms (need a decoding form) [lavo,softmax,local]")
+    a("--decode-lengths", type=_list(_length_value), default=None, help="context lengths [1K,...,64K]")
+    a("--decode-steps", type=int, default=None, help="timed single-token steps per context length [32]")
+    a("--model-preset", default=None, help="model section: preset of lavo.model.PRESETS [small]")
+    a("--model-attentions", type=_list(str), default=None,
+      help="model section: attentions (softmax runs with rope) [all registered]")
+    a("--model-lengths", type=_list(_length_value), default=None, help="training sequence lengths [1K,4K]")
+    a("--model-batch", type=int, default=1, help="model section batch size [1]")
+    a("--model-repeats", type=int, default=None, help="timed training steps per measurement [3]")
+    a("--matmul-size", type=int, default=None, help="flops section: square matmul size for the peak rate [2048]")
+    a("--attention-options", type=json.loads, default={},
+      help='JSON options per mechanism on top of the defaults, e.g. \'{"performer": {"features": 128}}\'')
+    a("--device", default="cpu", help="cpu or cuda[:N] [cpu]")
+    a("--threads", type=int, default=None, help="torch intra-op threads [torch's default]")
+    a("--seed", type=int, default=0, help="random seed [0]")
+    a("--json", type=Path, default=None, help="write the records and machine info to this JSON file")
+    a("--plots", type=Path, default=None, help="write PNG plots into this directory")
+    a("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lavo.bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description=DESCRIPTION, epilog=EPILOG)
+    add_arguments(parser)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    defaults = QUICK if args.quick else FULL
+    given = {key: getattr(args, key, None) for key in FULL}  # model_overrides has no option: --quick only
+    values = {key: defaults[key] if value is None else value for key, value in given.items()}
+    registered = available_attentions()
+    for option, names, allowed in (("--sections", args.sections, SECTIONS), ("--ops", args.ops, list(attention.OPS)),
+                                   ("--passes", args.passes, PASSES),
+                                   ("--attentions", args.attentions or [], registered),
+                                   ("--decode-attentions", args.decode_attentions, registered),
+                                   ("--model-attentions", args.model_attentions or [], registered)):
+        unknown = [n for n in names if n not in allowed]
+        if unknown:
+            raise SystemExit(f"{option}: unknown {unknown}; choose from {', '.join(allowed)}")
+    if values["model_preset"] not in PRESETS:
+        raise SystemExit(f"--model-preset: unknown {values['model_preset']!r}; choose from {', '.join(PRESETS)}")
+    if not isinstance(args.attention_options, dict):
+        raise SystemExit("--attention-options must be a JSON object of {mechanism: {option: value}}")
+    return Settings(sections=args.sections, attentions=args.attentions or registered, ops=args.ops,
+                    passes=args.passes, batch=args.batch, dtype=args.dtype, decode_attentions=args.decode_attentions,
+                    model_attentions=args.model_attentions or registered, model_batch=args.model_batch,
+                    attention_options=args.attention_options, device=args.device, threads=args.threads,
+                    seed=args.seed, quick=args.quick, **values)
+
+
+def run(settings: Settings, *, progress: bool = True) -> tuple[list[dict], dict]:
+    """Run the selected sections; returns (records, machine info)."""
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    torch.manual_seed(settings.seed)
+    with contextlib.suppress(Exception):
+        # torch imports its compiler stack on the first use of some ops; imported now, its objects are frozen
+        # out of the garbage collections made before each measurement
+        importlib.import_module("torch._dynamo")
+    gc.collect()
+    gc.freeze()  # later collections (one per memory measurement) skip the objects of the imported modules
+    info = machine_info(settings.device)
+    sections = [RUN[name] for name in SECTIONS if name in settings.sections]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(section.planned(settings) for section in sections), desc="bench",
+                   unit="measurement", dynamic_ncols=True, file=sys.stderr)
+    runner = Runner(settings, bar)
+    try:
+        for section in sections:
+            section.run(runner)
+    finally:
+        if bar is not None:
+            bar.close()
+    return runner.records, info
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run with the options :func:`add_arguments` parsed: tables on stdout, then the JSON and plots asked for."""
+    settings = settings_from_args(args)
+    records, info = run(settings, progress=not args.no_progress)
+    print(markdown(records, info, settings))
+    if args.json is not None:
+        write_records(args.json, records, info, settings)
+    if args.plots is not None:
+        for path in plots(records, args.plots, settings):
+            print(f"plot: {path}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_from_args(build_parser().parse_args(argv))

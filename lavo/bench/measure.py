@@ -1,0 +1,148 @@
+"""One measurement: ``--warmup`` untimed calls, one untimed call whose peak memory is measured, then ``--repeats``
+timed calls; the median is reported.
+
+Peak memory on CPU is the growth of the process's resident set during the call (``/proc/self/clear_refs`` resets
+the high-water mark ``VmHWM``; ``None`` where that is not possible); on CUDA it is ``max_memory_allocated`` above
+the memory allocated before the call.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+MIB = 2 ** 20
+
+
+def _proc_status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _release_free_memory() -> None:
+    """Return freed heap memory to the system (glibc), so that the next call's growth is its own working set."""
+    gc.collect()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class PeakMemory:
+    """Peak memory of one call, in MiB: ``with PeakMemory(device) as peak: f()`` then ``peak.mib``."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.mib, self._before = device, None, None
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._before = torch.cuda.memory_allocated(self.device)
+            return self
+        _release_free_memory()
+        try:
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")  # reset VmHWM to the current resident set
+        except OSError:
+            return self
+        self._before = _proc_status_kib("VmRSS")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._before is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.mib = (torch.cuda.max_memory_allocated(self.device) - self._before) / MIB
+            return
+        peak = _proc_status_kib("VmHWM")
+        if peak is not None:
+            self.mib = max(0, peak - self._before) / 1024
+
+
+def available_mib(device: torch.device) -> float | None:
+    """Memory that can still be allocated: ``MemAvailable`` on CPU, free device memory on CUDA."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / MIB
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    return None
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that the wall clock covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of one call."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+class TooSlow(Exception):
+    """One call took longer than the time limit."""
+
+
+@dataclass
+class Measurement:
+    ms: float
+    times_ms: list
+    peak_mib: float | None
+
+
+def measure(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup: int,
+            time_limit: float) -> Measurement:
+    """Warm-up calls, one call under :class:`PeakMemory`, then ``repeats`` timed calls; median time in ms.
+    Raises :class:`TooSlow` as soon as a call exceeds ``time_limit`` seconds."""
+    def call() -> float:
+        seconds = _timed(fn, device)
+        if seconds > time_limit:
+            raise TooSlow(f"one call took {seconds:.3g} s > --time-limit {time_limit:g} s")
+        return seconds
+
+    for _ in range(warmup):
+        call()
+    with PeakMemory(device) as peak:
+        call()
+    times = [call() * 1e3 for _ in range(max(1, repeats))]
+    return Measurement(statistics.median(times), times, peak.mib)
+
+
+def machine_info(device: str) -> dict:
+    """What the numbers were measured on: versions, CPU, threads, affinity, GPU and date."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    info = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "device": device, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with contextlib.suppress(AttributeError):
+        info["affinity"] = sorted(os.sched_getaffinity(0))
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info

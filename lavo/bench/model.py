@@ -1,0 +1,65 @@
+"""The ``model`` section: training throughput (forward, loss, backward, clipping, AdamW step) and peak memory of
+the whole language model for a preset, per attention, each as a ratio to softmax with rotary positions."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..model import PRESETS, build_model, model_config
+from .runner import Ratios, Runner, fill, record
+from .settings import Settings, mechanism_options, time_complexity
+
+
+def label(name: str) -> str:
+    return "softmax+rope" if name == "softmax" else name
+
+
+def model_for(name: str, settings: Settings, max_length: int):
+    options = mechanism_options(name, settings, max_length)
+    shape = {**PRESETS[settings.model_preset], **settings.model_overrides}
+    if "rank" in options:  # a rank above the head dim does not exist (tiny preset: D = 48)
+        options["rank"] = min(options["rank"], shape["dim"] // shape["heads"])
+    position = "rope" if name == "softmax" else "none"
+    config = model_config(settings.model_preset, attention=name, attention_options=options, position=position,
+                          **settings.model_overrides)
+    return build_model(config)
+
+
+def plan(settings: Settings) -> list[tuple[str, int]]:
+    """(attention, length) in run order: the reference (softmax) first, so ratios can be taken."""
+    names = sorted(settings.model_attentions, key=lambda name: name != "softmax")
+    return [(name, length) for name in names for length in settings.model_lengths
+            if time_complexity(name) == "linear" or length <= settings.max_quadratic_length]
+
+
+def planned(settings: Settings) -> int:
+    return len(plan(settings))
+
+
+def run(runner: Runner) -> None:
+    s, device = runner.settings, runner.device
+    ratios = Ratios(label("softmax"))
+    for name, length in plan(s):
+        entry = record("model", "model", label(name), "train_step", length, s, batch=s.model_batch,
+                       preset=s.model_preset, model_overrides=s.model_overrides, tokens_per_s=None,
+                       parameters=None)
+
+        def work(entry, name=name, length=length):
+            model = model_for(name, s, max(s.model_lengths)).to(device).train()
+            entry["parameters"] = sum(p.numel() for p in model.parameters())
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            ids = torch.randint(model.config.vocab_size, (s.model_batch, length + 1), device=device)
+
+            def step():
+                with runner.autocast():
+                    logits, _ = model(ids[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            fill(entry, runner.measure(step, repeats=s.model_repeats))
+            entry["tokens_per_s"] = s.model_batch * length / (entry["ms"] / 1e3)
+
+        runner.run(entry, ("model", name), time_complexity(name), work)
+        ratios.add(entry, length)

@@ -1,0 +1,130 @@
+"""What a run writes: markdown tables (stdout), PNG plots and the JSON of every record, through
+:mod:`lavo.report` and :mod:`lavo.files`."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+from ..files import write_json
+from ..report import length_label, line_plot, markdown_table, number
+from .attention import BY_LABEL
+from .measure import MIB
+from .settings import Settings
+
+
+def wide_table(records: list[dict], row: Callable[[dict], str], cell: Callable[[dict], str], title: str,
+               notes: bool = True) -> str:
+    """Rows by ``row(record)``, one column per length. Skipped and failed cells show ``—``, with their reason as
+    a numbered note under the table when ``notes`` (not where an earlier table of the same records gave them)."""
+    lengths = sorted({r["length"] for r in records})
+    by_row: dict[str, dict[int, dict]] = {}
+    for r in records:
+        by_row.setdefault(row(r), {})[r["length"]] = r
+    reasons: list[str] = []
+
+    def text(name: str, length: int) -> str:
+        r = by_row[name].get(length)
+        if r is None:
+            return ""
+        if r["status"] == "ok":
+            return cell(r)
+        if not notes:
+            return "—"
+        reasons.append(f"{name} at {length_label(length)}: {r['note']}")
+        return f"— [{len(reasons)}]"
+
+    rows = [[name] + [text(name, n) for n in lengths] for name in by_row]
+    return markdown_table([title] + [length_label(n) for n in lengths], rows, notes=reasons)
+
+
+def _ratio(r: dict) -> str:
+    return f" (×{number(r['ratio'], 2)})" if r.get("ratio") is not None else ""
+
+
+def _mechanism(r: dict) -> str:
+    return r["mechanism"]
+
+
+def _section(records: list[dict], name: str) -> list[dict]:
+    return [r for r in records if r["section"] == name]
+
+
+def markdown(records: list[dict], info: dict, settings: Settings) -> str:
+    s = settings
+    out = [f"# lavo benchmark ({s.dtype}, {info['device']}: {info['cpu']}, {info['threads']} threads, "
+           f"torch {info['torch']})", ""]
+    attention = _section(records, "attention")
+    for which in s.passes:
+        part = [r for r in attention if r["op"] == which]
+        if not part:
+            continue
+        out += [f"## Attention, {which}: B={s.batch}, H={s.heads}, D={s.head_dim}; "
+                f"ms (× SDPA op at the same length)", "",
+                wide_table(part, _mechanism, lambda r: number(r["ms"]) + _ratio(r), "mechanism"), "",
+                f"## Attention, {which}: peak memory growth, MiB", "",
+                wide_table(part, _mechanism, lambda r: number(r["peak_mib"]), "mechanism", notes=False), ""]
+    decode = _section(records, "decode")
+    if decode:
+        reference = next((r["ratio_to"] for r in decode if r["ratio_to"]), "—")
+        out += [f"## Decoding: ms per token step at a context length (× {reference})", "",
+                wide_table(decode, _mechanism, lambda r: number(r["ms"]) + _ratio(r), "mechanism"), "",
+                "## Decoding: cache MiB after the context", "",
+                wide_table(decode, _mechanism, lambda r: number(_cache_mib(r)), "mechanism", notes=False), ""]
+    model = _section(records, "model")
+    if model:
+        reference = next((r["ratio_to"] for r in model if r["ratio_to"]), "—")
+        shape = f" ({', '.join(f'{k}={v}' for k, v in s.model_overrides.items())})" if s.model_overrides else ""
+        out += [f"## Model `{s.model_preset}`{shape}, training step, batch {s.model_batch}: tokens/s "
+                f"(step time × {reference}) / peak MiB", "",
+                wide_table(model, _mechanism,
+                           lambda r: f"{number(r['tokens_per_s'])}{_ratio(r)} / {number(r['peak_mib'])}",
+                           "attention"), ""]
+    flops = _section(records, "flops")
+    if flops:
+        out += ["## LAVO op FLOP efficiency: GFLOP/s (fraction of the matmul rate)", ""]
+        out += [f"matmul {r['length']}x{r['length']} {r['dtype']}: " + (
+            f"{number(r['gflops_per_s'])} GFLOP/s" if r["status"] == "ok" else r["note"])
+            for r in flops if r["mechanism"] == "matmul"]
+        out += ["", wide_table([r for r in flops if r["mechanism"] != "matmul"], lambda r: r["op"],
+                               lambda r: f"{number(r['gflops_per_s'])} ({100 * (r['ratio'] or 0):.0f}%)", "pass"), ""]
+    return "\n".join(out)
+
+
+def _cache_mib(r: dict) -> float | None:
+    return r["cache_bytes"] / MIB if r.get("cache_bytes") is not None else None
+
+
+def plots(records: list[dict], directory: Path, settings: Settings) -> list[Path]:
+    """PNG plots, log-log, one line per mechanism (raw ops dashed); returns the files written."""
+    written = []
+
+    def plot(name: str, part: list[dict], value: Callable[[dict], float | None], ylabel: str, title: str,
+             xlabel: str = "sequence length") -> None:
+        series: dict[str, list] = {}
+        for r in part:
+            series.setdefault(r["mechanism"], []).append((r["length"], value(r) if r["status"] == "ok" else None))
+        path = line_plot(series, directory / name, xlabel=xlabel, ylabel=ylabel, title=title, logy=True,
+                         dashed=list(BY_LABEL), length_ticks=True)
+        if path is not None:
+            written.append(path)
+
+    attention = _section(records, "attention")
+    for which in settings.passes:
+        part = [r for r in attention if r["op"] == which]
+        tag = which.replace("+", "_")
+        plot(f"time_{tag}.png", part, lambda r: r["ms"], "ms", f"{which} time ({settings.dtype})")
+        plot(f"memory_{tag}.png", part, lambda r: r["peak_mib"], "peak memory growth (MiB)",
+             f"{which} peak memory ({settings.dtype})")
+    decode = _section(records, "decode")
+    plot("decode_step.png", decode, lambda r: r["ms"], "ms per token", "decoding step time", "context length")
+    plot("decode_cache.png", decode, _cache_mib, "cache (MiB)", "decoding cache size", "context length")
+    plot("model_tokens_per_s.png", _section(records, "model"), lambda r: r.get("tokens_per_s"), "tokens/s",
+         f"training throughput, {settings.model_preset} model")
+    return written
+
+
+def write_records(path: Path, records: list[dict], info: dict, settings: Settings) -> None:
+    """``{"machine": ..., "settings": ..., "records": [...]}``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"machine": info, "settings": dataclasses.asdict(settings), "records": records})
