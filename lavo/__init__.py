@@ -1,9 +1,9 @@
 """LAVO: linear attention via orthogonal memory (Zhang et al., 2023)."""
 from . import ops
 from .cache import LavoCache
-from .layers import LavoAttention, LavoCrossAttention
-from .registry import available_attentions, build_attention, register_attention
+from .layers import LavoAttention, LavoCrossAttention, Mechanism
+from .registry import (available_attentions, build_attention, build_cross_attention, register_attention)
 
 __version__ = "0.1.0"
-__all__ = ["ops", "LavoCache", "LavoAttention", "LavoCrossAttention", "available_attentions", "build_attention",
-           "register_attention"]
+__all__ = ["ops", "LavoCache", "LavoAttention", "LavoCrossAttention", "Mechanism", "available_attentions",
+           "build_attention", "build_cross_attention", "register_attention"]

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import build_attention
+from .layers.base import Mechanism
+from .registry import attention_class, available_attentions, build_attention, check_options
 
 POSITIONS = ("none", "sinusoidal", "rope")
 
@@ -42,6 +43,12 @@ class ModelConfig:
             raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
         if self.position == "sinusoidal" and self.dim % 2:
             raise ValueError(f"sinusoidal positions need an even dim, got {self.dim}")
+        check_options(self.attention, self.attention_options)
+        if self.position == "rope" and not attention_class(self.attention).accepts_rotary:
+            rotary = [name for name in available_attentions() if attention_class(name).accepts_rotary]
+            raise ValueError(f"position='rope' rotates queries and keys inside the attention, and "
+                             f"{self.attention!r} does not take rotary positions (those that do: "
+                             f"{', '.join(rotary)}); use position='none' or 'sinusoidal'")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,6 +110,9 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(config.dim, hidden), nn.GELU(), nn.Linear(hidden, config.dim))
         self.dropout = nn.Dropout(config.dropout)
 
+    def residual_weights(self) -> list[nn.Parameter]:
+        return self.attention.residual_weights() + [self.mlp[2].weight]
+
     def forward(self, x, padding_mask=None, cache=None):
         y, cache = self.attention(self.norm1(x), padding_mask=padding_mask, cache=cache)
         x = x + self.dropout(y)
@@ -120,9 +130,9 @@ class LanguageModel(nn.Module):
         self.norm = nn.LayerNorm(config.dim)
         self.apply(self._init)
         # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 depth)
-        for name, p in self.named_parameters():
-            if name.endswith("attention.to_out.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(p, 0.0, config.init_std / math.sqrt(2 * config.depth))
+        for block in self.blocks:
+            for weight in block.residual_weights():
+                nn.init.normal_(weight, 0.0, config.init_std / math.sqrt(2 * config.depth))
 
     def _init(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -133,7 +143,16 @@ class LanguageModel(nn.Module):
     @property
     def supports_decoding(self) -> bool:
         """Whether every layer can continue a sequence from a cache."""
-        return all(getattr(b.attention, "supports_decoding", False) for b in self.blocks)
+        return all(b.attention.supports_decoding for b in self.blocks)
+
+    def parameter_groups(self, weight_decay: float) -> list[dict]:
+        """Optimizer groups: weight decay on matrices, none on vectors and on what the mechanisms exclude."""
+        excluded = {id(p) for module in self.modules() if isinstance(module, Mechanism)
+                    for p in module.no_weight_decay()}
+        decay = [p for p in self.parameters() if p.dim() >= 2 and id(p) not in excluded]
+        chosen = {id(p) for p in decay}
+        return [{"params": decay, "weight_decay": weight_decay},
+                {"params": [p for p in self.parameters() if id(p) not in chosen], "weight_decay": 0.0}]
 
     def forward(self, ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 cache: ModelCache | None = None) -> tuple[torch.Tensor, ModelCache | None]:

@@ -1,21 +1,46 @@
-"""Attention mechanisms by name, so a model switches attention by changing one string.
+"""Mechanisms by name, so a model switches attention by changing one string.
 
-Every registered class is built as ``cls(dim, heads, causal=..., **options)`` and follows the
-:class:`lavo.layers.base.AttentionLayer` contract: ``forward(x, padding_mask=None, cache=None) -> (y, cache)``.
+Every self-attention class is built as ``cls(dim, heads, causal=..., **options)`` and follows the
+:class:`lavo.layers.base.Mechanism` contract: ``forward(x, padding_mask=None, cache=None) -> (y, cache)``.
+Cross-attention classes are built as ``cls(dim, heads, **options)`` and called as
+``forward(y, source, source_padding_mask=None) -> out``.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Callable
 
 from torch import nn
 
-ATTENTIONS: dict[str, type[nn.Module]] = {}
+from .layers.abc import ABCAttention
+from .layers.base import Mechanism
+from .layers.cosformer import CosformerAttention
+from .layers.lavo import LavoAttention, LavoCrossAttention
+from .layers.local import LocalAttention
+from .layers.longshort import LongShortAttention
+from .layers.performer import PerformerAttention
+from .layers.s4d import S4DLayer
+from .layers.softmax import SoftmaxAttention
+
+ATTENTIONS: dict[str, type[Mechanism]] = {
+    "abc": ABCAttention,
+    "cosformer": CosformerAttention,
+    "lavo": LavoAttention,
+    "local": LocalAttention,
+    "longshort": LongShortAttention,
+    "performer": PerformerAttention,
+    "s4d": S4DLayer,
+    "softmax": SoftmaxAttention,
+}
+CROSS_ATTENTIONS: dict[str, type[nn.Module]] = {
+    "lavo": LavoCrossAttention,
+}
 
 
-def register_attention(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
-    def add(cls: type[nn.Module]) -> type[nn.Module]:
+def register_attention(name: str) -> Callable[[type[Mechanism]], type[Mechanism]]:
+    """Class decorator adding a self-attention mechanism of your own under ``name``."""
+    def add(cls: type[Mechanism]) -> type[Mechanism]:
+        if not (isinstance(cls, type) and issubclass(cls, Mechanism)):
+            raise TypeError(f"{cls!r} must subclass lavo.layers.Mechanism to be registered")
         if name in ATTENTIONS:
             raise ValueError(f"attention {name!r} is already registered (by {ATTENTIONS[name].__name__})")
         ATTENTIONS[name] = cls
@@ -24,21 +49,33 @@ def register_attention(name: str) -> Callable[[type[nn.Module]], type[nn.Module]
 
 
 def available_attentions() -> list[str]:
-    _load_builtin()
     return sorted(ATTENTIONS)
 
 
-def build_attention(name: str, dim: int, heads: int, *, causal: bool = True, **options) -> nn.Module:
-    """Build the attention registered as ``name``; ``options`` are that mechanism's keyword options."""
-    _load_builtin()
+def attention_class(name: str) -> type[Mechanism]:
+    """The class registered as ``name``; an unknown name raises an error listing the available ones."""
     if name not in ATTENTIONS:
         raise ValueError(f"unknown attention {name!r}; available: {', '.join(sorted(ATTENTIONS))}")
-    return ATTENTIONS[name](dim, heads, causal=causal, **options)
+    return ATTENTIONS[name]
 
 
-def _load_builtin() -> None:
-    """Import every module of :mod:`lavo.layers`: each registers its mechanisms when imported."""
-    from . import layers
+def check_options(name: str, options: dict) -> None:
+    """Raise naming the mechanism and its valid options when ``options`` has one its constructor lacks."""
+    known = attention_class(name).option_names()
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"attention {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                         f"{', '.join(known) or 'none'}")
 
-    for module in pkgutil.iter_modules(layers.__path__):
-        importlib.import_module(f"{layers.__name__}.{module.name}")
+
+def build_attention(name: str, dim: int, heads: int, *, causal: bool = True, **options) -> Mechanism:
+    """Build the attention registered as ``name``; ``options`` are that mechanism's keyword options."""
+    check_options(name, options)
+    return attention_class(name)(dim, heads, causal=causal, **options)
+
+
+def build_cross_attention(name: str, dim: int, heads: int, **options) -> nn.Module:
+    """Build the cross-attention registered as ``name`` (the source is compressed, the targets read it)."""
+    if name not in CROSS_ATTENTIONS:
+        raise ValueError(f"unknown cross attention {name!r}; available: {', '.join(sorted(CROSS_ATTENTIONS))}")
+    return CROSS_ATTENTIONS[name](dim, heads, **options)

@@ -191,12 +191,8 @@ def train(config: RunConfig, resume: bool = False, overwrite: bool = False, stop
 
     torch.manual_seed(tc.seed)
     model = LanguageModel(model_config).to(device)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "pos_bias" not in n
-             and "parametrizations" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not any(p is q for q in decay)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=device.type == "cuda" or None)
+    optimizer = torch.optim.AdamW(model.parameter_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
+                                  fused=device.type == "cuda" or None)
     sampler = WindowSampler(len(prepared.train), tc.train_length, tc.seed)
     step, tokens_seen, elapsed = 0, 0, 0.0
 

@@ -1,5 +1,5 @@
-"""One module per attention mechanism; importing this package registers them all."""
-from .base import AttentionLayer
+"""One module per mechanism; :mod:`lavo.registry` names them."""
+from .base import AttentionLayer, Mechanism
 from .lavo import LavoAttention, LavoCrossAttention
 
-__all__ = ["AttentionLayer", "LavoAttention", "LavoCrossAttention"]
+__all__ = ["AttentionLayer", "Mechanism", "LavoAttention", "LavoCrossAttention"]

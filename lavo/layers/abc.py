@@ -5,11 +5,10 @@ import torch
 from torch import nn
 
 from ..ops.abc import ABCState, abc_attention
-from ..registry import register_attention
-from .base import AttentionLayer
+from ..ops.memory import accumulation_dtype
+from .base import AttentionLayer, element_size
 
 
-@register_attention("abc")
 class ABCAttention(AttentionLayer):
     r"""ABC self-attention (Peng et al., 2022) with ``slots`` memory slots per head; see :mod:`lavo.ops.abc`.
 
@@ -28,10 +27,15 @@ class ABCAttention(AttentionLayer):
     def attend(self, q, k, v, padding_mask, cache):
         return abc_attention(q, k, v, self.control, causal=self.causal, padding_mask=padding_mask, state=cache)
 
-    def empty_cache(self, batch_size: int, device: torch.device | None = None) -> ABCState:
-        """State before the first token; ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
-        return ABCState.empty(batch_size, self.heads, self.slots, self.head_dim, dtype=self.control.dtype,
+    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> ABCState:
+        return ABCState.empty(batch_size, self.heads, self.slots, self.head_dim, dtype=dtype or self.control.dtype,
                               device=device)
+
+    def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
+        # running maximum, normaliser [B, H, r] and key and value sums [B, H, r, D], in the accumulation dtype
+        numbers = batch_size * self.heads * self.slots * (2 + 2 * self.head_dim)
+        return numbers * element_size(accumulation_dtype(dtype))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, slots={self.slots}, causal={self.causal}"

@@ -1,6 +1,16 @@
-"""What every self-attention layer in the registry shares: projections, head split and the forward contract."""
+"""What every registered layer declares and shares.
+
+:class:`Mechanism` is the contract generic code (the model, training, the benchmark) talks to: what the layer
+can do (causal, non-causal, decoding, rotary positions), what it costs (time complexity, cache bytes), which of
+its parameters must not be weight-decayed and which write into the residual stream. Generic code asks these
+questions instead of matching mechanism or parameter names.
+
+:class:`AttentionLayer` adds what the attention mechanisms share: the q/k/v and output projections and the
+head split.
+"""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -19,19 +29,23 @@ def check_heads(dim: int, heads: int) -> int:
     return dim // heads
 
 
-class AttentionLayer(nn.Module):
-    r"""Base of the self-attention layers: ``forward(x, padding_mask=None, cache=None) -> (y, cache)``.
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class Mechanism(nn.Module):
+    r"""Base of every registered layer: ``forward(x, padding_mask=None, cache=None) -> (y, cache)``.
 
     ``x`` is ``[B, T, dim]``; ``padding_mask`` ``[B, T]`` bool (True = real token); ``cache`` is whatever the
-    previous call returned (None to start a sequence). Subclasses implement :meth:`attend` on per-head
-    ``q, k, v [B, T, H, D]`` and return ``None`` as the cache when they have no decoding form.
-
-    The ``supports_*`` flags say what a mechanism can do; asking for anything else raises an error naming it.
+    previous call returned (None to start a sequence). A layer without a decoding form returns None as the
+    cache. Asking a layer for something its flags deny raises an error naming it.
     """
 
     supports_causal = True
     supports_noncausal = True
     supports_decoding = True  # a causal layer can continue a sequence from the cache it returns
+    accepts_rotary = False  # takes ``rotary=True`` (the model's ``position="rope"``)
+    time_complexity = "linear"  # "linear" | "quadratic" in the sequence length
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True):
         super().__init__()
@@ -42,15 +56,32 @@ class AttentionLayer(nn.Module):
             raise ValueError(f"{name} has no non-causal form; build it with causal=True")
         self.head_dim = check_heads(dim, heads)
         self.dim, self.heads, self.causal = dim, heads, causal
-        self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.to_out = nn.Linear(dim, dim, bias=False)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None,
-               cache: Any) -> tuple[torch.Tensor, Any]:
-        raise NotImplementedError
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The keyword options of the constructor (``causal`` aside): what ``attention_options`` may set."""
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        return [p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.name != "causal"]
 
-    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
-                cache: Any = None) -> tuple[torch.Tensor, Any]:
+    def no_weight_decay(self) -> list[nn.Parameter]:
+        """Parameters to keep out of weight decay besides those with fewer than two dimensions."""
+        return []
+
+    def residual_weights(self) -> list[nn.Parameter]:
+        """Weights whose output is added to the residual stream (a model scales their initialisation)."""
+        return []
+
+    def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
+        """Upper bound of ``cache.nbytes()`` after ``context`` tokens of ``dtype`` inputs."""
+        raise ValueError(f"{type(self).__name__} has no decoding form, so no cache")
+
+    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> Any:
+        """The cache before the first token: ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
+        raise ValueError(f"{type(self).__name__} has no decoding form, so no cache")
+
+    def check_call(self, x: torch.Tensor, padding_mask: torch.Tensor | None, cache: Any) -> None:
+        """The checks every ``forward`` makes first."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape [B, T, {self.dim}], got {tuple(x.shape)}")
         check_padding_mask(padding_mask, x.shape[0], x.shape[1])
@@ -58,6 +89,31 @@ class AttentionLayer(nn.Module):
             raise ValueError(f"{type(self).__name__} was built with causal=False; a cache is only for causal decoding")
         if cache is not None and not self.supports_decoding:
             raise ValueError(f"{type(self).__name__} has no decoding form; call it without a cache")
+
+
+class AttentionLayer(Mechanism):
+    r"""Base of the attention layers: ``x`` -> per-head ``q, k, v [B, T, H, D]`` -> :meth:`attend` -> output
+    projection. Subclasses implement :meth:`attend` and return None as the cache when they cannot decode."""
+
+    def __init__(self, dim: int, heads: int, *, causal: bool = True):
+        super().__init__(dim, heads, causal=causal)
+        self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.to_out = nn.Linear(dim, dim, bias=False)
+
+    def residual_weights(self) -> list[nn.Parameter]:
+        return [self.to_out.weight]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None,
+               cache: Any) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
+                cache: Any = None) -> tuple[torch.Tensor, Any]:
+        self.check_call(x, padding_mask, cache)
         q, k, v = rearrange(self.to_qkv(x), "b t (three h d) -> three b t h d", three=3, h=self.heads)
         out, cache = self.attend(q, k, v, padding_mask, cache)
         return self.to_out(rearrange(out, "b t h d -> b t (h d)")), cache
+
+    def key_value_nbytes(self, batch_size: int, positions: int, dtype: torch.dtype) -> int:
+        """Bytes of ``positions`` cached keys and values of ``dtype`` plus their bool mask."""
+        return batch_size * positions * (2 * self.heads * self.head_dim * element_size(dtype) + 1)

@@ -1,13 +1,13 @@
 """cosFormer self-attention (Qin et al., 2022)."""
 from __future__ import annotations
 
+import torch
+
 from ..ops.cosformer import CosformerState, cosformer_attention, cosformer_attention_causal
 from ..ops.prefix_sums import check_positive
-from ..registry import register_attention
-from .base import AttentionLayer
+from .base import AttentionLayer, element_size
 
 
-@register_attention("cosformer")
 class CosformerAttention(AttentionLayer):
     r"""Linear attention with ReLU features and the cos re-weighting ``cos(pi/2 (i - j) / M)``.
 
@@ -29,6 +29,17 @@ class CosformerAttention(AttentionLayer):
             return cosformer_attention_causal(q, k, v, self.max_length, padding_mask=padding_mask, state=cache,
                                               chunk=self.chunk)
         return cosformer_attention(q, k, v, padding_mask=padding_mask), None
+
+    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> CosformerState:
+        dtype = dtype or self.to_qkv.weight.dtype
+        features = 2 * self.head_dim
+        kv = torch.zeros(batch_size, self.heads, features, self.head_dim, dtype=dtype, device=device)
+        return CosformerState(kv, kv.new_zeros(batch_size, self.heads, features), 0)
+
+    def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
+        # kv [B, H, 2D, D] and k_sum [B, H, 2D] in the input dtype
+        return batch_size * self.heads * 2 * self.head_dim * (self.head_dim + 1) * element_size(dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, max_length={self.max_length}, causal={self.causal}"

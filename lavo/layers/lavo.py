@@ -9,7 +9,6 @@ from torch.nn.utils.parametrizations import orthogonal
 from ..cache import LavoCache
 from ..ops import code_cross_attention, empty_cache, lavo_attention, lavo_attention_cached, orthogonal_basis
 from ..ops.checks import check_padding_mask, check_window, pos_bias_size
-from ..registry import register_attention
 from .base import AttentionLayer, check_heads
 
 
@@ -25,7 +24,14 @@ def add_basis(module: nn.Module, heads: int, rank: int, head_dim: int, kind: str
         raise ValueError(f"basis must be 'fixed' or 'learned', got {kind!r}")
 
 
-@register_attention("lavo")
+def learned_basis(module: nn.Module) -> list[nn.Parameter]:
+    """The unconstrained parameter behind a learned basis (empty for a fixed one): an orthogonal matrix has
+    unit norm, so decaying it only fights the parametrisation."""
+    if not hasattr(module, "parametrizations"):
+        return []
+    return [module.parametrizations["basis"].original]
+
+
 class LavoAttention(AttentionLayer):
     r"""LAVO self-attention: local windows with a relative-position bias, plus an orthogonal memory of ``rank``
     slots per head over the local outputs (context dissection).
@@ -52,10 +58,17 @@ class LavoAttention(AttentionLayer):
             return lavo_attention(q, k, v, self.basis, causal=True, return_cache=True, **options)
         return lavo_attention(q, k, v, self.basis, causal=False, **options), None
 
-    def empty_cache(self, batch_size: int, device: torch.device | None = None) -> LavoCache:
-        """State before the first token; ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
-        probe = torch.empty(batch_size, 0, self.heads, self.head_dim, dtype=self.to_qkv.weight.dtype, device=device)
+    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> LavoCache:
+        probe = torch.empty(batch_size, 0, self.heads, self.head_dim, dtype=dtype or self.to_qkv.weight.dtype,
+                            device=device)
         return empty_cache(probe, self.rank)
+
+    def no_weight_decay(self) -> list[nn.Parameter]:
+        return learned_basis(self) + ([self.pos_bias] if self.pos_bias is not None else [])
+
+    def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
+        return LavoCache.max_nbytes(batch_size, self.heads, self.head_dim, self.rank, self.window, dtype)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, rank={self.rank}, window={self.window}, causal={self.causal}, "

@@ -7,11 +7,9 @@ from torch import nn
 from ..ops.checks import check_window, pos_bias_size
 from ..ops.local import keep_visible, local_attention, local_attention_chunk
 from ..ops.softmax import KVCache
-from ..registry import register_attention
 from .base import AttentionLayer
 
 
-@register_attention("local")
 class LocalAttention(AttentionLayer):
     r"""Blocked sliding-window attention with LAVO's window rule and learned relative-position bias.
 
@@ -34,7 +32,7 @@ class LocalAttention(AttentionLayer):
             out = local_attention(q, k, v, causal=self.causal, padding_mask=padding_mask, **options)
             if not self.causal:
                 return out, None
-            cache = self.empty_cache(q.shape[0], q.device).append(k, v, padding_mask)
+            cache = self.empty_cache(q.shape[0], device=q.device).append(k, v, padding_mask)
         else:
             start = cache.position
             cache = cache.append(k, v, padding_mask)
@@ -45,9 +43,16 @@ class LocalAttention(AttentionLayer):
         kept = keep_visible(cache.position, self.window, cache.keys, cache.values, cache.key_mask)
         return out, KVCache(*(x.clone() for x in kept), cache.position)
 
-    def empty_cache(self, batch_size: int, device: torch.device | None = None) -> KVCache:
-        """State before the first token; ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
-        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=self.to_qkv.weight.dtype, device=device)
+    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> KVCache:
+        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=dtype or self.to_qkv.weight.dtype,
+                             device=device)
+
+    def no_weight_decay(self) -> list[nn.Parameter]:
+        return [self.pos_bias] if self.pos_bias is not None else []
+
+    def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
+        return self.key_value_nbytes(batch_size, min(context, 2 * self.window - 1), dtype)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, window={self.window}, causal={self.causal}, "

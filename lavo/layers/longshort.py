@@ -6,11 +6,9 @@ from torch import nn
 
 from ..ops.checks import check_window
 from ..ops.longshort import longshort_attention
-from ..registry import register_attention
 from .base import AttentionLayer
 
 
-@register_attention("longshort")
 class LongShortAttention(AttentionLayer):
     r"""Long-short attention (Zhu et al., 2021); see :mod:`lavo.ops.longshort` (no DualLN).
 

@@ -1,14 +1,14 @@
 """Performer (FAVOR+) self-attention (Choromanski et al., 2021)."""
 from __future__ import annotations
 
-from ..ops.performer import (PerformerState, orthogonal_random_features, performer_attention,
+import torch
+
+from ..ops.performer import (PerformerState, empty_state, orthogonal_random_features, performer_attention,
                              performer_attention_causal)
 from ..ops.prefix_sums import check_positive
-from ..registry import register_attention
-from .base import AttentionLayer
+from .base import AttentionLayer, element_size
 
 
-@register_attention("performer")
 class PerformerAttention(AttentionLayer):
     r"""Softmax attention approximated with ``features`` positive orthogonal random features per head.
 
@@ -31,6 +31,17 @@ class PerformerAttention(AttentionLayer):
             return performer_attention_causal(q, k, v, self.projection, padding_mask=padding_mask, state=cache,
                                               chunk=self.chunk)
         return performer_attention(q, k, v, self.projection, padding_mask=padding_mask), None
+
+    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> PerformerState:
+        probe = torch.empty(batch_size, 0, self.heads, self.head_dim, dtype=dtype or self.to_qkv.weight.dtype,
+                            device=device)
+        return empty_state(probe, self.features)
+
+    def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
+        # S [B, H, F, D], z [B, H, F] and the running key maximum [B, H], in the input dtype
+        numbers = batch_size * self.heads * (self.features * (self.head_dim + 1) + 1)
+        return numbers * element_size(dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, features={self.features}, causal={self.causal}"

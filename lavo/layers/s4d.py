@@ -7,14 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.checks import check_padding_mask
 from ..ops.s4d import discretize, fft_convolution, s4d_kernel, s4d_scan
-from ..registry import register_attention
-from .base import AttentionLayer
+from .base import Mechanism, element_size
 
 
-@register_attention("s4d")
-class S4DLayer(AttentionLayer):
+class S4DLayer(Mechanism):
     r"""The S4D block: a complex diagonal SSM on every channel of ``x``, a ``D`` skip, GELU, then a linear map to
     ``2 dim`` and a GLU, as in the reference S4D block. There is no input projection and no q/k/v: channels are
     independent and ``heads`` only has to divide ``dim``.
@@ -38,7 +35,6 @@ class S4DLayer(AttentionLayer):
             raise ValueError(f"S4DLayer state_size must be a positive even number (conjugate pairs), got {state_size}")
         if not 0 < dt_min <= dt_max:
             raise ValueError(f"S4DLayer needs 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
-        del self.to_qkv  # the SSM reads the channels of x directly
         modes = state_size // 2
         self.state_size = state_size
         self.log_dt = nn.Parameter(torch.empty(dim).uniform_(math.log(dt_min), math.log(dt_max)))
@@ -47,7 +43,7 @@ class S4DLayer(AttentionLayer):
         directions = 1 if causal else 2
         self.c = nn.Parameter(torch.view_as_real(torch.randn(directions, dim, modes, dtype=torch.cfloat)))
         self.skip = nn.Parameter(torch.randn(dim))
-        self.to_out = nn.Linear(dim, 2 * dim)
+        self.to_glu = nn.Linear(dim, 2 * dim)
 
     def system(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The discrete system: ``log_a [dim, N/2]`` and ``c_bar [directions, dim, N/2]``, complex."""
@@ -56,9 +52,7 @@ class S4DLayer(AttentionLayer):
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must have shape [B, T, {self.dim}], got {tuple(x.shape)}")
-        check_padding_mask(padding_mask, x.shape[0], x.shape[1])
+        self.check_call(x, padding_mask, cache)
         u = x if padding_mask is None else x.masked_fill(~padding_mask[..., None], 0)
         log_a, c = self.system()
         if cache is not None:
@@ -69,11 +63,23 @@ class S4DLayer(AttentionLayer):
             length = x.shape[1]
             y = fft_convolution(u, s4d_kernel(log_a, c[0], length), s4d_kernel(log_a, c[1], length))
         y = F.gelu(y + self.skip * u)
-        return F.glu(self.to_out(y), dim=-1), cache
+        return F.glu(self.to_glu(y), dim=-1), cache
+
+    def residual_weights(self) -> list[nn.Parameter]:
+        # The GLU's output is what this layer adds to the residual stream; its scale follows this projection.
+        return [self.to_glu.weight]
+
+    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.zeros(batch_size, self.dim, self.state_size // 2, dtype=self.log_a_real.dtype.to_complex(),
+                           device=device)
+
+    def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
+        # one complex number per channel and mode, in the parameters' precision (at least float32)
+        real = torch.promote_types(dtype, self.log_a_real.dtype)
+        return batch_size * self.dim * (self.state_size // 2) * 2 * element_size(real)
 
     def check_cache(self, cache: torch.Tensor, batch: int) -> None:
-        if not self.causal:
-            raise ValueError("S4DLayer was built with causal=False; a cache is only for causal decoding")
         expected = (batch, self.dim, self.state_size // 2)
         if not torch.is_tensor(cache) or not cache.is_complex() or tuple(cache.shape) != expected:
             raise ValueError(f"S4DLayer cache must be a complex state of shape {expected}; pass what the previous "

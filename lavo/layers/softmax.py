@@ -5,11 +5,9 @@ import torch
 
 from ..ops.rotary import apply_rotary
 from ..ops.softmax import KVCache, softmax_attention
-from ..registry import register_attention
 from .base import AttentionLayer
 
 
-@register_attention("softmax")
 class SoftmaxAttention(AttentionLayer):
     r"""Standard multi-head softmax attention (Vaswani et al., 2017), optionally with rotary position embedding.
 
@@ -20,6 +18,9 @@ class SoftmaxAttention(AttentionLayer):
     Args:
         rotary: rotate queries and keys by their absolute positions (RoPE, base 10000); needs an even head dim.
     """
+
+    accepts_rotary = True
+    time_complexity = "quadratic"
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True, rotary: bool = False):
         super().__init__(dim, heads, causal=causal)
@@ -35,14 +36,18 @@ class SoftmaxAttention(AttentionLayer):
         if not self.causal:
             return softmax_attention(q, k, v, causal=False, key_mask=padding_mask, query_mask=padding_mask), None
         fresh = cache is None
-        cache = (self.empty_cache(q.shape[0], q.device) if fresh else cache).append(k, v, padding_mask)
+        cache = (self.empty_cache(q.shape[0], device=q.device) if fresh else cache).append(k, v, padding_mask)
         key_mask = padding_mask if fresh else cache.key_mask  # None keeps the fast is_causal path
         out = softmax_attention(q, cache.keys, cache.values, causal=True, key_mask=key_mask, query_mask=padding_mask)
         return out, cache
 
-    def empty_cache(self, batch_size: int, device: torch.device | None = None) -> KVCache:
-        """State before the first token; ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
-        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=self.to_qkv.weight.dtype, device=device)
+    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> KVCache:
+        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=dtype or self.to_qkv.weight.dtype,
+                             device=device)
+
+    def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
+        return self.key_value_nbytes(batch_size, context, dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, causal={self.causal}, rotary={self.rotary}"

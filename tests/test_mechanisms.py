@@ -1,0 +1,143 @@
+"""What mechanisms declare, and generic code asking them: options, rotary, weight decay, residual init, cache
+size, the registry."""
+import pytest
+import torch
+
+from lavo import Mechanism, available_attentions, build_attention, build_cross_attention, register_attention
+from lavo.model import ModelConfig, build_model
+from lavo.registry import ATTENTIONS, attention_class
+
+# A non-default value for every option of every mechanism (test_every_option_is_covered keeps it complete).
+OPTION_VALUES = {
+    "abc": {"slots": [3]},
+    "cosformer": {"max_length": [64], "chunk": [5]},
+    "lavo": {"rank": [4], "window": [4], "basis": ["learned"], "position_bias": [False], "dissection": [False]},
+    "local": {"window": [4], "position_bias": [False]},
+    "longshort": {"window": [4], "rank": [2]},
+    "performer": {"features": [8], "chunk": [5]},
+    "s4d": {"state_size": [6], "dt_min": [1e-2], "dt_max": [0.5]},
+    "softmax": {"rotary": [True]},
+}
+CASES = [(name, option, value) for name, options in OPTION_VALUES.items()
+         for option, values in options.items() for value in values]
+
+
+def test_every_option_is_covered():
+    assert sorted(OPTION_VALUES) == available_attentions()
+    for name in available_attentions():
+        assert sorted(OPTION_VALUES[name]) == sorted(attention_class(name).option_names()), name
+
+
+@pytest.mark.parametrize("name,option,value", CASES)
+def test_every_mechanism_and_option_trains_and_decodes_through_the_model(name, option, value):
+    torch.manual_seed(0)
+    position = "rope" if option == "rotary" else "none"
+    options = {} if option == "rotary" else {option: value}
+    model = build_model(dict(vocab_size=50, dim=16, depth=2, heads=2, attention=name, attention_options=options,
+                             position=position))
+    ids = torch.randint(0, 50, (2, 21))
+    logits, cache = model(ids)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
+    loss.backward()
+    assert torch.isfinite(loss).item()
+    # every trainable parameter is reached by the loss
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    if model.supports_decoding:
+        with torch.no_grad():
+            first, cache = model(ids[:, :13])
+            rest, cache = model(ids[:, 13:], cache=cache)
+        torch.testing.assert_close(torch.cat([first, rest], 1), logits.detach(), atol=1e-4, rtol=1e-4)
+    else:
+        assert cache is None
+
+
+def test_unknown_option_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"attention 'lavo' has no option 'windw'; its options: rank, window, "
+                                         r"basis, position_bias, dissection"):
+        ModelConfig(attention="lavo", attention_options={"windw": 8})
+    with pytest.raises(ValueError, match=r"attention 'abc' has no option 'window'"):
+        build_attention("abc", 16, 2, window=8)
+
+
+@pytest.mark.parametrize("name", [n for n in available_attentions() if not attention_class(n).accepts_rotary])
+def test_rope_with_an_attention_that_cannot_rotate_fails_when_configured(name):
+    with pytest.raises(ValueError, match=rf"position='rope' .* {name!r} does not take rotary positions .*softmax"):
+        ModelConfig(attention=name, position="rope")
+
+
+def test_weight_decay_groups_come_from_the_mechanisms():
+    model = build_model(dict(vocab_size=50, dim=16, depth=1, heads=2, attention="lavo",
+                             attention_options={"window": 4, "basis": "learned"}))
+    decay, no_decay = (group["params"] for group in model.parameter_groups(0.1))
+    assert {id(p) for p in decay}.isdisjoint(id(p) for p in no_decay)
+    assert len(decay) + len(no_decay) == len(list(model.parameters()))
+    attention = model.blocks[0].attention
+    excluded = {id(attention.pos_bias), id(attention.parametrizations["basis"].original)}
+    assert excluded <= {id(p) for p in no_decay}
+    assert {id(model.embed.weight), id(attention.to_qkv.weight)} <= {id(p) for p in decay}
+    assert all(p.dim() >= 2 for p in decay)
+
+
+def test_residual_projections_get_the_scaled_init():
+    depth = 6
+    model = build_model(dict(vocab_size=50, dim=64, depth=depth, heads=2, attention="s4d"))
+    s4d = model.blocks[0].attention
+    expected = 0.02 / (2 * depth) ** 0.5
+    assert s4d.residual_weights() == [s4d.to_glu.weight]
+    assert abs(s4d.to_glu.weight.std().item() - expected) < 0.15 * expected
+    assert abs(model.blocks[0].mlp[0].weight.std().item() - 0.02) < 0.1 * 0.02
+    assert not hasattr(s4d, "to_qkv")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", [n for n in available_attentions() if ATTENTIONS[n].supports_decoding])
+def test_cache_nbytes_is_the_tight_upper_bound(name, dtype):
+    torch.manual_seed(0)
+    options = {"window": 4} if "window" in attention_class(name).option_names() else {}
+    layer = build_attention(name, 16, 2, **options).to(dtype)
+    cache, sizes = None, []
+    with torch.no_grad():
+        for context in range(1, 15):
+            _, cache = layer(torch.randn(2, 1, 16, dtype=dtype), cache=cache)
+            nbytes = cache.numel() * cache.element_size() if torch.is_tensor(cache) else cache.nbytes()
+            bound = layer.cache_nbytes(2, context, dtype)
+            assert nbytes <= bound, (context, nbytes, bound)
+            sizes.append(bound - nbytes)
+    assert min(sizes) == 0  # reached at some context: the bound is not loose
+
+
+def test_layers_without_decoding_refuse_a_cache():
+    layer = build_attention("longshort", 16, 2, window=4)
+    for call in (lambda: layer.empty_cache(1), lambda: layer.cache_nbytes(1, 10)):
+        with pytest.raises(ValueError, match="LongShortAttention has no decoding form, so no cache"):
+            call()
+
+
+def test_registering_a_new_mechanism():
+    @register_attention("test-identity")
+    class Identity(Mechanism):
+        def forward(self, x, padding_mask=None, cache=None):
+            self.check_call(x, padding_mask, cache)
+            return x, None
+
+    try:
+        assert "test-identity" in available_attentions()
+        x = torch.randn(1, 3, 8)
+        y, _ = build_model(dict(vocab_size=5, dim=8, depth=1, heads=2, attention="test-identity"))(
+            torch.zeros(1, 3, dtype=torch.long))
+        assert y.shape == (1, 3, 5)
+        assert torch.equal(build_attention("test-identity", 8, 2)(x)[0], x)
+        with pytest.raises(ValueError, match="already registered"):
+            register_attention("test-identity")(Identity)
+    finally:
+        ATTENTIONS.pop("test-identity")
+    with pytest.raises(TypeError, match="must subclass lavo.layers.Mechanism"):
+        register_attention("not-a-mechanism")(torch.nn.Linear)
+
+
+def test_cross_attention_is_in_the_registry():
+    cross = build_cross_attention("lavo", 16, 2, rank=4)
+    assert cross(torch.randn(1, 3, 16), torch.randn(1, 7, 16)).shape == (1, 3, 16)
+    with pytest.raises(ValueError, match="unknown cross attention 'nope'; available: lavo"):
+        build_cross_attention("nope", 16, 2)
+
