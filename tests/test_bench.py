@@ -8,10 +8,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lavo import report
-from lavo.bench import cli, decode, flops, measure, output, settings
+from lavo.bench import attention, cli, decode, flops, measure, model, output, settings
+from lavo.bench.measure import Measurement
+from lavo.bench.runner import Runner
 from lavo.cache import LavoCache
+from lavo.layers.local import LocalAttention
 from lavo.ops import lavo_attention, orthogonal_basis
-from lavo.registry import available_attentions, build_attention
+from lavo.registry import ATTENTIONS, available_attentions, build_attention
 
 RECORD_FIELDS = {"section", "level", "mechanism", "op", "length", "dtype", "ms", "peak_mib", "ratio", "status",
                  "note"}
@@ -52,9 +55,11 @@ def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
         assert r["peak_mib"] is None or r["peak_mib"] >= 0
     decode = [r for r in records if r["section"] == "decode"]
     assert {r["mechanism"] for r in decode} == {"lavo", "softmax", "local"}
-    assert all(r["cache_bytes"] > 0 and r["ms"] > 0 for r in decode)
+    assert all(0 < r["cache_bytes"] <= r["cache_bound_bytes"] and r["ms"] > 0 for r in decode)
+    assert all(r["ratio_to"] == "softmax" for r in decode)
     model = [r for r in records if r["section"] == "model"]
     assert "softmax+rope" in {r["mechanism"] for r in model}
+    assert all(r["ratio_to"] == "softmax+rope" for r in model)
     assert all(r["tokens_per_s"] > 0 for r in model)
     flops = [r for r in records if r["section"] == "flops" and r["mechanism"] != "matmul"]
     assert flops and all(r["gflop"] > 0 and r["gflops_per_s"] > 0 and r["ratio"] > 0 for r in flops)
@@ -78,6 +83,103 @@ def test_help_documents_every_section(capsys):
 def test_unknown_mechanism_is_an_error():
     with pytest.raises(SystemExit, match="unknown"):
         cli.main(["--quick", "--attentions", "nope"])
+    with pytest.raises(SystemExit, match="longshort.* no decoding form"):
+        cli.main(["--quick", "--decode-attentions", "longshort"])
+
+
+def quick_settings(*args: str) -> settings.Settings:
+    return cli.settings_from_args(cli.build_parser().parse_args(["--quick", "--no-progress", *args]))
+
+
+class QuadraticLocal(LocalAttention):
+    """Local attention declared quadratic: generic code must treat it as it treats softmax."""
+    time_complexity = "quadratic"
+
+
+def test_declared_time_complexity_decides_the_lengths_run_and_the_skips_predicted(monkeypatch):
+    monkeypatch.setitem(ATTENTIONS, "quadratic_local", QuadraticLocal)
+    # every call "takes" 1 s: at twice the length, linear growth predicts 2 s and quadratic growth 4 s; quadratic
+    # ones stop at --max-quadratic-length
+    monkeypatch.setattr(Runner, "measure", lambda self, fn, repeats=None: Measurement(1000.0, [1000.0], None))
+    s = quick_settings("--attentions", "local,quadratic_local", "--ops", "lavo_attention,sdpa", "--passes", "fwd",
+                       "--lengths", "128,256,512", "--max-quadratic-length", "256", "--time-limit", "3")
+    runner = Runner(s, None)
+    attention.run(runner)
+    status = {(r["mechanism"], r["length"]): r["status"] for r in runner.records}
+    assert status == {("sdpa (op)", 128): "ok", ("sdpa (op)", 256): "skipped",
+                      ("lavo_attention (op)", 128): "ok", ("lavo_attention (op)", 256): "ok",
+                      ("lavo_attention (op)", 512): "ok",
+                      ("local", 128): "ok", ("local", 256): "ok", ("local", 512): "ok",
+                      ("quadratic_local", 128): "ok", ("quadratic_local", 256): "skipped"}
+    notes = {(r["mechanism"], r["length"]): r["note"] for r in runner.records}
+    assert "predicted 4 s" in notes["quadratic_local", 256] and "predicted 4 s" in notes["sdpa (op)", 256]
+
+
+def test_the_first_quadratic_mechanism_is_the_reference_of_decode_and_model(monkeypatch):
+    monkeypatch.setitem(ATTENTIONS, "quadratic_local", QuadraticLocal)
+    monkeypatch.setattr(Runner, "measure", lambda self, fn, repeats=None: Measurement(1.0, [1.0], None))
+    s = quick_settings("--decode-attentions", "lavo,quadratic_local", "--model-attentions", "lavo,quadratic_local",
+                       "--decode-lengths", "64", "--model-lengths", "32")
+    runner = Runner(s, None)
+    decode.run(runner)
+    model.run(runner)
+    assert [(r["mechanism"], r["ratio_to"]) for r in runner.records] == [
+        ("quadratic_local", "quadratic_local"), ("lavo", "quadratic_local"),
+        ("quadratic_local", "quadratic_local"), ("lavo", "quadratic_local")]
+
+
+def test_options_go_to_the_mechanisms_that_have_them():
+    s = quick_settings("--window", "8", "--rank", "4", "--attention-options", '{"performer": {"features": 16}}')
+    assert settings.mechanism_options("lavo", s, 100) == {"window": 8, "rank": 4}
+    assert settings.mechanism_options("local", s, 100) == {"window": 8}
+    assert settings.mechanism_options("cosformer", s, 100) == {"max_length": 100}
+    assert settings.mechanism_options("performer", s, 100) == {"features": 16}
+    assert settings.mechanism_options("softmax", s, 100) == {}
+    for name in available_attentions():
+        build_attention(name, s.dim, s.heads, **settings.mechanism_options(name, s, 100))
+
+
+def test_the_attention_that_takes_rotary_positions_runs_with_rope(monkeypatch):
+    assert model.label("softmax") == "softmax+rope" and model.label("lavo") == "lavo"
+    s = quick_settings()
+    assert model.model_for("softmax", s, 64).config.position == "rope"
+    assert model.model_for("lavo", s, 64).config.position == "none"
+    monkeypatch.setattr(LocalAttention, "accepts_rotary", True)
+    assert model.label("local") == "local+rope"
+
+
+@pytest.mark.parametrize("which", ["fwd", "fwd+bwd"])
+def test_sdpa_op_row_is_causal(monkeypatch, which):
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **options):
+        calls.append((q.shape, options))
+        return real(q, k, v, **options)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    s = quick_settings()
+    attention.attention_call("sdpa (op)", s, 48, which, Runner(s, None))()
+    assert calls == [((s.batch, s.heads, 48, s.head_dim), {"is_causal": True})]
+
+
+@pytest.mark.parametrize("which", ["fwd", "fwd+bwd"])
+def test_lavo_op_row_runs_lavo_attention_with_the_run_shapes(monkeypatch, which):
+    calls = []
+
+    def spy(q, k, v, basis, **options):
+        calls.append((q.shape, k.shape, v.shape, basis.shape, options))
+        return lavo_attention(q, k, v, basis, **options)
+
+    monkeypatch.setattr(attention, "lavo_attention", spy)
+    s = quick_settings()
+    attention.attention_call("lavo_attention (op)", s, 48, which, Runner(s, None))()
+    assert len(calls) == 1
+    q_shape, k_shape, v_shape, basis_shape, options = calls[0]
+    assert q_shape == k_shape == v_shape == (s.batch, 48, s.heads, s.head_dim)
+    assert basis_shape == (s.heads, s.rank, s.head_dim)
+    assert options["window"] == s.window and options["causal"] is True
+    assert options["pos_bias"].shape == (s.heads, 2 * s.window)
 
 
 def test_slow_and_failing_measurements_are_skipped_with_a_note(capsys, tmp_path):
@@ -123,7 +225,7 @@ def test_tensor_nbytes_matches_lavo_cache_nbytes():
 
 
 def test_softmax_prefill_past_the_quadratic_limit_builds_the_same_cache():
-    run_settings = cli.settings_from_args(cli.build_parser().parse_args(["--quick", "--max-quadratic-length", "8"]))
+    run_settings = quick_settings("--max-quadratic-length", "8")
     for rotary in (False, True):
         layer = build_attention("softmax", 32, 2, rotary=rotary)
         x = torch.randn(1, 20, 32)

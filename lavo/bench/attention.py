@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import lavo_attention, orthogonal_basis
-from ..registry import build_attention
+from ..registry import attention_class, build_attention
 from .runner import Ratios, Runner, fill, record
-from .settings import Settings, mechanism_options, time_complexity
+from .settings import Settings, mechanism_options
 
 Inputs = Callable[[Settings, int, torch.device, bool], tuple[Callable[[], torch.Tensor], list]]
 
@@ -48,9 +48,9 @@ BY_LABEL = {op.label: op for op in OPS.values()}
 SDPA = OPS["sdpa"].label  # the reference: the softmax attention PyTorch makes as fast as it can
 
 
-def complexity(name: str) -> str:
-    """Time complexity of a raw op (by its label) or a registered mechanism."""
-    return BY_LABEL[name].time_complexity if name in BY_LABEL else time_complexity(name)
+def time_complexity(name: str) -> str:
+    """How the time of a raw op (by its label) or a registered mechanism grows with the sequence length."""
+    return BY_LABEL[name].time_complexity if name in BY_LABEL else attention_class(name).time_complexity
 
 
 def plan(settings: Settings) -> list[tuple[str, str, int]]:
@@ -58,7 +58,7 @@ def plan(settings: Settings) -> list[tuple[str, str, int]]:
     names = [OPS[op].label for op in settings.ops] + list(settings.attentions)
     names.sort(key=lambda name: name != SDPA)
     return [(name, which, length) for name in names for length in settings.lengths
-            if complexity(name) == "linear" or length <= settings.max_quadratic_length
+            if time_complexity(name) == "linear" or length <= settings.max_quadratic_length
             for which in settings.passes]
 
 
@@ -109,5 +109,5 @@ def run(runner: Runner) -> None:
         def work(entry, name=name, which=which, length=length):
             fill(entry, runner.measure(attention_call(name, s, length, which, runner)))
 
-        runner.run(entry, ("attention", name, which), complexity(name), work)
+        runner.run(entry, ("attention", name, which), time_complexity(name), work)
         ratios.add(entry, (which, length))

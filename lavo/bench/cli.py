@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from ..model import PRESETS
-from ..registry import available_attentions
+from ..registry import attention_class, available_attentions
 from . import attention, decode, flops, model
 from .measure import machine_info
 from .output import markdown, plots, write_records
 from .runner import Runner
-from .settings import DTYPES, FULL, PASSES, QUICK, SECTIONS, Settings
+from .settings import DTYPES, FULL, PASSES, QUICK, SECTIONS, Settings, having_option, quadratic
 
 RUN = {"attention": attention, "decode": decode, "model": model, "flops": flops}  # in SECTIONS order
 
@@ -43,6 +43,9 @@ def _length_value(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options, on ``parser``."""
     a = parser.add_argument
+    registered = available_attentions()
+    quadratic_ones = [name for name in registered if quadratic(name)]
+    rotary = [name for name in registered if attention_class(name).accepts_rotary]
     a("--sections", type=_list(str), default=list(SECTIONS),
       help=f"comma-separated sections to run, of {','.join(SECTIONS)} [all]")
     a("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run of every section in seconds")
@@ -53,13 +56,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--passes", type=_list(str), default=list(PASSES), help="fwd, fwd+bwd or both [both]")
     a("--lengths", type=_list(_length_value), default=None, help="sequence lengths [1K,2K,...,64K]")
     a("--max-quadratic-length", type=_length_value, default=None,
-      help="longest sequence for softmax and SDPA (attention, model sections; decode fills longer softmax "
-           "caches without running the attention) [16K]")
+      help=f"longest sequence for the quadratic mechanisms ({','.join(quadratic_ones)}) and SDPA (attention, "
+           f"model sections; decode fills their longer caches without running the attention) [16K]")
     a("--batch", type=int, default=1, help="batch size of the attention and decode sections [1]")
     a("--heads", type=int, default=None, help="heads H [8]")
     a("--head-dim", type=int, default=None, help="head dim D; the layers' dim is H*D [64]")
-    a("--rank", type=int, default=None, help="LAVO's memory rank r [64]")
-    a("--window", type=int, default=None, help="LAVO's (and local, long-short) window w [128]")
+    a("--rank", type=int, default=None,
+      help=f"memory rank r of LAVO's op and of the mechanisms with a rank option "
+           f"({','.join(having_option('rank', registered))}) [64]")
+    a("--window", type=int, default=None,
+      help=f"window w of LAVO's op and of the mechanisms with a window option "
+           f"({','.join(having_option('window', registered))}) [128]")
     a("--dtype", choices=sorted(DTYPES), default="fp32",
       help="fp32, or bf16: ops take bf16 inputs, layers and models run under bf16 autocast [fp32]")
     a("--repeats", type=int, default=None, help="timed calls per measurement; the median is reported [5]")
@@ -72,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--decode-steps", type=int, default=None, help="timed single-token steps per context length [32]")
     a("--model-preset", default=None, help="model section: preset of lavo.model.PRESETS [small]")
     a("--model-attentions", type=_list(str), default=None,
-      help="model section: attentions (softmax runs with rope) [all registered]")
+      help=f"model section: attentions (those taking rotary positions, {','.join(rotary)}, run with rope) "
+           f"[all registered]")
     a("--model-lengths", type=_list(_length_value), default=None, help="training sequence lengths [1K,4K]")
     a("--model-batch", type=int, default=1, help="model section batch size [1]")
     a("--model-repeats", type=int, default=None, help="timed training steps per measurement [3]")
@@ -107,6 +115,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         unknown = [n for n in names if n not in allowed]
         if unknown:
             raise SystemExit(f"{option}: unknown {unknown}; choose from {', '.join(allowed)}")
+    cannot = [name for name in args.decode_attentions if not attention_class(name).supports_decoding]
+    if cannot:
+        raise SystemExit(f"--decode-attentions: {cannot} have no decoding form; choose from "
+                         f"{', '.join(name for name in registered if attention_class(name).supports_decoding)}")
     if values["model_preset"] not in PRESETS:
         raise SystemExit(f"--model-preset: unknown {values['model_preset']!r}; choose from {', '.join(PRESETS)}")
     if not isinstance(args.attention_options, dict):

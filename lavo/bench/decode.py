@@ -1,5 +1,6 @@
 """The ``decode`` section: per-token step time and cache bytes against the context length, for causal layers
-with a decoding form, each as a ratio to softmax's step at the same context."""
+with a decoding form, each as a ratio to the step of the quadratic mechanism (softmax, whose cache is every key
+and value) at the same context."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,12 +9,12 @@ from typing import Any
 
 import torch
 
-from ..layers.softmax import SoftmaxAttention
 from ..ops.rotary import apply_rotary
+from ..ops.softmax import KVCache
 from ..registry import build_attention
-from .measure import sync
+from .measure import MIB, Skipped, available_mib, sync
 from .runner import Ratios, Runner, fill, record
-from .settings import Settings, mechanism_options
+from .settings import Settings, mechanism_options, quadratic
 
 
 def tensor_nbytes(obj: Any) -> int:
@@ -40,15 +41,21 @@ def tensor_nbytes(obj: Any) -> int:
 
 
 def prefill(layer, x: torch.Tensor, settings: Settings):
-    """The cache after the context ``x``, without grad. A softmax layer's key/value cache is filled directly past
-    ``--max-quadratic-length`` (same contents, without computing the quadratic attention): returns (cache,
-    whether the layer really ran)."""
+    """The cache after the context ``x``, without grad; returns (cache, whether the layer really ran).
+
+    A quadratic layer keeps every key and value (a :class:`~lavo.ops.softmax.KVCache`): past
+    ``--max-quadratic-length`` its cache is filled directly from its projections (same contents, without
+    computing the quadratic attention)."""
     with torch.no_grad():
-        if isinstance(layer, SoftmaxAttention) and x.shape[1] > settings.max_quadratic_length:
+        if layer.time_complexity == "quadratic" and x.shape[1] > settings.max_quadratic_length:
+            cache = layer.empty_cache(x.shape[0], device=x.device)
+            if not isinstance(cache, KVCache):
+                raise ValueError(f"a context past --max-quadratic-length fills only a KVCache directly, "
+                                 f"not {type(cache).__name__}")
             _, k, v = layer.to_qkv(x).view(*x.shape[:2], 3, layer.heads, layer.head_dim).unbind(2)
-            if layer.rotary:
+            if layer.accepts_rotary and layer.rotary:
                 k = apply_rotary(k, 0)
-            return layer.empty_cache(x.shape[0], x.device).append(k, v, None), False
+            return cache.append(k, v, None), False
         return layer(x)[1], True
 
 
@@ -58,18 +65,20 @@ def planned(settings: Settings) -> int:
 
 def run(runner: Runner) -> None:
     s, device = runner.settings, runner.device
-    ratios = Ratios("softmax")
-    names = sorted(s.decode_attentions, key=lambda name: name != "softmax")
+    names = sorted(s.decode_attentions, key=lambda name: not quadratic(name))
+    ratios = Ratios(names[0] if names and quadratic(names[0]) else None)
     for name in names:
         for length in s.decode_lengths:
             entry = record("decode", "layer", name, "decode_step", length, s, steps=s.decode_steps,
-                           cache_bytes=None, prefill_ms=None)
+                           cache_bytes=None, cache_bound_bytes=None, prefill_ms=None)
 
             def work(entry, name=name, length=length):
                 options = mechanism_options(name, s, max(s.decode_lengths) + s.decode_steps + s.warmup + 2)
                 layer = build_attention(name, s.dim, s.heads, causal=True, **options).to(device).eval()
-                if not getattr(layer, "supports_decoding", False):
-                    raise ValueError(f"{name} has no decoding form")
+                bound = entry["cache_bound_bytes"] = layer.cache_nbytes(s.batch, length, s.torch_dtype)
+                available = available_mib(device)
+                if available is not None and bound / MIB > 0.8 * available:
+                    raise Skipped(f"the cache's {bound / MIB:.0f} MiB > 80% of the {available:.0f} MiB available")
                 context = torch.randn(s.batch, length, s.dim, device=device)
                 with runner.autocast():
                     start = time.perf_counter()
@@ -79,8 +88,6 @@ def run(runner: Runner) -> None:
                         entry["prefill_ms"] = (time.perf_counter() - start) * 1e3
                     else:
                         entry["note"] = "cache filled directly (context past --max-quadratic-length)"
-                if cache is None:
-                    raise ValueError(f"{name} returned no cache")
                 entry["cache_bytes"] = tensor_nbytes(cache)
                 token = torch.randn(s.batch, 1, s.dim, device=device)
                 state = {"cache": cache}

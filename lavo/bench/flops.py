@@ -9,7 +9,7 @@ import torch
 
 from ..ops import local as local_ops
 from .attention import OPS, attention_call
-from .measure import TooSlow
+from .measure import Skipped
 from .runner import Runner, fill, record
 from .settings import DTYPES, Settings
 
@@ -94,7 +94,7 @@ def run(runner: Runner) -> None:
                 if (which, length) in measured:
                     source = measured[which, length]
                     if source["ms"] is None:
-                        raise TooSlow(f"not measured in the attention section ({source['note']})")
+                        raise Skipped(f"not measured in the attention section ({source['note']})")
                     entry.update(ms=source["ms"], times_ms=source["times_ms"], peak_mib=source["peak_mib"])
                 else:
                     fill(entry, runner.measure(attention_call(op.label, s, length, which, runner)))

@@ -100,8 +100,8 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-class TooSlow(Exception):
-    """One call took longer than the time limit."""
+class Skipped(Exception):
+    """The measurement is not taken: a call took longer than the time limit, or its memory would not fit."""
 
 
 @dataclass
@@ -114,11 +114,11 @@ class Measurement:
 def measure(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup: int,
             time_limit: float) -> Measurement:
     """Warm-up calls, one call under :class:`PeakMemory`, then ``repeats`` timed calls; median time in ms.
-    Raises :class:`TooSlow` as soon as a call exceeds ``time_limit`` seconds."""
+    Raises :class:`Skipped` as soon as a call exceeds ``time_limit`` seconds."""
     def call() -> float:
         seconds = _timed(fn, device)
         if seconds > time_limit:
-            raise TooSlow(f"one call took {seconds:.3g} s > --time-limit {time_limit:g} s")
+            raise Skipped(f"one call took {seconds:.3g} s > --time-limit {time_limit:g} s")
         return seconds
 
     for _ in range(warmup):

@@ -1,35 +1,42 @@
 """The ``model`` section: training throughput (forward, loss, backward, clipping, AdamW step) and peak memory of
-the whole language model for a preset, per attention, each as a ratio to softmax with rotary positions."""
+the whole language model for a preset, per attention, each as a ratio to the quadratic attention (softmax, with
+rotary positions) at the same length."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from ..model import PRESETS, build_model, model_config
+from ..registry import attention_class
 from .runner import Ratios, Runner, fill, record
-from .settings import Settings, mechanism_options, time_complexity
+from .settings import Settings, mechanism_options, quadratic
+
+
+def position(name: str) -> str:
+    """Rotary positions for the attentions that take them; the others carry their own or none."""
+    return "rope" if attention_class(name).accepts_rotary else "none"
 
 
 def label(name: str) -> str:
-    return "softmax+rope" if name == "softmax" else name
+    return f"{name}+rope" if position(name) == "rope" else name
 
 
 def model_for(name: str, settings: Settings, max_length: int):
     options = mechanism_options(name, settings, max_length)
     shape = {**PRESETS[settings.model_preset], **settings.model_overrides}
-    if "rank" in options:  # a rank above the head dim does not exist (tiny preset: D = 48)
+    if "rank" in options:  # LAVO's orthogonal basis has at most D vectors (tiny preset: D = 48 < the run's 64)
         options["rank"] = min(options["rank"], shape["dim"] // shape["heads"])
-    position = "rope" if name == "softmax" else "none"
-    config = model_config(settings.model_preset, attention=name, attention_options=options, position=position,
+    config = model_config(settings.model_preset, attention=name, attention_options=options, position=position(name),
                           **settings.model_overrides)
     return build_model(config)
 
 
 def plan(settings: Settings) -> list[tuple[str, int]]:
-    """(attention, length) in run order: the reference (softmax) first, so ratios can be taken."""
-    names = sorted(settings.model_attentions, key=lambda name: name != "softmax")
+    """(attention, length) in run order: quadratic attentions first (the first is the reference of the ratios),
+    and only up to ``--max-quadratic-length``."""
+    names = sorted(settings.model_attentions, key=lambda name: not quadratic(name))
     return [(name, length) for name in names for length in settings.model_lengths
-            if time_complexity(name) == "linear" or length <= settings.max_quadratic_length]
+            if not quadratic(name) or length <= settings.max_quadratic_length]
 
 
 def planned(settings: Settings) -> int:
@@ -38,8 +45,9 @@ def planned(settings: Settings) -> int:
 
 def run(runner: Runner) -> None:
     s, device = runner.settings, runner.device
-    ratios = Ratios(label("softmax"))
-    for name, length in plan(s):
+    steps = plan(s)
+    ratios = Ratios(label(steps[0][0]) if steps and quadratic(steps[0][0]) else None)
+    for name, length in steps:
         entry = record("model", "model", label(name), "train_step", length, s, batch=s.model_batch,
                        preset=s.model_preset, model_overrides=s.model_overrides, tokens_per_s=None,
                        parameters=None)
@@ -61,5 +69,5 @@ def run(runner: Runner) -> None:
             fill(entry, runner.measure(step, repeats=s.model_repeats))
             entry["tokens_per_s"] = s.model_batch * length / (entry["ms"] / 1e3)
 
-        runner.run(entry, ("model", name), time_complexity(name), work)
+        runner.run(entry, ("model", name), attention_class(name).time_complexity, work)
         ratios.add(entry, length)

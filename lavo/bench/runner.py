@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 
 from ..report import length_label
-from .measure import Measurement, TooSlow, available_mib, measure
+from .measure import Measurement, Skipped, available_mib, measure
 from .settings import Settings
 
 GROWTH = {"linear": 1, "quadratic": 2}  # exponent of the sequence length in a call's time and memory
@@ -69,8 +69,8 @@ class Runner:
         else:
             try:
                 work(entry)
-            except TooSlow as slow:
-                entry.update(status="skipped", note=f"skipped: {slow}", ms=None)
+            except Skipped as reason:
+                entry.update(status="skipped", note=f"skipped: {reason}", ms=None)
             except Exception as error:  # a benchmark reports failures instead of stopping
                 entry.update(status="failed", note=f"failed: {type(error).__name__}: {str(error)[:200]}", ms=None)
             finally:
@@ -91,9 +91,9 @@ class Runner:
 
 class Ratios:
     """Times relative to a ``reference`` series measured before the others at each point (a length, or a pass
-    and a length): ``ratio = ms / the reference's ms``."""
+    and a length): ``ratio = ms / the reference's ms``; no ratios when ``reference`` is None."""
 
-    def __init__(self, reference: str):
+    def __init__(self, reference: str | None):
         self.reference, self._ms = reference, {}
 
     def add(self, entry: dict, point) -> None:

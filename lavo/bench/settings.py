@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..registry import attention_class
+
 SECTIONS = ("attention", "decode", "model", "flops")
 PASSES = ("fwd", "fwd+bwd")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -63,14 +65,19 @@ class Settings:
 
 
 def mechanism_options(name: str, settings: Settings, max_length: int) -> dict:
-    """Options each mechanism is built with: the paper's window and rank where they apply, cosFormer's horizon
-    long enough for the longest sequence, then ``--attention-options`` on top."""
-    w, r = settings.window, settings.rank
-    defaults = {"lavo": dict(window=w, rank=r), "local": dict(window=w), "longshort": dict(window=w),
-                "cosformer": dict(max_length=max_length)}
-    return {**defaults.get(name, {}), **settings.attention_options.get(name, {})}
+    """Options a mechanism is built with: of the run's ``window`` and ``rank`` (the paper's) and ``max_length``
+    (a horizon long enough for the longest sequence), those the mechanism has an option of that name for, then
+    its ``--attention-options`` on top."""
+    shared = dict(window=settings.window, rank=settings.rank, max_length=max_length)
+    defaults = {option: shared[option] for option in attention_class(name).option_names() if option in shared}
+    return {**defaults, **settings.attention_options.get(name, {})}
 
 
-def time_complexity(name: str) -> str:
-    """How a registered mechanism's time grows with the sequence length: ``linear`` or ``quadratic``."""
-    return "quadratic" if name == "softmax" else "linear"
+def having_option(option: str, names: list[str]) -> list[str]:
+    """The mechanisms of ``names`` that have a constructor option named ``option``."""
+    return [name for name in names if option in attention_class(name).option_names()]
+
+
+def quadratic(name: str) -> bool:
+    """Whether the time of the registered mechanism ``name`` grows with the square of the sequence length."""
+    return attention_class(name).time_complexity == "quadratic"
