@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # The committed CPU run (benchmarks/results/cpu_fp32*): every section, fp32, both cores of an otherwise idle
-# 2-core machine; see benchmarks/RESULTS.md for how to read it. Long-short keeps its own rank (1 landmark per
-# segment), as in that run: the run's --rank goes to every mechanism with a rank option.
+# 2-core machine; see benchmarks/RESULTS.md for how to read it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results/cpu_fp32
 mkdir -p "$out"
 .venv/bin/python -m lavo.bench --threads 2 --repeats 3 --time-limit 30 \
     --lengths 1K,4K,16K,64K --decode-lengths 1K,4K,16K,64K --model-lengths 1K,4K \
-    --attention-options '{"longshort": {"rank": 1}}' \
     --json "$out.json" --plots "$out" | tee "$out.md"

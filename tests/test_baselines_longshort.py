@@ -39,11 +39,11 @@ def test_causal_queries_reach_past_their_window_only_through_landmarks():
 
 def test_layer_defaults_and_impossible_requests():
     causal, bidirectional = build_attention("longshort", 16, 2), build_attention("longshort", 16, 2, causal=False)
-    assert (causal.window, causal.rank, bidirectional.rank) == (64, 1, 32)
+    assert (causal.window, causal.landmarks, bidirectional.landmarks) == (64, 1, 32)
     with pytest.raises(ValueError, match="LongShortAttention has no decoding form"):
         causal(torch.randn(1, 3, 16), cache=object())
-    with pytest.raises(ValueError, match="rank must be a positive integer"):
-        build_attention("longshort", 16, 2, rank=0)
+    with pytest.raises(ValueError, match="landmarks must be a positive integer"):
+        build_attention("longshort", 16, 2, landmarks=0)
     with pytest.raises(ValueError, match="window must be a positive integer"):
         build_attention("longshort", 16, 2, window=0)
     q = torch.randn(1, 3, 2, 4)

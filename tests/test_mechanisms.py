@@ -13,7 +13,7 @@ OPTION_VALUES = {
     "cosformer": {"max_length": [64], "chunk": [5]},
     "lavo": {"rank": [4], "window": [4], "basis": ["learned"], "position_bias": [False], "dissection": [False]},
     "local": {"window": [4], "position_bias": [False]},
-    "longshort": {"window": [4], "rank": [2]},
+    "longshort": {"window": [4], "landmarks": [2]},
     "performer": {"features": [8], "chunk": [5]},
     "s4d": {"state_size": [6], "dt_min": [1e-2], "dt_max": [0.5]},
     "softmax": {"rotary": [True]},

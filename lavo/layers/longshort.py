@@ -16,23 +16,24 @@ class LongShortAttention(AttentionLayer):
 
     Args:
         window: sliding-window length ``w``; causal, also the segment length of the landmarks.
-        rank: landmarks, over the whole sequence (non-causal; default 32) or per completed segment (causal;
+        landmarks: over the whole sequence (non-causal; default 32) or per completed segment (causal;
             default 1).
 
-    No decoding form: causal landmarks accumulate ``rank`` per segment, so the state grows with the context, and
+    No decoding form: causal landmarks accumulate ``landmarks`` per segment, so the state grows with the context, and
     there is no exact constant-size recurrence; decode by re-running the forward pass.
     """
 
     supports_decoding = False
 
-    def __init__(self, dim: int, heads: int, *, causal: bool = True, window: int = 64, rank: int | None = None):
+    def __init__(self, dim: int, heads: int, *, causal: bool = True, window: int = 64,
+                 landmarks: int | None = None):
         super().__init__(dim, heads, causal=causal)
         check_window(window)
-        rank = (1 if causal else 32) if rank is None else rank
-        if not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank must be a positive integer, got {rank!r}")
-        self.window, self.rank = window, rank
-        self.projection = nn.Parameter(torch.randn(heads, self.head_dim, rank) * self.head_dim ** -0.5)
+        landmarks = (1 if causal else 32) if landmarks is None else landmarks
+        if not isinstance(landmarks, int) or landmarks < 1:
+            raise ValueError(f"landmarks must be a positive integer, got {landmarks!r}")
+        self.window, self.landmarks = window, landmarks
+        self.projection = nn.Parameter(torch.randn(heads, self.head_dim, landmarks) * self.head_dim ** -0.5)
 
     def attend(self, q, k, v, padding_mask, cache):
         out = longshort_attention(q, k, v, self.projection, window=self.window, causal=self.causal,
@@ -40,4 +41,4 @@ class LongShortAttention(AttentionLayer):
         return out, None
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, heads={self.heads}, window={self.window}, rank={self.rank}, causal={self.causal}"
+        return f"dim={self.dim}, heads={self.heads}, window={self.window}, landmarks={self.landmarks}, causal={self.causal}"
