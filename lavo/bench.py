@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .ops import local as local_ops
+from .ops.local import blocked as local_ops
 
 SECTIONS = ("attention", "decode", "model", "flops")
 PASSES = ("fwd", "fwd+bwd")
@@ -473,7 +473,7 @@ def prefill(layer, x: torch.Tensor, settings: Settings):
     ``--max-quadratic-length`` (same contents, without computing the quadratic attention): returns (cache,
     whether the layer really ran)."""
     from .layers.softmax import SoftmaxAttention
-    from .ops.rotary import apply_rotary
+    from .ops.softmax import apply_rotary
 
     with torch.no_grad():
         if isinstance(layer, SoftmaxAttention) and x.shape[1] > settings.max_quadratic_length:

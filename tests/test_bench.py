@@ -155,7 +155,7 @@ def test_lavo_flops_small_case_by_hand():
 ])
 def test_lavo_flops_matches_the_matmuls_the_op_runs(monkeypatch, B, T, H, D, r, w, causal, basis_grad, recompute):
     if recompute:  # the path of long sequences: weights recomputed in backward
-        monkeypatch.setattr("lavo.ops.local.SAVED_WEIGHTS_LIMIT", 0)
+        monkeypatch.setattr("lavo.ops.local.blocked.SAVED_WEIGHTS_LIMIT", 0)
     q, k, v = (torch.randn(B, T, H, D, requires_grad=True) for _ in range(3))
     basis = orthogonal_basis(H, r, D).requires_grad_(basis_grad)
     pos_bias = torch.zeros(H, 2 * w if causal else 4 * w - 1, requires_grad=True)

@@ -7,7 +7,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from ..ops.checks import check_padding_mask
+from ..ops.common import check_padding_mask
 
 
 def check_heads(dim: int, heads: int) -> int:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..ops.cosformer import CosformerState, cosformer_attention, cosformer_attention_causal
-from ..ops.prefix_sums import check_positive
+from ..ops.common import check_positive
 from ..registry import register_attention
 from .base import AttentionLayer
 

@@ -8,7 +8,7 @@ from torch.nn.utils.parametrizations import orthogonal
 
 from ..cache import LavoCache
 from ..ops import code_cross_attention, empty_cache, lavo_attention, lavo_attention_cached, orthogonal_basis
-from ..ops.checks import check_padding_mask, check_window, pos_bias_size
+from ..ops.common import check_padding_mask, check_window, pos_bias_size
 from ..registry import register_attention
 from .base import AttentionLayer, check_heads
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.checks import check_window, pos_bias_size
+from ..ops.common import check_window, pos_bias_size
 from ..ops.local import keep_visible, local_attention, local_attention_chunk
 from ..ops.softmax import KVCache
 from ..registry import register_attention

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..ops.performer import (PerformerState, orthogonal_random_features, performer_attention,
                              performer_attention_causal)
-from ..ops.prefix_sums import check_positive
+from ..ops.common import check_positive
 from ..registry import register_attention
 from .base import AttentionLayer
 

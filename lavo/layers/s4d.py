@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.checks import check_padding_mask
+from ..ops.common import check_padding_mask
 from ..ops.s4d import discretize, fft_convolution, s4d_kernel, s4d_scan
 from ..registry import register_attention
 from .base import AttentionLayer

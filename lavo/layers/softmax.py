@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.rotary import apply_rotary
-from ..ops.softmax import KVCache, softmax_attention
+from ..ops.softmax import KVCache, apply_rotary, softmax_attention
 from ..registry import register_attention
 from .base import AttentionLayer
 

@@ -9,13 +9,6 @@ from __future__ import annotations
 import torch
 
 
-def check_positive(owner: str, **options: int) -> None:
-    """Raise naming ``owner`` and the option unless every option is a positive integer."""
-    for name, value in options.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner} {name} must be a positive integer, got {value!r}")
-
-
 def feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """Non-causal, by associativity: ``[B, T, H, F]``, ``[B, S, H, F]``, ``[B, S, H, D]`` -> ``[B, T, H, D]``."""
     kv = torch.einsum("bshf,bshd->bhfd", k_feat, v)
@@ -65,13 +58,3 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
         kv = kv + torch.einsum("bshf,bshd->bhfd", k, values)
         k_sum = k_sum + k.sum(1)
     return torch.cat(outputs, 1), (kv, k_sum)
-
-
-def feature_attention_naive(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                            eps: float) -> torch.Tensor:
-    """Reference: the explicit ``[T, S]`` weights ``phi(q) phi(k)^T``, lower-triangular when causal."""
-    weights = torch.einsum("bthf,bshf->bhts", q_feat, k_feat)
-    if causal:
-        weights = weights.tril()
-    out = torch.einsum("bhts,bshd->bthd", weights, v)
-    return out / weights.sum(-1).transpose(1, 2).clamp(min=eps)[..., None]

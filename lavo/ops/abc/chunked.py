@@ -22,9 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_padding_mask, check_same_shape
-from .local import neg_inf
-from .memory import accumulation_dtype
+from ..common import accumulation_dtype, check_padding_mask, check_same_shape, neg_inf
 
 
 @dataclass(frozen=True)
@@ -147,20 +145,3 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, control: to
         keys, values = (torch.einsum("bthr,bthd->bhrd", weights, x)[:, None] for x in (k, v))
         out = _read(q, keys, values, weights.sum(1)[:, None], scale)
     return (out * real[:, :, None, None]).to(out_dtype), state if causal else None
-
-
-def abc_attention_naive(q, k, v, control, *, causal=True, padding_mask=None, scale=None):
-    """Reference for :func:`abc_attention`, one query at a time with an explicit softmax over time per slot."""
-    B, T, H, D = q.shape
-    scale = D ** -0.5 if scale is None else scale
-    mask = torch.ones(B, T, dtype=torch.bool) if padding_mask is None else padding_mask
-    logits = torch.einsum("bthd,hrd->bthr", k, control)
-    out = torch.zeros_like(q)
-    for t in range(T):
-        seen = slice(0, t + 1 if causal else T)
-        alpha = logits[:, seen].masked_fill(~mask[:, seen, None, None], float("-inf")).softmax(1)  # over time
-        alpha = torch.nan_to_num(alpha)  # no real token yet
-        memory_k, memory_v = (torch.einsum("bihr,bihd->bhrd", alpha, x[:, seen]) for x in (k, v))
-        weights = torch.einsum("bhd,bhrd->bhr", q[:, t] * scale, memory_k).softmax(-1)
-        out[:, t] = torch.einsum("bhr,bhrd->bhd", weights, memory_v) * mask[:, t, None, None]
-    return out

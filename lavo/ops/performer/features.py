@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .prefix_sums import causal_feature_attention, check_state, feature_attention, feature_attention_naive
+from ..feature_attention import causal_feature_attention, check_state, feature_attention
 
 
 class PerformerState(NamedTuple):
@@ -55,7 +55,7 @@ def key_exponents(k: torch.Tensor, projection: torch.Tensor, padding_mask: torch
     return exponents if padding_mask is None else exponents.masked_fill(~padding_mask[:, :, None, None], -math.inf)
 
 
-def _tiny(x: torch.Tensor) -> float:
+def tiny(x: torch.Tensor) -> float:
     return torch.finfo(x.dtype).tiny
 
 
@@ -64,7 +64,7 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     """Non-causal FAVOR+. ``q [B, T, H, D]``, ``k, v [B, S, H, D]``, ``projection [F, D]`` -> ``[B, T, H, D]``."""
     exponents = key_exponents(k, projection, padding_mask)
     key_max = exponents.amax((1, 3), keepdim=True).detach().clamp(min=torch.finfo(k.dtype).min)
-    return feature_attention(query_features(q, projection), torch.exp(exponents - key_max), v, eps=_tiny(v))
+    return feature_attention(query_features(q, projection), torch.exp(exponents - key_max), v, eps=tiny(v))
 
 
 def empty_state(v: torch.Tensor, features: int) -> PerformerState:
@@ -91,13 +91,6 @@ def performer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     key_max = torch.maximum(chunk_max.cummax(1).values, state.key_max[:, None])
     previous = torch.cat([state.key_max[:, None], key_max[:, :-1]], 1)
     k_feat = torch.exp(exponents - key_max.repeat_interleave(chunk, 1)[:, :length, :, None])
-    out, (kv, k_sum) = causal_feature_attention(query_features(q, projection), k_feat, v, state[:2], eps=_tiny(v),
+    out, (kv, k_sum) = causal_feature_attention(query_features(q, projection), k_feat, v, state[:2], eps=tiny(v),
                                                 chunk=chunk, rescale=torch.exp(previous - key_max))
     return out, PerformerState(kv, k_sum, key_max[:, -1])
-
-
-def performer_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
-                              causal: bool, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: explicit weights ``phi(q) phi(k)^T`` from the unstabilised features."""
-    k_feat = key_exponents(k, projection, padding_mask).exp()
-    return feature_attention_naive(favor_exponents(q, projection).exp(), k_feat, v, causal=causal, eps=_tiny(v))
