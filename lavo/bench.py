@@ -480,7 +480,7 @@ def prefill(layer, x: torch.Tensor, settings: Settings):
             _, k, v = layer.to_qkv(x).view(*x.shape[:2], 3, layer.heads, layer.head_dim).unbind(2)
             if layer.rotary:
                 k = apply_rotary(k, 0)
-            return layer.empty_cache(x.shape[0], x.device).append(k, v, None), False
+            return layer.empty_cache(x.shape[0], device=x.device).append(k, v, None), False
         return layer(x)[1], True
 
 

@@ -20,7 +20,8 @@ def test_layer_with_rotary_matches_explicit_rotation_matrices(causal, T):
     q, k, v = _inputs(B, T, H, D)
     mask = torch.ones(B, T, dtype=torch.bool)
     fast, _ = layer.attend(q, k, v, None, None)
-    assert_same_outputs_and_grads(fast, softmax_attention_naive(q, k, v, causal=causal, padding_mask=mask, rotary_start=0), [q, k, v])
+    slow = softmax_attention_naive(q, k, v, causal=causal, padding_mask=mask, rotary_start=0)
+    assert_same_outputs_and_grads(fast, slow, [q, k, v])
 
 
 def test_rotary_scores_depend_only_on_relative_position():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.abc import ABCState, abc_attention
+from ..ops.abc import ABCCache, abc_attention
 from ..registry import register_attention
 from .base import AttentionLayer
 
@@ -14,7 +14,7 @@ class ABCAttention(AttentionLayer):
     r"""ABC self-attention (Peng et al., 2022) with ``slots`` memory slots per head; see :mod:`lavo.ops.abc`.
 
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``; a causal layer
-    returns an :class:`~lavo.ops.abc.ABCState` of ``2 slots (D + 1)`` numbers per batch and head, whatever the
+    returns an :class:`~lavo.ops.abc.ABCCache` of ``2 slots (D + 1)`` numbers per batch and head, whatever the
     context length.
     """
 
@@ -26,12 +26,15 @@ class ABCAttention(AttentionLayer):
         self.control = nn.Parameter(torch.randn(heads, slots, self.head_dim) * self.head_dim ** -0.5)
 
     def attend(self, q, k, v, padding_mask, cache):
-        return abc_attention(q, k, v, self.control, causal=self.causal, padding_mask=padding_mask, state=cache)
+        return abc_attention(q, k, v, self.control, causal=self.causal, padding_mask=padding_mask, cache=cache)
 
-    def empty_cache(self, batch_size: int, device: torch.device | None = None) -> ABCState:
-        """State before the first token; ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
-        return ABCState.empty(batch_size, self.heads, self.slots, self.head_dim, dtype=self.control.dtype,
-                              device=device)
+    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> ABCCache:
+        """The cache before the first token, on the layer's device and for its dtype unless given;
+        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
+        weight = self.control
+        return ABCCache.empty(batch_size, self.heads, self.slots, self.head_dim, dtype=dtype or weight.dtype,
+                              device=device or weight.device)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, slots={self.slots}, causal={self.causal}"

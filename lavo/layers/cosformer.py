@@ -1,8 +1,10 @@
 """cosFormer self-attention (Qin et al., 2022)."""
 from __future__ import annotations
 
-from ..ops.cosformer import CosformerState, cosformer_attention, cosformer_attention_causal
+import torch
+
 from ..ops.common import check_positive
+from ..ops.cosformer import CosformerCache, cosformer_attention, cosformer_attention_causal
 from ..registry import register_attention
 from .base import AttentionLayer
 
@@ -14,7 +16,7 @@ class CosformerAttention(AttentionLayer):
     Non-causal layers take ``M`` = the (padded) sequence length, as in the paper. Causal layers fix
     ``M = max_length`` so that decoding never changes earlier weights; a sequence (all cached calls together)
     longer than ``max_length`` raises an error. Causal layers return a
-    :class:`~lavo.ops.cosformer.CosformerState` of constant size ``H (2D (D + 1))`` per sequence, plus the position.
+    :class:`~lavo.ops.cosformer.CosformerCache` of constant size ``H (2D (D + 1))`` per sequence, plus the position.
 
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``.
     """
@@ -24,11 +26,19 @@ class CosformerAttention(AttentionLayer):
         check_positive("CosformerAttention", max_length=max_length, chunk=chunk)
         self.max_length, self.chunk = max_length, chunk
 
-    def attend(self, q, k, v, padding_mask, cache: CosformerState | None):
+    def attend(self, q, k, v, padding_mask, cache: CosformerCache | None):
         if self.causal:
-            return cosformer_attention_causal(q, k, v, self.max_length, padding_mask=padding_mask, state=cache,
+            return cosformer_attention_causal(q, k, v, self.max_length, padding_mask=padding_mask, cache=cache,
                                               chunk=self.chunk)
         return cosformer_attention(q, k, v, padding_mask=padding_mask), None
+
+    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> CosformerCache:
+        """The cache before the first token, on the layer's device and for its dtype unless given;
+        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
+        weight = self.to_qkv.weight
+        return CosformerCache.empty(batch_size, self.heads, self.head_dim, dtype=dtype or weight.dtype,
+                                    device=device or weight.device)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, max_length={self.max_length}, causal={self.causal}"

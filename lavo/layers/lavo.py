@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
 from ..cache import LavoCache
-from ..ops import code_cross_attention, empty_cache, lavo_attention, lavo_attention_cached, orthogonal_basis
+from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, orthogonal_basis
 from ..ops.common import check_padding_mask, check_window, pos_bias_size
 from ..registry import register_attention
 from .base import AttentionLayer, check_heads
@@ -52,10 +52,13 @@ class LavoAttention(AttentionLayer):
             return lavo_attention(q, k, v, self.basis, causal=True, return_cache=True, **options)
         return lavo_attention(q, k, v, self.basis, causal=False, **options), None
 
-    def empty_cache(self, batch_size: int, device: torch.device | None = None) -> LavoCache:
-        """State before the first token; ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
-        probe = torch.empty(batch_size, 0, self.heads, self.head_dim, dtype=self.to_qkv.weight.dtype, device=device)
-        return empty_cache(probe, self.rank)
+    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> LavoCache:
+        """The cache before the first token, on the layer's device and for its dtype unless given;
+        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
+        weight = self.to_qkv.weight
+        return LavoCache.empty(batch_size, self.heads, self.head_dim, self.rank, dtype=dtype or weight.dtype,
+                               device=device or weight.device)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, rank={self.rank}, window={self.window}, causal={self.causal}, "

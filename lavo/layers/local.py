@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..cache import KVCache
 from ..ops.common import check_window, pos_bias_size
 from ..ops.local import keep_visible, local_attention, local_attention_chunk
-from ..ops.softmax import KVCache
 from ..registry import register_attention
 from .base import AttentionLayer
 
@@ -18,7 +18,7 @@ class LocalAttention(AttentionLayer):
     Position ``t`` lies in window ``t // w``; a causal query sees the previous and its own window up to ``t``, a
     non-causal one the previous, own and next windows (see :mod:`lavo.ops.local`).
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``; a causal layer
-    returns a :class:`~lavo.ops.softmax.KVCache` of at most ``2w - 1`` positions, whatever the context length.
+    returns a :class:`~lavo.cache.KVCache` of at most ``2w - 1`` positions, whatever the context length.
     A chunk decoded from a cache costs ``O(T (2w + T) D)``: start long prompts without a cache.
     """
 
@@ -34,7 +34,7 @@ class LocalAttention(AttentionLayer):
             out = local_attention(q, k, v, causal=self.causal, padding_mask=padding_mask, **options)
             if not self.causal:
                 return out, None
-            cache = self.empty_cache(q.shape[0], q.device).append(k, v, padding_mask)
+            cache = self.empty_cache(q.shape[0], device=q.device).append(k, v, padding_mask)
         else:
             start = cache.position
             cache = cache.append(k, v, padding_mask)
@@ -45,9 +45,13 @@ class LocalAttention(AttentionLayer):
         kept = keep_visible(cache.position, self.window, cache.keys, cache.values, cache.key_mask)
         return out, KVCache(*(x.clone() for x in kept), cache.position)
 
-    def empty_cache(self, batch_size: int, device: torch.device | None = None) -> KVCache:
-        """State before the first token; ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
-        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=self.to_qkv.weight.dtype, device=device)
+    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> KVCache:
+        """The cache before the first token, on the layer's device and for its dtype unless given;
+        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
+        weight = self.to_qkv.weight
+        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=dtype or weight.dtype,
+                             device=device or weight.device)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, window={self.window}, causal={self.causal}, "

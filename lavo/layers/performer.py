@@ -1,9 +1,11 @@
 """Performer (FAVOR+) self-attention (Choromanski et al., 2021)."""
 from __future__ import annotations
 
-from ..ops.performer import (PerformerState, orthogonal_random_features, performer_attention,
-                             performer_attention_causal)
+import torch
+
 from ..ops.common import check_positive
+from ..ops.performer import (PerformerCache, orthogonal_random_features, performer_attention,
+                             performer_attention_causal)
 from ..registry import register_attention
 from .base import AttentionLayer
 
@@ -14,7 +16,7 @@ class PerformerAttention(AttentionLayer):
 
     The projection ``[features, head_dim]`` is drawn once at construction (from the global RNG), shared by the
     heads and kept as a buffer: it is saved with the model and never redrawn. Causal layers use chunked prefix
-    sums and return a :class:`~lavo.ops.performer.PerformerState` of constant size ``H (F (D + 1) + 1)`` per
+    sums and return a :class:`~lavo.ops.performer.PerformerCache` of constant size ``H (F (D + 1) + 1)`` per
     sequence.
 
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``.
@@ -26,11 +28,19 @@ class PerformerAttention(AttentionLayer):
         self.features, self.chunk = features, chunk
         self.register_buffer("projection", orthogonal_random_features(features, self.head_dim))
 
-    def attend(self, q, k, v, padding_mask, cache: PerformerState | None):
+    def attend(self, q, k, v, padding_mask, cache: PerformerCache | None):
         if self.causal:
-            return performer_attention_causal(q, k, v, self.projection, padding_mask=padding_mask, state=cache,
+            return performer_attention_causal(q, k, v, self.projection, padding_mask=padding_mask, cache=cache,
                                               chunk=self.chunk)
         return performer_attention(q, k, v, self.projection, padding_mask=padding_mask), None
+
+    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> PerformerCache:
+        """The cache before the first token, on the layer's device and for its dtype unless given;
+        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
+        weight = self.to_qkv.weight
+        return PerformerCache.empty(batch_size, self.heads, self.features, self.head_dim, dtype=dtype or weight.dtype,
+                                    device=device or weight.device)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, features={self.features}, causal={self.causal}"

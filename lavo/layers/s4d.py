@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.common import check_padding_mask
-from ..ops.s4d import discretize, fft_convolution, s4d_kernel, s4d_scan
+from ..ops.s4d import S4DCache, discretize, fft_convolution, s4d_kernel, s4d_scan
 from ..registry import register_attention
 from .base import AttentionLayer
 
@@ -27,8 +27,7 @@ class S4DLayer(AttentionLayer):
 
     Padded inputs are zeroed before the SSM: they never reach real positions, but still count as elapsed time.
 
-    ``forward(x [B, T, dim], padding_mask [B, T] | None, cache [B, dim, state_size / 2] complex | None)
-    -> (y [B, T, dim], cache)``.
+    ``forward(x [B, T, dim], padding_mask [B, T] | None, cache: S4DCache | None) -> (y [B, T, dim], cache)``.
     """
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True, state_size: int = 64, dt_min: float = 1e-3,
@@ -55,7 +54,7 @@ class S4DLayer(AttentionLayer):
         return discretize(self.log_dt, a, torch.view_as_complex(self.c))
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
-                cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                cache: S4DCache | None = None) -> tuple[torch.Tensor, S4DCache | None]:
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape [B, T, {self.dim}], got {tuple(x.shape)}")
         check_padding_mask(padding_mask, x.shape[0], x.shape[1])
@@ -71,13 +70,21 @@ class S4DLayer(AttentionLayer):
         y = F.gelu(y + self.skip * u)
         return F.glu(self.to_out(y), dim=-1), cache
 
-    def check_cache(self, cache: torch.Tensor, batch: int) -> None:
+    def check_cache(self, cache: S4DCache, batch: int) -> None:
         if not self.causal:
             raise ValueError("S4DLayer was built with causal=False; a cache is only for causal decoding")
         expected = (batch, self.dim, self.state_size // 2)
-        if not torch.is_tensor(cache) or not cache.is_complex() or tuple(cache.shape) != expected:
-            raise ValueError(f"S4DLayer cache must be a complex state of shape {expected}; pass what the previous "
-                             f"call returned")
+        if not isinstance(cache, S4DCache) or tuple(cache.state.shape) != expected:
+            raise ValueError(f"S4DLayer cache must be an S4DCache with a state of shape {expected}; pass what the "
+                             f"previous call returned")
+
+    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> S4DCache:
+        """The cache before the first token, on the layer's device and for its dtype unless given;
+        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
+        weight = self.log_dt
+        return S4DCache.empty(batch_size, self.dim, self.state_size // 2, dtype=dtype or weight.dtype,
+                              device=device or weight.device)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, state_size={self.state_size}, causal={self.causal}"

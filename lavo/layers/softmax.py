@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.softmax import KVCache, apply_rotary, softmax_attention
+from ..cache import KVCache
+from ..ops.softmax import apply_rotary, softmax_attention
 from ..registry import register_attention
 from .base import AttentionLayer
 
@@ -13,7 +14,7 @@ class SoftmaxAttention(AttentionLayer):
     r"""Standard multi-head softmax attention (Vaswani et al., 2017), optionally with rotary position embedding.
 
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``. A causal layer
-    returns a :class:`~lavo.ops.softmax.KVCache` holding every key and value seen so far, so decoding cost and
+    returns a :class:`~lavo.cache.KVCache` holding every key and value seen so far, so decoding cost and
     state grow with the context.
 
     Args:
@@ -34,14 +35,18 @@ class SoftmaxAttention(AttentionLayer):
         if not self.causal:
             return softmax_attention(q, k, v, causal=False, key_mask=padding_mask, query_mask=padding_mask), None
         fresh = cache is None
-        cache = (self.empty_cache(q.shape[0], q.device) if fresh else cache).append(k, v, padding_mask)
+        cache = (self.empty_cache(q.shape[0], device=q.device) if fresh else cache).append(k, v, padding_mask)
         key_mask = padding_mask if fresh else cache.key_mask  # None keeps the fast is_causal path
         out = softmax_attention(q, cache.keys, cache.values, causal=True, key_mask=key_mask, query_mask=padding_mask)
         return out, cache
 
-    def empty_cache(self, batch_size: int, device: torch.device | None = None) -> KVCache:
-        """State before the first token; ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
-        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=self.to_qkv.weight.dtype, device=device)
+    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> KVCache:
+        """The cache before the first token, on the layer's device and for its dtype unless given;
+        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
+        weight = self.to_qkv.weight
+        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=dtype or weight.dtype,
+                             device=device or weight.device)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, causal={self.causal}, rotary={self.rotary}"

@@ -3,8 +3,8 @@
 ``naive``: the reference, explicit weights. ``features``: the feature map and the fast forms over
 :mod:`lavo.ops.feature_attention`.
 """
-from .features import CosformerState, cosformer_attention, cosformer_attention_causal, cosformer_features
+from .features import CosformerCache, cosformer_attention, cosformer_attention_causal, cosformer_features
 from .naive import cosformer_attention_naive
 
 __all__ = ["cosformer_attention", "cosformer_attention_causal", "cosformer_attention_naive", "cosformer_features",
-           "CosformerState"]
+           "CosformerCache"]

@@ -16,16 +16,18 @@ def feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tenso
     return numerator / torch.einsum("bthf,bhf->bth", q_feat, k_feat.sum(1)).clamp(min=eps)[..., None]
 
 
-def check_state(state: tuple[torch.Tensor, torch.Tensor], k_feat: torch.Tensor, v: torch.Tensor) -> None:
+def check_sums(sums: tuple[torch.Tensor, torch.Tensor], k_feat: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise unless the carried ``(S, z)`` fit the batch, heads and sizes of ``k_feat`` and ``v``."""
     batch, _, heads, features = k_feat.shape
     expected = (batch, heads, features, v.shape[-1]), (batch, heads, features)
-    if tuple(tuple(t.shape) for t in state) != expected:
-        raise ValueError(f"state sums must have shapes S {expected[0]} and z {expected[1]}, got "
-                         f"{tuple(state[0].shape)} and {tuple(state[1].shape)}; pass what the previous call returned")
+    if tuple(tuple(t.shape) for t in sums) != expected:
+        raise ValueError(f"cache sums must have shapes S {expected[0]} and z {expected[1]}, got "
+                         f"{tuple(sums[0].shape)} and {tuple(sums[1].shape)}; pass the cache the previous call "
+                         f"returned")
 
 
 def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor,
-                             state: tuple[torch.Tensor, torch.Tensor] | None = None, *, eps: float,
+                             sums: tuple[torch.Tensor, torch.Tensor] | None = None, *, eps: float,
                              chunk: int = 64, rescale: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     r"""Causal, ``chunk`` tokens at a time: inside a chunk the masked ``[chunk, chunk]`` weights
@@ -34,17 +36,17 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
 
     Args:
         q_feat, k_feat: ``[B, T, H, F]``; v: ``[B, T, H, D]``.
-        state: ``(S [B, H, F, D], z [B, H, F])`` summed over earlier tokens (None: zeros).
+        sums: ``(S [B, H, F, D], z [B, H, F])`` over earlier tokens (None: zeros).
         rescale: ``[B, n_chunks, H]``, a factor on the carried sums before each chunk (for stabilised features
             whose scale changes between chunks).
     Returns:
         ``[B, T, H, D]`` and the sums after the last token.
     """
     batch, _, heads, features = k_feat.shape
-    if state is None:
-        state = (v.new_zeros(batch, heads, features, v.shape[-1]), v.new_zeros(batch, heads, features))
-    check_state(state, k_feat, v)
-    kv, k_sum = state
+    if sums is None:
+        sums = (v.new_zeros(batch, heads, features, v.shape[-1]), v.new_zeros(batch, heads, features))
+    check_sums(sums, k_feat, v)
+    kv, k_sum = sums
     outputs = []
     # split(), not slicing: a slice's backward fills a zero tensor as long as the whole sequence (quadratic in T).
     pieces = zip(q_feat.split(chunk, 1), k_feat.split(chunk, 1), v.split(chunk, 1))

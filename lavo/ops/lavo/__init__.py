@@ -7,9 +7,9 @@
 from .basis import orthogonal_basis
 from .blocked import lavo_attention
 from .cross import code_cross_attention
-from .decoding import empty_cache, lavo_attention_cached
+from .decoding import lavo_attention_cached
 from .memory import memory_read, project
 from .naive import code_cross_attention_naive, lavo_attention_naive, memory_read_naive
 
-__all__ = ["orthogonal_basis", "lavo_attention", "lavo_attention_cached", "empty_cache", "code_cross_attention",
+__all__ = ["orthogonal_basis", "lavo_attention", "lavo_attention_cached", "code_cross_attention",
            "memory_read", "project", "lavo_attention_naive", "code_cross_attention_naive", "memory_read_naive"]

@@ -4,21 +4,9 @@ from __future__ import annotations
 import torch
 
 from ...cache import LavoCache
-from ..common import accumulation_dtype
 from ..local.decoding import keep_visible, local_attention_chunk
 from .blocked import check_inputs
 from .memory import memory_read, project
-
-
-def empty_cache(q: torch.Tensor, rank: int) -> LavoCache:
-    """The cache before any token, shaped for inputs like ``q [B, T, H, D]``."""
-    B, _, H, D = q.shape
-    dtype = accumulation_dtype(q.dtype)
-    memory = torch.zeros(B, H, rank, dtype=dtype, device=q.device)
-    count = torch.zeros(B, dtype=dtype, device=q.device)
-    return LavoCache(keys=q.new_zeros(B, 0, H, D), values=q.new_zeros(B, 0, H, D),
-                     key_mask=torch.zeros(B, 0, dtype=torch.bool, device=q.device),
-                     memory_sum=memory, memory_count=count, window_sum=memory, window_count=count, position=0)
 
 
 def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor,
@@ -32,14 +20,13 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
 
     Args:
         q, k, v: ``[B, T, H, D]``, the next ``T`` positions.
-        cache: state after the previous positions (see :func:`empty_cache`).
+        cache: after the previous positions (:meth:`LavoCache.empty` before the first).
     Returns:
         ``[B, T, H, D]`` and the updated cache (the input cache is not modified).
     """
     check_inputs(q, k, v, basis, window, True, pos_bias, padding_mask)
     B, T, H, D = q.shape
-    if cache.batch_size != B:
-        raise ValueError(f"cache was built for batch size {cache.batch_size}, got input of batch size {B}")
+    cache.check_batch_size(B)
     scale = D ** -0.5 if scale is None else scale
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask
     keys, values, key_mask = cache.keys, cache.values, cache.key_mask

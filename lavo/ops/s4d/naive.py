@@ -5,19 +5,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .scan import zero_state
+from .scan import S4DCache
 
 
 def s4d_recurrence(u: torch.Tensor, log_a: torch.Tensor, c: torch.Tensor,
-                   state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: one recurrence step per token. Same arguments and results as :func:`.scan.s4d_scan`."""
-    decay = log_a.exp()
-    state = zero_state(u, log_a) if state is None else state
+                   cache: S4DCache | None = None) -> tuple[torch.Tensor, S4DCache]:
+    """Reference: ``x_t = exp(log_a) x_{t-1} + u_t``, ``y_t = 2 Re(c . x_t)``, one step per token. Same arguments
+    and results as :func:`.scan.s4d_scan`."""
+    cache = S4DCache.empty(u.shape[0], *log_a.shape, dtype=log_a.dtype, device=u.device) if cache is None else cache
+    decay, state = log_a.exp(), cache.state
     outputs = []
     for t in range(u.shape[1]):
         state = decay * state + u[:, t, :, None]
         outputs.append(2 * (c * state).sum(-1).real)
-    return torch.stack(outputs, 1).to(u.dtype), state
+    return torch.stack(outputs, 1).to(u.dtype), S4DCache(state, cache.position + u.shape[1])
 
 
 def bidirectional_recurrence(u: torch.Tensor, log_a: torch.Tensor, forward_c: torch.Tensor,

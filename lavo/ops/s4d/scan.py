@@ -1,11 +1,30 @@
 r"""Causal S4D in blocks (see :mod:`lavo.ops.s4d`): an exact causal Toeplitz product inside each block, the state
-carried between blocks, so it starts from and returns a state and also decodes."""
+carried between blocks, so it starts from and returns a cache and also decodes."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ...cache import Cache
 from .kernel import decay_powers, s4d_kernel
+
+
+@dataclass(frozen=True)
+class S4DCache(Cache):
+    """Decoding cache: the complex ``state [B, C, N]`` after the last token, and ``position``, the tokens seen."""
+
+    state: torch.Tensor
+    position: int
+
+    @classmethod
+    def empty(cls, batch: int, channels: int, modes: int, *, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None) -> S4DCache:
+        """The cache before the first token: a zero state, complex of ``dtype``'s precision (complex64 for
+        float32 or complex64, complex128 for float64 or complex128)."""
+        dtype = torch.promote_types(torch.get_default_dtype() if dtype is None else dtype, torch.complex64)
+        return cls(torch.zeros(batch, channels, modes, dtype=dtype, device=device), 0)
 
 
 def advance(state: torch.Tensor, u: torch.Tensor, log_a: torch.Tensor) -> torch.Tensor:
@@ -15,14 +34,9 @@ def advance(state: torch.Tensor, u: torch.Tensor, log_a: torch.Tensor) -> torch.
     return state * (log_a * length).exp() + torch.einsum("blc,cnl->bcn", u.to(weights.dtype), weights)
 
 
-def zero_state(u: torch.Tensor, log_a: torch.Tensor) -> torch.Tensor:
-    """``[B, C, N]`` zeros: the state before the first token."""
-    return u.new_zeros(u.shape[0], *log_a.shape, dtype=log_a.dtype)
-
-
-def s4d_scan(u: torch.Tensor, log_a: torch.Tensor, c: torch.Tensor, state: torch.Tensor | None = None,
-             block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Causal S4D in blocks: exactly causal, and continues from ``state``.
+def s4d_scan(u: torch.Tensor, log_a: torch.Tensor, c: torch.Tensor, cache: S4DCache | None = None,
+             block: int = 64) -> tuple[torch.Tensor, S4DCache]:
+    r"""Causal S4D in blocks: exactly causal, and continues from ``cache``.
 
     Inside a block of ``L`` tokens the output is a masked ``[L, L]`` Toeplitz product with the kernel; the state
     entering the block adds ``2 Re(c a^(i+1) x)`` at its position ``i``.
@@ -30,10 +44,10 @@ def s4d_scan(u: torch.Tensor, log_a: torch.Tensor, c: torch.Tensor, state: torch
     Args:
         u: ``[B, T, C]`` real.
         log_a, c: ``[C, N]`` complex.
-        state: ``[B, C, N]`` complex, the state after the previous token (None: zeros).
+        cache: the state after the previous token (None: the start, a zero state).
         block: block length; work is O(T (L + N)) per channel.
     Returns:
-        ``y [B, T, C]`` in ``u``'s dtype and the state after the last token.
+        ``y [B, T, C]`` in ``u``'s dtype and the cache after the last token.
     """
     batch, length, channels = u.shape
     size = min(block, length)
@@ -46,7 +60,8 @@ def s4d_scan(u: torch.Tensor, log_a: torch.Tensor, c: torch.Tensor, state: torch
     within = decay_powers(log_a, torch.arange(size - 1, -1, -1, device=u.device))  # [C, N, L]
     added = torch.einsum("bklc,cnl->bkcn", blocks.to(within.dtype), within)
     block_decay = (log_a * size).exp()
-    entering, state = [], zero_state(u, log_a) if state is None else state
+    cache = S4DCache.empty(batch, *log_a.shape, dtype=log_a.dtype, device=u.device) if cache is None else cache
+    entering, state = [], cache.state
     for block_added in added.unbind(1):  # unbind: indexing in a loop would make the backward quadratic in T
         entering.append(state)
         state = state * block_decay + block_added
@@ -55,4 +70,4 @@ def s4d_scan(u: torch.Tensor, log_a: torch.Tensor, c: torch.Tensor, state: torch
     readout = c[..., None] * decay_powers(log_a, torch.arange(1, size + 1, device=u.device))  # [C, N, L]
     from_state = 2 * torch.einsum("bkcn,cni->bkic", torch.stack(entering, 1), readout).real
     y = torch.einsum("bkjc,cij->bkic", blocks, toeplitz) + from_state
-    return y.flatten(1, 2)[:, :length].to(u.dtype), state
+    return y.flatten(1, 2)[:, :length].to(u.dtype), S4DCache(state, cache.position + length)

@@ -5,7 +5,6 @@
 """
 from .naive import rotation_matrix, softmax_attention_naive
 from .rotary import apply_rotary, rotary_angles
-from .sdpa import KVCache, softmax_attention
+from .sdpa import softmax_attention
 
-__all__ = ["softmax_attention", "softmax_attention_naive", "apply_rotary", "rotary_angles", "rotation_matrix",
-           "KVCache"]
+__all__ = ["softmax_attention", "softmax_attention_naive", "apply_rotary", "rotary_angles", "rotation_matrix"]
