@@ -28,13 +28,8 @@ class ABCAttention(AttentionLayer):
     def attend(self, q, k, v, padding_mask, cache):
         return abc_attention(q, k, v, self.control, causal=self.causal, padding_mask=padding_mask, cache=cache)
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> ABCCache:
-        """The cache before the first token, on the layer's device and for its dtype unless given;
-        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
-        weight = self.control
-        return ABCCache.empty(batch_size, self.heads, self.slots, self.head_dim, dtype=dtype or weight.dtype,
-                              device=device or weight.device)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> ABCCache:
+        return ABCCache.empty(batch_size, self.heads, self.slots, self.head_dim, device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, slots={self.slots}, causal={self.causal}"

@@ -7,6 +7,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from ..cache import Cache
 from ..ops.common import check_padding_mask
 
 
@@ -47,6 +48,19 @@ class AttentionLayer(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None,
                cache: Any) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> Cache:
+        """The cache before the first token, on the layer's device and for its dtype unless given;
+        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``. A layer without a decoding form raises."""
+        if not self.supports_decoding:
+            raise ValueError(f"{type(self).__name__} has no decoding form; call it without a cache")
+        like = next(self.parameters())
+        return self._new_cache(batch_size, device=device or like.device, dtype=dtype or like.dtype)
+
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> Cache:
+        """The empty cache of a layer with a decoding form."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,

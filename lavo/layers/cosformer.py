@@ -32,13 +32,8 @@ class CosformerAttention(AttentionLayer):
                                               chunk=self.chunk)
         return cosformer_attention(q, k, v, padding_mask=padding_mask), None
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> CosformerCache:
-        """The cache before the first token, on the layer's device and for its dtype unless given;
-        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
-        weight = self.to_qkv.weight
-        return CosformerCache.empty(batch_size, self.heads, self.head_dim, dtype=dtype or weight.dtype,
-                                    device=device or weight.device)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> CosformerCache:
+        return CosformerCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, max_length={self.max_length}, causal={self.causal}"

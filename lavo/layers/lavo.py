@@ -52,13 +52,8 @@ class LavoAttention(AttentionLayer):
             return lavo_attention(q, k, v, self.basis, causal=True, return_cache=True, **options)
         return lavo_attention(q, k, v, self.basis, causal=False, **options), None
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> LavoCache:
-        """The cache before the first token, on the layer's device and for its dtype unless given;
-        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
-        weight = self.to_qkv.weight
-        return LavoCache.empty(batch_size, self.heads, self.head_dim, self.rank, dtype=dtype or weight.dtype,
-                               device=device or weight.device)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> LavoCache:
+        return LavoCache.empty(batch_size, self.heads, self.head_dim, self.rank, device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, rank={self.rank}, window={self.window}, causal={self.causal}, "

@@ -45,13 +45,8 @@ class LocalAttention(AttentionLayer):
         kept = keep_visible(cache.position, self.window, cache.keys, cache.values, cache.key_mask)
         return out, KVCache(*(x.clone() for x in kept), cache.position)
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> KVCache:
-        """The cache before the first token, on the layer's device and for its dtype unless given;
-        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
-        weight = self.to_qkv.weight
-        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=dtype or weight.dtype,
-                             device=device or weight.device)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> KVCache:
+        return KVCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, window={self.window}, causal={self.causal}, "

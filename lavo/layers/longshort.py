@@ -41,11 +41,5 @@ class LongShortAttention(AttentionLayer):
                                   padding_mask=padding_mask)
         return out, None
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> None:
-        """Always raises: long-short attention has no decoding form (see the class docstring)."""
-        raise ValueError("LongShortAttention has no decoding form: its causal landmarks grow with the context; call "
-                         "it without a cache")
-
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, window={self.window}, rank={self.rank}, causal={self.causal}"

@@ -34,13 +34,8 @@ class PerformerAttention(AttentionLayer):
                                               chunk=self.chunk)
         return performer_attention(q, k, v, self.projection, padding_mask=padding_mask), None
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> PerformerCache:
-        """The cache before the first token, on the layer's device and for its dtype unless given;
-        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
-        weight = self.to_qkv.weight
-        return PerformerCache.empty(batch_size, self.heads, self.features, self.head_dim, dtype=dtype or weight.dtype,
-                                    device=device or weight.device)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> PerformerCache:
+        return PerformerCache.empty(batch_size, self.heads, self.features, self.head_dim, device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, features={self.features}, causal={self.causal}"

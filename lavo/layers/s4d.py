@@ -78,13 +78,8 @@ class S4DLayer(AttentionLayer):
             raise ValueError(f"S4DLayer cache must be an S4DCache with a state of shape {expected}; pass what the "
                              f"previous call returned")
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> S4DCache:
-        """The cache before the first token, on the layer's device and for its dtype unless given;
-        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
-        weight = self.log_dt
-        return S4DCache.empty(batch_size, self.dim, self.state_size // 2, dtype=dtype or weight.dtype,
-                              device=device or weight.device)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> S4DCache:
+        return S4DCache.empty(batch_size, self.dim, self.state_size // 2, device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, state_size={self.state_size}, causal={self.causal}"

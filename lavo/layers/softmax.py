@@ -40,13 +40,8 @@ class SoftmaxAttention(AttentionLayer):
         out = softmax_attention(q, cache.keys, cache.values, causal=True, key_mask=key_mask, query_mask=padding_mask)
         return out, cache
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> KVCache:
-        """The cache before the first token, on the layer's device and for its dtype unless given;
-        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``."""
-        weight = self.to_qkv.weight
-        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=dtype or weight.dtype,
-                             device=device or weight.device)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> KVCache:
+        return KVCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, causal={self.causal}, rotary={self.rotary}"
