@@ -1,13 +1,102 @@
-"""Constant-size decoding state of a causal LAVO layer."""
+"""Decoding caches: what a causal layer keeps to continue a sequence, and the protocol every cache follows."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, TypeVar
 
 import torch
 
+from .ops.common import accumulation_dtype
+
+C = TypeVar("C", bound="Cache")
+
+
+class Cache:
+    r"""Base of every cache: a frozen dataclass with a ``position: int`` field (tokens seen, padding included)
+    whose tensors all have the batch first. A field may also hold caches, or a list or tuple of them (a model's
+    cache holds one per layer). Each cache class also has an ``empty(...)`` classmethod: the cache before the
+    first token.
+    """
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds, through nested caches."""
+        return _tensors(self)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tensors()[0].shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache's tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def to(self: C, device: torch.device | str) -> C:
+        """The same cache with its tensors on ``device``."""
+        return _map(self, lambda t: t.to(device))
+
+    def select(self: C, index: torch.Tensor) -> C:
+        """The cache of the batch rows ``index`` (a LongTensor ``[B']``), e.g. to reorder or prune beams."""
+        return _map(self, lambda t: t.index_select(0, index.to(t.device)))
+
+    def check_batch_size(self, batch: int) -> None:
+        if batch != self.batch_size:
+            raise ValueError(f"cache was built for batch size {self.batch_size}, got input of batch size {batch}")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Cache):
+        value = [getattr(value, f.name) for f in fields(value)]
+    if isinstance(value, (list, tuple)):
+        return [t for part in value for t in _tensors(part)]
+    return []
+
+
+def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``fn`` applied to each of its tensors, keeping every type."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Cache):
+        return replace(value, **{f.name: _map(getattr(value, f.name), fn) for f in fields(value)})
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(part, fn) for part in value)
+    return value
+
 
 @dataclass(frozen=True)
-class LavoCache:
+class KVCache(Cache):
+    r"""Keys and values a causal softmax or sliding-window layer keeps to continue a sequence.
+
+    Attributes:
+        keys, values: ``[B, L, H, D]``, the cached positions ``position - L .. position - 1``.
+        key_mask: ``[B, L]`` bool, True for real (non-padding) keys.
+        position: tokens seen so far, padding included.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_mask: torch.Tensor
+    position: int
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, head_dim: int, *, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None) -> KVCache:
+        """The cache before the first token."""
+        keys = torch.zeros(batch, 0, heads, head_dim, dtype=dtype, device=device)
+        return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), 0)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None) -> KVCache:
+        """The cache after ``T`` more positions: ``k, v [B, T, H, D]``, ``padding_mask [B, T]`` or None."""
+        B, T = k.shape[:2]
+        self.check_batch_size(B)
+        real = torch.ones(B, T, dtype=torch.bool, device=k.device) if padding_mask is None else padding_mask
+        return KVCache(torch.cat([self.keys, k], 1), torch.cat([self.values, v], 1),
+                       torch.cat([self.key_mask, real], 1), self.position + T)
+
+
+@dataclass(frozen=True)
+class LavoCache(Cache):
     r"""Everything a causal LAVO layer needs to continue a sequence; its size does not grow with context.
 
     Attributes:
@@ -30,20 +119,24 @@ class LavoCache:
     window_count: torch.Tensor
     position: int
 
-    @property
-    def batch_size(self) -> int:
-        return self.keys.shape[0]
-
-    def nbytes(self) -> int:
-        """Bytes held by the cache's tensors."""
-        return sum(t.numel() * t.element_size() for f in fields(self)
-                   if isinstance(t := getattr(self, f.name), torch.Tensor))
+    @classmethod
+    def empty(cls, batch: int, heads: int, head_dim: int, rank: int, *, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None) -> LavoCache:
+        """The cache before the first token, for inputs of ``dtype``; the sums are float32 (float64 for
+        float64 inputs)."""
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        keys = torch.zeros(batch, 0, heads, head_dim, dtype=dtype, device=device)
+        memory = torch.zeros(batch, heads, rank, dtype=accumulation_dtype(dtype), device=device)
+        count = torch.zeros(batch, dtype=memory.dtype, device=device)
+        return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), memory, count, memory, count, 0)
 
     @staticmethod
     def max_nbytes(batch: int, heads: int, head_dim: int, rank: int, window: int,
                    dtype: torch.dtype = torch.float32) -> int:
-        """Upper bound of ``nbytes()`` for any context length: ``2w - 1`` cached keys and values."""
+        """Upper bound of ``nbytes()`` for any context length and input ``dtype``: ``2w - 1`` cached keys
+        and values of ``dtype`` with their bool mask, and two sums and counts in the accumulation dtype."""
         length = 2 * window - 1
         element = torch.empty((), dtype=dtype).element_size()
+        accumulated = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
         return (2 * batch * length * heads * head_dim * element + batch * length
-                + 2 * (batch * heads * rank * 4 + batch * 4))
+                + 2 * accumulated * (batch * heads * rank + batch))

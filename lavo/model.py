@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache import Cache
 from .layers.base import Mechanism
 from .registry import attention_class, available_attentions, build_attention, check_options
 
@@ -89,11 +90,11 @@ def sinusoidal_positions(start: int, length: int, dim: int, device=None) -> torc
     return torch.stack([angle.sin(), angle.cos()], -1).flatten(1)
 
 
-@dataclass
-class ModelCache:
+@dataclass(frozen=True)
+class ModelCache(Cache):
     """Decoding state of the whole model: one cache per layer and the number of positions consumed."""
 
-    layers: list
+    layers: tuple
     position: int
 
 
@@ -177,7 +178,7 @@ class LanguageModel(nn.Module):
         logits = F.linear(self.norm(x), self.embed.weight)
         if any(c is None for c in layer_caches):
             return logits, None
-        return logits, ModelCache(layer_caches, start + ids.shape[1])
+        return logits, ModelCache(tuple(layer_caches), start + ids.shape[1])
 
 
 def count_parameters(model: nn.Module, exclude_embedding: bool = False) -> int:

@@ -59,12 +59,12 @@ def test_large_control_logits_stay_finite_and_exact_in_low_precision(control_sca
         torch.testing.assert_close(fast.double(), slow, atol=tolerance, rtol=tolerance)
 
 
-def test_padded_token_by_token_decoding_matches_full_forward_with_constant_state():
+def test_padded_token_by_token_decoding_matches_full_forward_with_constant_cache():
     torch.manual_seed(0)
     layer = build_attention("abc", 12, 2, causal=True, slots=5).double()
     x = torch.randn(2, 17, 12, dtype=torch.float64)
     mask = _mask(2, 17)
-    full, full_state = layer(x, padding_mask=mask)
+    full, full_cache = layer(x, padding_mask=mask)
     cache, outputs = layer.empty_cache(2), []
     for t in range(17):
         y, cache = layer(x[:, t:t + 1], padding_mask=mask[:, t:t + 1], cache=cache)
@@ -72,7 +72,7 @@ def test_padded_token_by_token_decoding_matches_full_forward_with_constant_state
         assert cache.keys.shape == (2, 2, 5, 6)
     torch.testing.assert_close(torch.cat(outputs, 1), full)
     torch.testing.assert_close(cache.normaliser / cache.normaliser.sum(-1, keepdim=True),
-                               full_state.normaliser / full_state.normaliser.sum(-1, keepdim=True))
+                               full_cache.normaliser / full_cache.normaliser.sum(-1, keepdim=True))
 
 
 def test_impossible_requests_are_named():
@@ -82,7 +82,7 @@ def test_impossible_requests_are_named():
     with pytest.raises(ValueError, match=r"control must have shape \[H, r, D\]"):
         abc_attention(q, q, q, torch.randn(2, 3, 5))
     layer = build_attention("abc", 8, 2)
-    with pytest.raises(ValueError, match="a state exists only for causal attention"):
-        abc_attention(q, q, q, layer.control, causal=False, state=layer.empty_cache(1))
-    with pytest.raises(ValueError, match="state was built for batch size 1"):
+    with pytest.raises(ValueError, match="a cache exists only for causal attention"):
+        abc_attention(q, q, q, layer.control, causal=False, cache=layer.empty_cache(1))
+    with pytest.raises(ValueError, match="cache was built for batch size 1"):
         layer(torch.randn(2, 3, 8), cache=layer.empty_cache(1))

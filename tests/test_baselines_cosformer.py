@@ -29,10 +29,10 @@ def _mask(length):
 def test_causal_prefix_sums_match_quadratic_form(length, chunk, max_length, padded):
     q, k, v = _qkv(length)
     mask = _mask(length) if padded else None
-    out, state = cosformer_attention_causal(q, k, v, max_length, padding_mask=mask, chunk=chunk)
+    out, cache = cosformer_attention_causal(q, k, v, max_length, padding_mask=mask, chunk=chunk)
     naive = cosformer_attention_naive(q, k, v, causal=True, max_length=max_length, padding_mask=mask)
     assert_same_outputs_and_grads(out, naive, [q, k, v], mask)
-    assert state.position == length
+    assert cache.position == length
 
 
 @pytest.mark.parametrize("length", [63, 2, 1])
@@ -44,13 +44,13 @@ def test_noncausal_matches_quadratic_form(length, padded):
     assert_same_outputs_and_grads(out, cosformer_attention_naive(q, k, v, causal=False, padding_mask=mask), [q, k, v], mask)
 
 
-def test_state_continues_the_sequence():
+def test_cache_continues_the_sequence():
     q, k, v = _qkv(40)
     full, _ = cosformer_attention_causal(q, k, v, 50, chunk=8)
-    first, state = cosformer_attention_causal(q[:, :13], k[:, :13], v[:, :13], 50, chunk=8)
-    second, state = cosformer_attention_causal(q[:, 13:], k[:, 13:], v[:, 13:], 50, state=state)
+    first, cache = cosformer_attention_causal(q[:, :13], k[:, :13], v[:, :13], 50, chunk=8)
+    second, cache = cosformer_attention_causal(q[:, 13:], k[:, 13:], v[:, 13:], 50, cache=cache)
     torch.testing.assert_close(torch.cat([first, second], 1), full)
-    assert state.position == 40
+    assert cache.position == 40
 
 
 def test_reweighting_favours_nearby_keys():
@@ -68,7 +68,7 @@ def test_layer_cache_has_constant_size():
     layer = build_attention("cosformer", 16, 2, max_length=100)
     _, cache = layer(torch.randn(3, 4, 16))
     _, later = layer(torch.randn(3, 70, 16), cache=cache)
-    assert cache[0].shape == later[0].shape == (3, 2, 16, 8) and cache[1].shape == later[1].shape == (3, 2, 16)
+    assert cache.kv.shape == later.kv.shape == (3, 2, 16, 8) and cache.k_sum.shape == later.k_sum.shape == (3, 2, 16)
     assert later.position == 74
 
 
@@ -83,7 +83,7 @@ def test_errors_name_the_problem():
     _, cache = layer(torch.randn(2, 8, 16))
     with pytest.raises(ValueError, match="reached position 11 but was built with max_length=10"):
         layer(torch.randn(2, 4, 16), cache=cache)
-    with pytest.raises(ValueError, match=r"state sums must have shapes S \(1, 2, 16, 8\)"):
+    with pytest.raises(ValueError, match=r"cache sums must have shapes S \(1, 2, 16, 8\)"):
         layer(torch.randn(1, 1, 16), cache=cache)
     bidirectional = build_attention("cosformer", 16, 2, causal=False)
     with pytest.raises(ValueError, match="causal=False; a cache is only for causal decoding"):

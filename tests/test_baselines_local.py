@@ -4,8 +4,7 @@ import torch
 from reference_checks import assert_same_outputs_and_grads
 
 from lavo import build_attention
-from lavo.ops.local import keep_visible
-from lavo.ops.naive import local_attention_naive
+from lavo.ops.local import keep_visible, local_attention_naive
 
 
 def _layer(causal, window, position_bias=True, dim=14, heads=2):

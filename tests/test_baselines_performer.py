@@ -47,14 +47,14 @@ def test_noncausal_matches_quadratic_form(length, padded):
     assert_same_outputs_and_grads(out, naive, [q, k, v], mask)
 
 
-def test_state_continues_the_sequence():
+def test_cache_continues_the_sequence():
     q, k, v = _qkv(40)
-    full, full_state = performer_attention_causal(q, k, v, _projection(), chunk=8)
-    first, state = performer_attention_causal(q[:, :13], k[:, :13], v[:, :13], _projection(), chunk=8)
-    second, state = performer_attention_causal(q[:, 13:], k[:, 13:], v[:, 13:], _projection(), state=state)
+    full, full_cache = performer_attention_causal(q, k, v, _projection(), chunk=8)
+    first, cache = performer_attention_causal(q[:, :13], k[:, :13], v[:, :13], _projection(), chunk=8)
+    second, cache = performer_attention_causal(q[:, 13:], k[:, 13:], v[:, 13:], _projection(), cache=cache)
     torch.testing.assert_close(torch.cat([first, second], 1), full)
-    for a, b in zip(state, full_state):
-        assert a.shape == b.shape
+    assert [t.shape for t in cache.tensors()] == [t.shape for t in full_cache.tensors()]
+    assert cache.position == full_cache.position == 40
 
 
 def test_growing_key_maximum_is_rescaled_exactly():
@@ -109,7 +109,8 @@ def test_layer_cache_has_constant_size():
     layer = build_attention("performer", 16, 2, features=12)
     _, cache = layer(torch.randn(3, 4, 16))
     _, later = layer(torch.randn(3, 70, 16), cache=cache)
-    assert [t.shape for t in later] == [(3, 2, 12, 8), (3, 2, 12), (3, 2)] == [t.shape for t in cache]
+    assert [t.shape for t in later.tensors()] == [(3, 2, 12, 8), (3, 2, 12), (3, 2)] == [t.shape for t in
+                                                                                         cache.tensors()]
 
 
 def test_errors_name_the_problem():
@@ -119,7 +120,7 @@ def test_errors_name_the_problem():
         build_attention("performer", 16, 2, chunk=0)
     layer = build_attention("performer", 16, 2, features=12)
     _, cache = layer(torch.randn(3, 4, 16))
-    with pytest.raises(ValueError, match=r"state sums must have shapes S \(2, 2, 12, 8\)"):
+    with pytest.raises(ValueError, match=r"cache sums must have shapes S \(2, 2, 12, 8\)"):
         layer(torch.randn(2, 4, 16), cache=cache)
     bidirectional = build_attention("performer", 16, 2, causal=False, features=12)
     with pytest.raises(ValueError, match="causal=False; a cache is only for causal decoding"):

@@ -33,20 +33,22 @@ def _input(batch, length, seed=1):
 def test_scan_matches_recurrence(length, block):
     params, u = _system(), _input(2, length)
     log_a, c = _complex(*params)
-    y, state = s4d_scan(u, log_a, c[0], block=block)
-    y_ref, state_ref = s4d_recurrence(u, log_a, c[0])
-    torch.testing.assert_close(state, state_ref)
+    y, cache = s4d_scan(u, log_a, c[0], block=block)
+    y_ref, cache_ref = s4d_recurrence(u, log_a, c[0])
+    torch.testing.assert_close(cache.state, cache_ref.state)
+    assert cache.position == cache_ref.position == length
     assert_same_outputs_and_grads(y, y_ref, [u, *params])
 
 
 @pytest.mark.parametrize("length", [63, 1])
-def test_scan_continues_from_a_state(length):
+def test_scan_continues_from_a_cache(length):
     params, u = _system(), _input(2, length)
     log_a, c = _complex(*params)
     _, start = s4d_recurrence(_input(2, 9, seed=3), log_a, c[0])
-    y, state = s4d_scan(u, log_a, c[0], start, block=16)
-    y_ref, state_ref = s4d_recurrence(u, log_a, c[0], start)
-    torch.testing.assert_close(state, state_ref)
+    y, cache = s4d_scan(u, log_a, c[0], start, block=16)
+    y_ref, cache_ref = s4d_recurrence(u, log_a, c[0], start)
+    torch.testing.assert_close(cache.state, cache_ref.state)
+    assert cache.position == cache_ref.position == 9 + length
     assert_same_outputs_and_grads(y, y_ref, [u, *params])
 
 
@@ -84,12 +86,12 @@ def test_layer_init_is_s4d_lin_with_zoh():
     assert (1e-3 <= dt).all() and (dt <= 1e-1).all()
 
 
-def test_layer_decoding_state_has_constant_size():
+def test_layer_decoding_cache_has_constant_size():
     layer = build_attention("s4d", 8, 2, state_size=6)
     x = torch.randn(3, 50, 8)
     _, cache = layer(x[:, :10])
     _, cache_later = layer(x[:, 10:], cache=cache)
-    assert cache.shape == cache_later.shape == (3, 8, 3) and cache.is_complex()
+    assert cache.state.shape == cache_later.state.shape == (3, 8, 3) and cache.state.is_complex()
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -109,10 +111,10 @@ def test_errors_name_the_problem():
         build_attention("s4d", 8, 3)
     bidirectional = build_attention("s4d", 8, 2, causal=False)
     with pytest.raises(ValueError, match="causal=False; a cache is only for causal decoding"):
-        bidirectional(torch.randn(1, 3, 8), cache=torch.zeros(1, 8, 32, dtype=torch.cfloat))
+        bidirectional(torch.randn(1, 3, 8), cache=bidirectional.empty_cache(1))
     layer = build_attention("s4d", 8, 2)
     _, cache = layer(torch.randn(2, 3, 8))
-    with pytest.raises(ValueError, match=r"cache must be a complex state of shape \(1, 8, 32\)"):
+    with pytest.raises(ValueError, match=r"cache must be an S4DCache with a state of shape \(1, 8, 32\)"):
         layer(torch.randn(1, 3, 8), cache=cache)
     with pytest.raises(ValueError, match=r"x must have shape \[B, T, 8\]"):
         layer(torch.randn(2, 3, 7))

@@ -1,38 +1,10 @@
 """Softmax attention: against an explicit quadratic reference with explicit rotation matrices, padding, decoding."""
-import math
-
 import pytest
 import torch
 from reference_checks import assert_same_outputs_and_grads
 
 from lavo import build_attention
-from lavo.ops.rotary import apply_rotary
-from lavo.ops.softmax import softmax_attention
-
-
-def _rotation(position, dim):
-    """The [D, D] block-diagonal RoPE matrix at one position, built pair by pair."""
-    r = torch.zeros(dim, dim, dtype=torch.float64)
-    for i in range(dim // 2):
-        angle = position * 10000 ** (-2 * i / dim)
-        c, s = math.cos(angle), math.sin(angle)
-        r[2 * i, 2 * i], r[2 * i, 2 * i + 1] = c, -s
-        r[2 * i + 1, 2 * i], r[2 * i + 1, 2 * i + 1] = s, c
-    return r
-
-
-def _reference(q, k, v, causal, mask, rotary_start=None):
-    """Quadratic attention written out; ``rotary_start`` rotates q, k by explicit matrices at start + t."""
-    B, T, H, D = q.shape
-    if rotary_start is not None:
-        rot = torch.stack([_rotation(rotary_start + t, D) for t in range(T)])  # [T, D, D]
-        q, k = (torch.einsum("tij,bthj->bthi", rot, x) for x in (q, k))
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
-    allowed = mask[:, None, None, :].expand(B, 1, T, T)
-    if causal:
-        allowed = allowed & torch.ones(T, T, dtype=torch.bool).tril()
-    weights = torch.nan_to_num(scores.masked_fill(~allowed, float("-inf")).softmax(-1))
-    return torch.einsum("bhqk,bkhd->bqhd", weights, v) * mask[:, :, None, None]
+from lavo.ops.softmax import apply_rotary, softmax_attention, softmax_attention_naive
 
 
 def _inputs(B, T, H, D):
@@ -48,7 +20,8 @@ def test_layer_with_rotary_matches_explicit_rotation_matrices(causal, T):
     q, k, v = _inputs(B, T, H, D)
     mask = torch.ones(B, T, dtype=torch.bool)
     fast, _ = layer.attend(q, k, v, None, None)
-    assert_same_outputs_and_grads(fast, _reference(q, k, v, causal, mask, rotary_start=0), [q, k, v])
+    slow = softmax_attention_naive(q, k, v, causal=causal, padding_mask=mask, rotary_start=0)
+    assert_same_outputs_and_grads(fast, slow, [q, k, v])
 
 
 def test_rotary_scores_depend_only_on_relative_position():
@@ -69,7 +42,7 @@ def test_padding_matches_reference_and_fully_padded_rows_are_zero(causal):
     fast = softmax_attention(q, k, v, causal=causal, key_mask=mask, query_mask=mask)
     assert torch.isfinite(fast).all() and torch.all(fast[~mask] == 0)
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(fast.sum(), [q, k, v], retain_graph=True))
-    assert_same_outputs_and_grads(fast, _reference(q, k, v, causal, mask), [q, k, v])
+    assert_same_outputs_and_grads(fast, softmax_attention_naive(q, k, v, causal=causal, padding_mask=mask), [q, k, v])
 
 
 def test_rows_without_any_allowed_key_are_zero_not_nan():

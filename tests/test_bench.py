@@ -1,6 +1,5 @@
 """The efficiency benchmark harness (``python -m lavo.bench``): output formats, helpers, FLOP formula. No timing
 is asserted."""
-import dataclasses
 import json
 
 import pytest
@@ -11,7 +10,6 @@ from lavo import report
 from lavo.bench import attention, cli, decode, flops, measure, model, output, settings
 from lavo.bench.measure import Measurement
 from lavo.bench.runner import Runner
-from lavo.cache import LavoCache
 from lavo.layers.local import LocalAttention
 from lavo.ops import lavo_attention, orthogonal_basis
 from lavo.registry import ATTENTIONS, available_attentions, build_attention
@@ -197,33 +195,6 @@ def test_slow_and_failing_measurements_are_skipped_with_a_note(capsys, tmp_path)
     assert "[1]" in capsys.readouterr().out
 
 
-@dataclasses.dataclass
-class _State:
-    a: torch.Tensor
-    parts: tuple
-    extra: dict
-    position: int
-
-
-def test_tensor_nbytes_on_a_known_structure():
-    shared = torch.zeros(3, 4)  # 48 bytes, referenced twice: stored once
-    state = _State(a=torch.zeros(2, 5, dtype=torch.float64),  # 80
-                   parts=(shared, [torch.zeros(7, dtype=torch.bool), shared], None),  # 48 + 7
-                   extra={"h": torch.zeros(2, dtype=torch.complex64), "name": "x"},  # 16
-                   position=12)
-    assert decode.tensor_nbytes(state) == 80 + 48 + 7 + 16
-    assert decode.tensor_nbytes([state, {"n": 3}]) == 151
-    assert decode.tensor_nbytes(None) == 0
-
-
-def test_tensor_nbytes_matches_lavo_cache_nbytes():
-    layer = build_attention("lavo", 32, 2, window=8, rank=8)
-    with torch.no_grad():
-        _, cache = layer(torch.randn(2, 21, 32))
-    assert isinstance(cache, LavoCache)
-    assert decode.tensor_nbytes(cache) == cache.nbytes()
-
-
 def test_softmax_prefill_past_the_quadratic_limit_builds_the_same_cache():
     run_settings = quick_settings("--max-quadratic-length", "8")
     for rotary in (False, True):
@@ -258,7 +229,7 @@ def test_lavo_flops_small_case_by_hand():
 ])
 def test_lavo_flops_matches_the_matmuls_the_op_runs(monkeypatch, B, T, H, D, r, w, causal, basis_grad, recompute):
     if recompute:  # the path of long sequences: weights recomputed in backward
-        monkeypatch.setattr("lavo.ops.local.SAVED_WEIGHTS_LIMIT", 0)
+        monkeypatch.setattr("lavo.ops.local.blocked.SAVED_WEIGHTS_LIMIT", 0)
     q, k, v = (torch.randn(B, T, H, D, requires_grad=True) for _ in range(3))
     basis = orthogonal_basis(H, r, D).requires_grad_(basis_grad)
     pos_bias = torch.zeros(H, 2 * w if causal else 4 * w - 1, requires_grad=True)

@@ -92,6 +92,8 @@ def test_residual_projections_get_the_scaled_init():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("name", [n for n in available_attentions() if ATTENTIONS[n].supports_decoding])
 def test_cache_nbytes_is_the_tight_upper_bound(name, dtype):
+    if name == "s4d" and dtype == torch.bfloat16:
+        pytest.skip("S4D's parameters stay float32 or float64: torch has no bfloat16 complex numbers")
     torch.manual_seed(0)
     options = {"window": 4} if "window" in attention_class(name).option_names() else {}
     layer = build_attention(name, 16, 2, **options).to(dtype)
@@ -99,7 +101,7 @@ def test_cache_nbytes_is_the_tight_upper_bound(name, dtype):
     with torch.no_grad():
         for context in range(1, 15):
             _, cache = layer(torch.randn(2, 1, 16, dtype=dtype), cache=cache)
-            nbytes = cache.numel() * cache.element_size() if torch.is_tensor(cache) else cache.nbytes()
+            nbytes = cache.nbytes()
             bound = layer.cache_nbytes(2, context, dtype)
             assert nbytes <= bound, (context, nbytes, bound)
             sizes.append(bound - nbytes)

@@ -105,8 +105,8 @@ def test_bfloat16_forward_is_close_to_float32():
 @pytest.mark.parametrize("causal", [True, False])
 def test_chunked_and_recomputed_local_kernel_matches_naive(monkeypatch, causal, keep_weights):
     """One window per chunk, weights recomputed in backward: the path long sequences take."""
-    import lavo.ops.local as local_ops
-    import lavo.ops.memory as memory_ops
+    import lavo.ops.lavo.memory as memory_ops
+    import lavo.ops.local.blocked as local_ops
 
     monkeypatch.setattr(local_ops, "SCORES_PER_CHUNK", 1)
     monkeypatch.setattr(memory_ops, "READ_ELEMENTS_PER_CHUNK", 1)
@@ -120,7 +120,8 @@ def test_chunked_and_recomputed_local_kernel_matches_naive(monkeypatch, causal, 
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_memory_read_backward_matches_autograd(monkeypatch, shared):
-    import lavo.ops.memory as memory_ops
+    import lavo.ops.lavo.memory as memory_ops
+    from lavo.ops.lavo.naive import memory_read_naive
 
     monkeypatch.setattr(memory_ops, "READ_ELEMENTS_PER_CHUNK", 1)
     g = torch.Generator().manual_seed(3)
@@ -129,5 +130,5 @@ def test_memory_read_backward_matches_autograd(monkeypatch, shared):
                                requires_grad=True)
     basis = orthogonal_basis(3, 9, 12, generator=g, dtype=torch.float64).requires_grad_()
     _assert_same_outputs_and_grads(memory_ops.memory_read(q, coefficients, basis, 0.3),
-                                   memory_ops.memory_read_reference(q, coefficients, basis, 0.3),
+                                   memory_read_naive(q, coefficients, basis, 0.3),
                                    [q, coefficients, basis])

@@ -3,47 +3,22 @@ with a decoding form, each as a ratio to the step of the quadratic mechanism (so
 and value) at the same context."""
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any
 
 import torch
 
-from ..ops.rotary import apply_rotary
-from ..ops.softmax import KVCache
+from ..cache import KVCache
+from ..ops.softmax import apply_rotary
 from ..registry import build_attention
 from .measure import MIB, Skipped, available_mib, sync
 from .runner import Ratios, Runner, fill, record
 from .settings import Settings, mechanism_options, quadratic
 
 
-def tensor_nbytes(obj: Any) -> int:
-    """Bytes of every tensor reachable from ``obj`` through dataclasses, named tuples, tuples, lists, sets and
-    dict values; each tensor object counts once (a tensor referenced twice is stored once). Other objects (ints,
-    None, strings) count zero."""
-    seen: set[int] = set()
-
-    def walk(x: Any) -> int:
-        if isinstance(x, torch.Tensor):
-            if id(x) in seen:
-                return 0
-            seen.add(id(x))
-            return x.numel() * x.element_size()
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            return sum(walk(getattr(x, f.name)) for f in dataclasses.fields(x))
-        if isinstance(x, (tuple, list, set, frozenset)):
-            return sum(walk(item) for item in x)
-        if isinstance(x, dict):
-            return sum(walk(item) for item in x.values())
-        return 0
-
-    return walk(obj)
-
-
 def prefill(layer, x: torch.Tensor, settings: Settings):
     """The cache after the context ``x``, without grad; returns (cache, whether the layer really ran).
 
-    A quadratic layer keeps every key and value (a :class:`~lavo.ops.softmax.KVCache`): past
+    A quadratic layer keeps every key and value (a :class:`~lavo.cache.KVCache`): past
     ``--max-quadratic-length`` its cache is filled directly from its projections (same contents, without
     computing the quadratic attention)."""
     with torch.no_grad():
@@ -88,7 +63,7 @@ def run(runner: Runner) -> None:
                         entry["prefill_ms"] = (time.perf_counter() - start) * 1e3
                     else:
                         entry["note"] = "cache filled directly (context past --max-quadratic-length)"
-                entry["cache_bytes"] = tensor_nbytes(cache)
+                entry["cache_bytes"] = cache.nbytes()
                 token = torch.randn(s.batch, 1, s.dim, device=device)
                 state = {"cache": cache}
 

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..ops import local as local_ops
+from ..ops.local import blocked as local_blocked
 from .attention import OPS, attention_call
 from .measure import Skipped
 from .runner import Runner, fill, record
@@ -26,7 +26,7 @@ def lavo_flops(batch: int, length: int, heads: int, head_dim: int, rank: int, wi
     - local branch, forward: ``Q K^T`` and ``P V`` over every block's ``K`` keys: ``2 * 2 T' K D``.
     - local branch, backward: ``dV = P^T dO``, ``dP = dO V^T``, ``dQ = dS K`` and ``dK = dS^T Q``
       (``4 * 2 T' K D``), plus the recomputed scores (``2 T' K D``) when the whole sequence's weights exceed
-      ``lavo.ops.local.SAVED_WEIGHTS_LIMIT`` elements and are not kept.
+      ``lavo.ops.local.blocked.SAVED_WEIGHTS_LIMIT`` elements and are not kept.
     - memory branch, forward: each window's feature sum projected once (``2 n r D``), the queries projected and
       the read ``(weights * H) @ basis`` (``2 * 2 T' r D``).
     - memory branch, backward: the read recomputes the query projection and runs two gradient matmuls
@@ -44,7 +44,7 @@ def lavo_flops(batch: int, length: int, heads: int, head_dim: int, rank: int, wi
     local = 2 * unit_local
     memory = 2 * unit_memory + per_window
     if backward:
-        recomputed = padded * keys * batch * heads > local_ops.SAVED_WEIGHTS_LIMIT
+        recomputed = padded * keys * batch * heads > local_blocked.SAVED_WEIGHTS_LIMIT
         local += (5 if recomputed else 4) * unit_local
         memory += (5 if basis_grad else 3) * unit_memory + (2 if basis_grad else 1) * per_window
     return {"local": local, "memory": memory, "total": local + memory}

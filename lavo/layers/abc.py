@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.abc import ABCState, abc_attention
-from ..ops.memory import accumulation_dtype
+from ..ops.abc import ABCCache, abc_attention
+from ..ops.common import accumulation_dtype
 from .base import AttentionLayer, element_size
 
 
@@ -13,7 +13,7 @@ class ABCAttention(AttentionLayer):
     r"""ABC self-attention (Peng et al., 2022) with ``slots`` memory slots per head; see :mod:`lavo.ops.abc`.
 
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``; a causal layer
-    returns an :class:`~lavo.ops.abc.ABCState` of ``2 slots (D + 1)`` numbers per batch and head, whatever the
+    returns an :class:`~lavo.ops.abc.ABCCache` of ``2 slots (D + 1)`` numbers per batch and head, whatever the
     context length.
     """
 
@@ -25,12 +25,10 @@ class ABCAttention(AttentionLayer):
         self.control = nn.Parameter(torch.randn(heads, slots, self.head_dim) * self.head_dim ** -0.5)
 
     def attend(self, q, k, v, padding_mask, cache):
-        return abc_attention(q, k, v, self.control, causal=self.causal, padding_mask=padding_mask, state=cache)
+        return abc_attention(q, k, v, self.control, causal=self.causal, padding_mask=padding_mask, cache=cache)
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> ABCState:
-        return ABCState.empty(batch_size, self.heads, self.slots, self.head_dim, dtype=dtype or self.control.dtype,
-                              device=device)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> ABCCache:
+        return ABCCache.empty(batch_size, self.heads, self.slots, self.head_dim, device=device, dtype=dtype)
 
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
         # running maximum, normaliser [B, H, r] and key and value sums [B, H, r, D], in the accumulation dtype

@@ -17,7 +17,8 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from ..ops.checks import check_padding_mask
+from ..cache import Cache
+from ..ops.common import check_padding_mask
 
 
 def check_heads(dim: int, heads: int) -> int:
@@ -75,10 +76,18 @@ class Mechanism(nn.Module):
         """Upper bound of ``cache.nbytes()`` after ``context`` tokens of ``dtype`` inputs."""
         raise ValueError(f"{type(self).__name__} has no decoding form, so no cache")
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> Any:
-        """The cache before the first token: ``forward(x, cache=layer.empty_cache(B))`` equals ``forward(x)``."""
-        raise ValueError(f"{type(self).__name__} has no decoding form, so no cache")
+    def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> Cache:
+        """The cache before the first token, on the layer's device and for its dtype unless given;
+        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``. A layer without a decoding form raises."""
+        if not self.supports_decoding:
+            raise ValueError(f"{type(self).__name__} has no decoding form, so no cache")
+        like = next(self.parameters())
+        return self._new_cache(batch_size, device=device or like.device, dtype=dtype or like.dtype)
+
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> Cache:
+        """The empty cache of a layer with a decoding form."""
+        raise NotImplementedError
 
     def check_call(self, x: torch.Tensor, padding_mask: torch.Tensor | None, cache: Any) -> None:
         """The checks every ``forward`` makes first."""

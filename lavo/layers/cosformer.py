@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.cosformer import CosformerState, cosformer_attention, cosformer_attention_causal
-from ..ops.prefix_sums import check_positive
+from ..ops.common import check_positive
+from ..ops.cosformer import CosformerCache, cosformer_attention, cosformer_attention_causal
 from .base import AttentionLayer, element_size
 
 
@@ -14,7 +14,7 @@ class CosformerAttention(AttentionLayer):
     Non-causal layers take ``M`` = the (padded) sequence length, as in the paper. Causal layers fix
     ``M = max_length`` so that decoding never changes earlier weights; a sequence (all cached calls together)
     longer than ``max_length`` raises an error. Causal layers return a
-    :class:`~lavo.ops.cosformer.CosformerState` of constant size ``H (2D (D + 1))`` per sequence, plus the position.
+    :class:`~lavo.ops.cosformer.CosformerCache` of constant size ``H (2D (D + 1))`` per sequence, plus the position.
 
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``.
     """
@@ -24,18 +24,14 @@ class CosformerAttention(AttentionLayer):
         check_positive("CosformerAttention", max_length=max_length, chunk=chunk)
         self.max_length, self.chunk = max_length, chunk
 
-    def attend(self, q, k, v, padding_mask, cache: CosformerState | None):
+    def attend(self, q, k, v, padding_mask, cache: CosformerCache | None):
         if self.causal:
-            return cosformer_attention_causal(q, k, v, self.max_length, padding_mask=padding_mask, state=cache,
+            return cosformer_attention_causal(q, k, v, self.max_length, padding_mask=padding_mask, cache=cache,
                                               chunk=self.chunk)
         return cosformer_attention(q, k, v, padding_mask=padding_mask), None
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> CosformerState:
-        dtype = dtype or self.to_qkv.weight.dtype
-        features = 2 * self.head_dim
-        kv = torch.zeros(batch_size, self.heads, features, self.head_dim, dtype=dtype, device=device)
-        return CosformerState(kv, kv.new_zeros(batch_size, self.heads, features), 0)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> CosformerCache:
+        return CosformerCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype)
 
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
         # kv [B, H, 2D, D] and k_sum [B, H, 2D] in the input dtype

@@ -7,8 +7,8 @@ from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
 from ..cache import LavoCache
-from ..ops import code_cross_attention, empty_cache, lavo_attention, lavo_attention_cached, orthogonal_basis
-from ..ops.checks import check_padding_mask, check_window, pos_bias_size
+from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, orthogonal_basis
+from ..ops.common import check_padding_mask, check_window, pos_bias_size
 from .base import AttentionLayer, check_heads
 
 
@@ -58,11 +58,8 @@ class LavoAttention(AttentionLayer):
             return lavo_attention(q, k, v, self.basis, causal=True, return_cache=True, **options)
         return lavo_attention(q, k, v, self.basis, causal=False, **options), None
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> LavoCache:
-        probe = torch.empty(batch_size, 0, self.heads, self.head_dim, dtype=dtype or self.to_qkv.weight.dtype,
-                            device=device)
-        return empty_cache(probe, self.rank)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> LavoCache:
+        return LavoCache.empty(batch_size, self.heads, self.head_dim, self.rank, device=device, dtype=dtype)
 
     def no_weight_decay(self) -> list[nn.Parameter]:
         return learned_basis(self) + ([self.pos_bias] if self.pos_bias is not None else [])

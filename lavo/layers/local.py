@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.checks import check_window, pos_bias_size
+from ..cache import KVCache
+from ..ops.common import check_window, pos_bias_size
 from ..ops.local import keep_visible, local_attention, local_attention_chunk
-from ..ops.softmax import KVCache
 from .base import AttentionLayer
 
 
@@ -16,7 +16,7 @@ class LocalAttention(AttentionLayer):
     Position ``t`` lies in window ``t // w``; a causal query sees the previous and its own window up to ``t``, a
     non-causal one the previous, own and next windows (see :mod:`lavo.ops.local`).
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``; a causal layer
-    returns a :class:`~lavo.ops.softmax.KVCache` of at most ``2w - 1`` positions, whatever the context length.
+    returns a :class:`~lavo.cache.KVCache` of at most ``2w - 1`` positions, whatever the context length.
     A chunk decoded from a cache costs ``O(T (2w + T) D)``: start long prompts without a cache.
     """
 
@@ -43,10 +43,8 @@ class LocalAttention(AttentionLayer):
         kept = keep_visible(cache.position, self.window, cache.keys, cache.values, cache.key_mask)
         return out, KVCache(*(x.clone() for x in kept), cache.position)
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> KVCache:
-        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=dtype or self.to_qkv.weight.dtype,
-                             device=device)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> KVCache:
+        return KVCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype)
 
     def no_weight_decay(self) -> list[nn.Parameter]:
         return [self.pos_bias] if self.pos_bias is not None else []

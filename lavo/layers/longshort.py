@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.checks import check_window
+from ..ops.common import check_window
 from ..ops.longshort import longshort_attention
 from .base import AttentionLayer
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.performer import (PerformerState, empty_state, orthogonal_random_features, performer_attention,
+from ..ops.common import check_positive
+from ..ops.performer import (PerformerCache, orthogonal_random_features, performer_attention,
                              performer_attention_causal)
-from ..ops.prefix_sums import check_positive
 from .base import AttentionLayer, element_size
 
 
@@ -14,7 +14,7 @@ class PerformerAttention(AttentionLayer):
 
     The projection ``[features, head_dim]`` is drawn once at construction (from the global RNG), shared by the
     heads and kept as a buffer: it is saved with the model and never redrawn. Causal layers use chunked prefix
-    sums and return a :class:`~lavo.ops.performer.PerformerState` of constant size ``H (F (D + 1) + 1)`` per
+    sums and return a :class:`~lavo.ops.performer.PerformerCache` of constant size ``H (F (D + 1) + 1)`` per
     sequence.
 
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``.
@@ -26,17 +26,14 @@ class PerformerAttention(AttentionLayer):
         self.features, self.chunk = features, chunk
         self.register_buffer("projection", orthogonal_random_features(features, self.head_dim))
 
-    def attend(self, q, k, v, padding_mask, cache: PerformerState | None):
+    def attend(self, q, k, v, padding_mask, cache: PerformerCache | None):
         if self.causal:
-            return performer_attention_causal(q, k, v, self.projection, padding_mask=padding_mask, state=cache,
+            return performer_attention_causal(q, k, v, self.projection, padding_mask=padding_mask, cache=cache,
                                               chunk=self.chunk)
         return performer_attention(q, k, v, self.projection, padding_mask=padding_mask), None
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> PerformerState:
-        probe = torch.empty(batch_size, 0, self.heads, self.head_dim, dtype=dtype or self.to_qkv.weight.dtype,
-                            device=device)
-        return empty_state(probe, self.features)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> PerformerCache:
+        return PerformerCache.empty(batch_size, self.heads, self.features, self.head_dim, device=device, dtype=dtype)
 
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
         # S [B, H, F, D], z [B, H, F] and the running key maximum [B, H], in the input dtype

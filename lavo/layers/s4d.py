@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.s4d import discretize, fft_convolution, s4d_kernel, s4d_scan
+from ..ops.s4d import S4DCache, discretize, fft_convolution, s4d_kernel, s4d_scan
 from .base import Mechanism, element_size
 
 
@@ -24,8 +24,7 @@ class S4DLayer(Mechanism):
 
     Padded inputs are zeroed before the SSM: they never reach real positions, but still count as elapsed time.
 
-    ``forward(x [B, T, dim], padding_mask [B, T] | None, cache [B, dim, state_size / 2] complex | None)
-    -> (y [B, T, dim], cache)``.
+    ``forward(x [B, T, dim], padding_mask [B, T] | None, cache: S4DCache | None) -> (y [B, T, dim], cache)``.
     """
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True, state_size: int = 64, dt_min: float = 1e-3,
@@ -51,7 +50,7 @@ class S4DLayer(Mechanism):
         return discretize(self.log_dt, a, torch.view_as_complex(self.c))
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
-                cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                cache: S4DCache | None = None) -> tuple[torch.Tensor, S4DCache | None]:
         self.check_call(x, padding_mask, cache)
         u = x if padding_mask is None else x.masked_fill(~padding_mask[..., None], 0)
         log_a, c = self.system()
@@ -69,21 +68,19 @@ class S4DLayer(Mechanism):
         # The GLU's output is what this layer adds to the residual stream; its scale follows this projection.
         return [self.to_glu.weight]
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> torch.Tensor:
-        return torch.zeros(batch_size, self.dim, self.state_size // 2, dtype=self.log_a_real.dtype.to_complex(),
-                           device=device)
-
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
         # one complex number per channel and mode, in the parameters' precision (at least float32)
         real = torch.promote_types(dtype, self.log_a_real.dtype)
         return batch_size * self.dim * (self.state_size // 2) * 2 * element_size(real)
 
-    def check_cache(self, cache: torch.Tensor, batch: int) -> None:
+    def check_cache(self, cache: S4DCache, batch: int) -> None:
         expected = (batch, self.dim, self.state_size // 2)
-        if not torch.is_tensor(cache) or not cache.is_complex() or tuple(cache.shape) != expected:
-            raise ValueError(f"S4DLayer cache must be a complex state of shape {expected}; pass what the previous "
-                             f"call returned")
+        if not isinstance(cache, S4DCache) or tuple(cache.state.shape) != expected:
+            raise ValueError(f"S4DLayer cache must be an S4DCache with a state of shape {expected}; pass what the "
+                             f"previous call returned")
+
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> S4DCache:
+        return S4DCache.empty(batch_size, self.dim, self.state_size // 2, device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, state_size={self.state_size}, causal={self.causal}"

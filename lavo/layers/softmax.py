@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.rotary import apply_rotary
-from ..ops.softmax import KVCache, softmax_attention
+from ..cache import KVCache
+from ..ops.softmax import apply_rotary, softmax_attention
 from .base import AttentionLayer
 
 
@@ -12,7 +12,7 @@ class SoftmaxAttention(AttentionLayer):
     r"""Standard multi-head softmax attention (Vaswani et al., 2017), optionally with rotary position embedding.
 
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``. A causal layer
-    returns a :class:`~lavo.ops.softmax.KVCache` holding every key and value seen so far, so decoding cost and
+    returns a :class:`~lavo.cache.KVCache` holding every key and value seen so far, so decoding cost and
     state grow with the context.
 
     Args:
@@ -41,10 +41,8 @@ class SoftmaxAttention(AttentionLayer):
         out = softmax_attention(q, cache.keys, cache.values, causal=True, key_mask=key_mask, query_mask=padding_mask)
         return out, cache
 
-    def empty_cache(self, batch_size: int, *, device: torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> KVCache:
-        return KVCache.empty(batch_size, self.heads, self.head_dim, dtype=dtype or self.to_qkv.weight.dtype,
-                             device=device)
+    def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> KVCache:
+        return KVCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype)
 
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
         return self.key_value_nbytes(batch_size, context, dtype)

@@ -1,7 +1,30 @@
-"""Input validation shared by the attention ops: every error names the argument and the shape it expected."""
+"""What the ops of several mechanisms share: input checks (every error names the argument and the shape it
+expected), the masking constant, the accumulation dtype and small tensor helpers."""
 from __future__ import annotations
 
 import torch
+
+
+def neg_inf(dtype: torch.dtype) -> float:
+    """A finite stand-in for -inf: masked rows stay NaN-free, and exp() of it is exactly zero."""
+    return torch.finfo(dtype).min
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 inputs: the dtype of sums over the context (float16 overflows past ~65K)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sums of the entries strictly before each position along ``dim``."""
+    return x.cumsum(dim) - x
+
+
+def check_positive(owner: str, **options: int) -> None:
+    """Raise naming ``owner`` and the option unless every option is a positive integer."""
+    for name, value in options.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner} {name} must be a positive integer, got {value!r}")
 
 
 def check_window(window: int) -> None:

@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_basis, check_padding_mask
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32, or float64 for float64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
+from ..common import accumulation_dtype
 
 
 def project(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -91,37 +86,3 @@ def memory_read(q: torch.Tensor, coefficients: torch.Tensor, basis: torch.Tensor
     """
     return _MemoryRead.apply(q, coefficients, basis, scale)
 
-
-def memory_read_reference(q: torch.Tensor, coefficients: torch.Tensor, basis: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-    """:func:`memory_read` in plain autograd, for tests."""
-    weights = (coefficients * scale * project(q, basis)).softmax(-1)
-    return ((weights * coefficients) @ basis.to(coefficients.dtype)).to(q.dtype)
-
-
-def code_cross_attention(q: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, *,
-                         padding_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    r"""Cross attention through the orthogonal memory: the source is compressed to ``r`` slots per head.
-
-    Args:
-        q: ``[B, Tq, H, D]`` queries.
-        x: ``[B, S, H, D]`` per-head source features.
-        basis: ``[H, r, D]``.
-        padding_mask: ``[B, S]`` bool over the source, True for real tokens.
-    Returns:
-        ``[B, Tq, H, D]``.
-    """
-    if q.dim() != 4 or x.dim() != 4 or q.shape[0] != x.shape[0] or q.shape[2:] != x.shape[2:]:
-        raise ValueError(f"q [B, Tq, H, D] and x [B, S, H, D] must agree on B, H and D, got q {tuple(q.shape)} "
-                         f"and x {tuple(x.shape)}")
-    B, S, H, D = x.shape
-    check_basis(basis, H, D)
-    check_padding_mask(padding_mask, B, S)
-    scale = D ** -0.5 if scale is None else scale
-    proj = project(x.transpose(1, 2), basis)  # [B, H, S, r]
-    if padding_mask is None:
-        coefficients = proj.mean(2, keepdim=True)
-    else:
-        real = padding_mask[:, None, :, None].to(proj.dtype)
-        coefficients = (proj * real).sum(2, keepdim=True) / real.sum(2, keepdim=True).clamp(min=1)
-    return memory_read(q.transpose(1, 2), coefficients, basis, scale).transpose(1, 2)

@@ -9,13 +9,6 @@ from __future__ import annotations
 import torch
 
 
-def check_positive(owner: str, **options: int) -> None:
-    """Raise naming ``owner`` and the option unless every option is a positive integer."""
-    for name, value in options.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner} {name} must be a positive integer, got {value!r}")
-
-
 def feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """Non-causal, by associativity: ``[B, T, H, F]``, ``[B, S, H, F]``, ``[B, S, H, D]`` -> ``[B, T, H, D]``."""
     kv = torch.einsum("bshf,bshd->bhfd", k_feat, v)
@@ -23,16 +16,18 @@ def feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tenso
     return numerator / torch.einsum("bthf,bhf->bth", q_feat, k_feat.sum(1)).clamp(min=eps)[..., None]
 
 
-def check_state(state: tuple[torch.Tensor, torch.Tensor], k_feat: torch.Tensor, v: torch.Tensor) -> None:
+def check_sums(sums: tuple[torch.Tensor, torch.Tensor], k_feat: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise unless the carried ``(S, z)`` fit the batch, heads and sizes of ``k_feat`` and ``v``."""
     batch, _, heads, features = k_feat.shape
     expected = (batch, heads, features, v.shape[-1]), (batch, heads, features)
-    if tuple(tuple(t.shape) for t in state) != expected:
-        raise ValueError(f"state sums must have shapes S {expected[0]} and z {expected[1]}, got "
-                         f"{tuple(state[0].shape)} and {tuple(state[1].shape)}; pass what the previous call returned")
+    if tuple(tuple(t.shape) for t in sums) != expected:
+        raise ValueError(f"cache sums must have shapes S {expected[0]} and z {expected[1]}, got "
+                         f"{tuple(sums[0].shape)} and {tuple(sums[1].shape)}; pass the cache the previous call "
+                         f"returned")
 
 
 def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor,
-                             state: tuple[torch.Tensor, torch.Tensor] | None = None, *, eps: float,
+                             sums: tuple[torch.Tensor, torch.Tensor] | None = None, *, eps: float,
                              chunk: int = 64, rescale: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     r"""Causal, ``chunk`` tokens at a time: inside a chunk the masked ``[chunk, chunk]`` weights
@@ -41,17 +36,17 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
 
     Args:
         q_feat, k_feat: ``[B, T, H, F]``; v: ``[B, T, H, D]``.
-        state: ``(S [B, H, F, D], z [B, H, F])`` summed over earlier tokens (None: zeros).
+        sums: ``(S [B, H, F, D], z [B, H, F])`` over earlier tokens (None: zeros).
         rescale: ``[B, n_chunks, H]``, a factor on the carried sums before each chunk (for stabilised features
             whose scale changes between chunks).
     Returns:
         ``[B, T, H, D]`` and the sums after the last token.
     """
     batch, _, heads, features = k_feat.shape
-    if state is None:
-        state = (v.new_zeros(batch, heads, features, v.shape[-1]), v.new_zeros(batch, heads, features))
-    check_state(state, k_feat, v)
-    kv, k_sum = state
+    if sums is None:
+        sums = (v.new_zeros(batch, heads, features, v.shape[-1]), v.new_zeros(batch, heads, features))
+    check_sums(sums, k_feat, v)
+    kv, k_sum = sums
     outputs = []
     # split(), not slicing: a slice's backward fills a zero tensor as long as the whole sequence (quadratic in T).
     pieces = zip(q_feat.split(chunk, 1), k_feat.split(chunk, 1), v.split(chunk, 1))
@@ -65,13 +60,3 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
         kv = kv + torch.einsum("bshf,bshd->bhfd", k, values)
         k_sum = k_sum + k.sum(1)
     return torch.cat(outputs, 1), (kv, k_sum)
-
-
-def feature_attention_naive(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                            eps: float) -> torch.Tensor:
-    """Reference: the explicit ``[T, S]`` weights ``phi(q) phi(k)^T``, lower-triangular when causal."""
-    weights = torch.einsum("bthf,bshf->bhts", q_feat, k_feat)
-    if causal:
-        weights = weights.tril()
-    out = torch.einsum("bhts,bshd->bthd", weights, v)
-    return out / weights.sum(-1).transpose(1, 2).clamp(min=eps)[..., None]

@@ -11,21 +11,34 @@ feature exceeds 1, so nothing overflows.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .prefix_sums import causal_feature_attention, check_state, feature_attention, feature_attention_naive
+from ...cache import Cache
+from ..common import neg_inf
+from ..feature_attention import causal_feature_attention, check_sums, feature_attention
 
 
-class PerformerState(NamedTuple):
-    """Decoding state: ``kv [B, H, F, D]`` and ``k_sum [B, H, F]`` summed over the context, scaled by
-    ``exp(-key_max)``; ``key_max [B, H]`` the largest key exponent so far."""
+@dataclass(frozen=True)
+class PerformerCache(Cache):
+    """Decoding cache: ``kv [B, H, F, D]`` and ``k_sum [B, H, F]`` summed over the context, scaled by
+    ``exp(-key_max)``; ``key_max [B, H]`` the largest key exponent so far; ``position`` the tokens seen."""
 
     kv: torch.Tensor
     k_sum: torch.Tensor
     key_max: torch.Tensor
+    position: int
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, features: int, head_dim: int, *, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None) -> PerformerCache:
+        """The cache before the first token, for values of ``dtype``."""
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        k_sum = torch.zeros(batch, heads, features, dtype=dtype, device=device)
+        return cls(torch.zeros(batch, heads, features, head_dim, dtype=dtype, device=device), k_sum,
+                   torch.full((batch, heads), neg_inf(dtype), dtype=dtype, device=device), 0)
 
 
 def orthogonal_random_features(features: int, head_dim: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -55,7 +68,7 @@ def key_exponents(k: torch.Tensor, projection: torch.Tensor, padding_mask: torch
     return exponents if padding_mask is None else exponents.masked_fill(~padding_mask[:, :, None, None], -math.inf)
 
 
-def _tiny(x: torch.Tensor) -> float:
+def tiny(x: torch.Tensor) -> float:
     return torch.finfo(x.dtype).tiny
 
 
@@ -64,40 +77,28 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     """Non-causal FAVOR+. ``q [B, T, H, D]``, ``k, v [B, S, H, D]``, ``projection [F, D]`` -> ``[B, T, H, D]``."""
     exponents = key_exponents(k, projection, padding_mask)
     key_max = exponents.amax((1, 3), keepdim=True).detach().clamp(min=torch.finfo(k.dtype).min)
-    return feature_attention(query_features(q, projection), torch.exp(exponents - key_max), v, eps=_tiny(v))
-
-
-def empty_state(v: torch.Tensor, features: int) -> PerformerState:
-    """State before the first token, for values like ``v [B, T, H, D]``."""
-    batch, _, heads, head_dim = v.shape
-    return PerformerState(v.new_zeros(batch, heads, features, head_dim), v.new_zeros(batch, heads, features),
-                          v.new_full((batch, heads), torch.finfo(v.dtype).min))
+    return feature_attention(query_features(q, projection), torch.exp(exponents - key_max), v, eps=tiny(v))
 
 
 def performer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
-                               padding_mask: torch.Tensor | None = None, state: PerformerState | None = None,
-                               chunk: int = 64) -> tuple[torch.Tensor, PerformerState]:
-    """Causal FAVOR+ by chunked prefix sums, continuing from ``state``. ``q, k, v [B, T, H, D]`` ->
-    ``([B, T, H, D], PerformerState)``."""
-    state = empty_state(v, projection.shape[0]) if state is None else state
+                               padding_mask: torch.Tensor | None = None, cache: PerformerCache | None = None,
+                               chunk: int = 64) -> tuple[torch.Tensor, PerformerCache]:
+    """Causal FAVOR+ by chunked prefix sums, continuing from ``cache`` (None: the start). ``q, k, v [B, T, H, D]``
+    -> ``([B, T, H, D], PerformerCache)``."""
+    if cache is None:
+        B, _, H, D = v.shape
+        cache = PerformerCache.empty(B, H, projection.shape[0], D, dtype=v.dtype, device=v.device)
     exponents = key_exponents(k, projection, padding_mask)
-    check_state(state[:2], exponents, v)
-    if state.key_max.shape != state.k_sum.shape[:2]:
-        raise ValueError(f"state key_max must have shape [B, H] = {tuple(state.k_sum.shape[:2])}, "
-                         f"got {tuple(state.key_max.shape)}")
+    check_sums((cache.kv, cache.k_sum), exponents, v)
+    if cache.key_max.shape != cache.k_sum.shape[:2]:
+        raise ValueError(f"cache key_max must have shape [B, H] = {tuple(cache.k_sum.shape[:2])}, "
+                         f"got {tuple(cache.key_max.shape)}")
     length = k.shape[1]
     chunk_max = F.pad(exponents, (0, 0, 0, 0, 0, -length % chunk), value=-math.inf).unflatten(1, (-1, chunk))
     chunk_max = chunk_max.amax((2, 4)).detach()  # [B, n, H]
-    key_max = torch.maximum(chunk_max.cummax(1).values, state.key_max[:, None])
-    previous = torch.cat([state.key_max[:, None], key_max[:, :-1]], 1)
+    key_max = torch.maximum(chunk_max.cummax(1).values, cache.key_max[:, None])
+    previous = torch.cat([cache.key_max[:, None], key_max[:, :-1]], 1)
     k_feat = torch.exp(exponents - key_max.repeat_interleave(chunk, 1)[:, :length, :, None])
-    out, (kv, k_sum) = causal_feature_attention(query_features(q, projection), k_feat, v, state[:2], eps=_tiny(v),
-                                                chunk=chunk, rescale=torch.exp(previous - key_max))
-    return out, PerformerState(kv, k_sum, key_max[:, -1])
-
-
-def performer_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
-                              causal: bool, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: explicit weights ``phi(q) phi(k)^T`` from the unstabilised features."""
-    k_feat = key_exponents(k, projection, padding_mask).exp()
-    return feature_attention_naive(favor_exponents(q, projection).exp(), k_feat, v, causal=causal, eps=_tiny(v))
+    out, (kv, k_sum) = causal_feature_attention(query_features(q, projection), k_feat, v, (cache.kv, cache.k_sum),
+                                                eps=tiny(v), chunk=chunk, rescale=torch.exp(previous - key_max))
+    return out, PerformerCache(kv, k_sum, key_max[:, -1], cache.position + length)

@@ -10,21 +10,30 @@ decoder does not know the final length, and positions from ``M`` on are refused.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
-from .prefix_sums import causal_feature_attention, feature_attention
+from ...cache import Cache
+from ..feature_attention import causal_feature_attention, feature_attention
 
 EPS = 1e-6
 
 
-class CosformerState(NamedTuple):
-    """Decoding state: ``kv [B, H, 2D, D]`` and ``k_sum [B, H, 2D]`` over the context, and its length."""
+@dataclass(frozen=True)
+class CosformerCache(Cache):
+    """Decoding cache: ``kv [B, H, 2D, D]`` and ``k_sum [B, H, 2D]`` over the context, and its length."""
 
     kv: torch.Tensor
     k_sum: torch.Tensor
     position: int
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, head_dim: int, *, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None) -> CosformerCache:
+        """The cache before the first token, for values of ``dtype``."""
+        k_sum = torch.zeros(batch, heads, 2 * head_dim, dtype=dtype, device=device)
+        return cls(torch.zeros(batch, heads, 2 * head_dim, head_dim, dtype=dtype, device=device), k_sum, 0)
 
 
 def cosformer_features(x: torch.Tensor, positions: torch.Tensor, horizon: int,
@@ -47,11 +56,11 @@ def cosformer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 
 def cosformer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_length: int, *,
-                               padding_mask: torch.Tensor | None = None, state: CosformerState | None = None,
-                               chunk: int = 64) -> tuple[torch.Tensor, CosformerState]:
-    """Causal cosFormer with ``M = max_length``, by chunked prefix sums, continuing from ``state``.
-    ``q, k, v [B, T, H, D]`` -> ``([B, T, H, D], CosformerState)``."""
-    start = 0 if state is None else state.position
+                               padding_mask: torch.Tensor | None = None, cache: CosformerCache | None = None,
+                               chunk: int = 64) -> tuple[torch.Tensor, CosformerCache]:
+    """Causal cosFormer with ``M = max_length``, by chunked prefix sums, continuing from ``cache`` (None: the
+    start). ``q, k, v [B, T, H, D]`` -> ``([B, T, H, D], CosformerCache)``."""
+    start = 0 if cache is None else cache.position
     end = start + q.shape[1]
     if end > max_length:
         raise ValueError(f"cosFormer reached position {end - 1} but was built with max_length={max_length}: the "
@@ -59,24 +68,5 @@ def cosformer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     positions = torch.arange(start, end, device=q.device)
     out, (kv, k_sum) = causal_feature_attention(
         cosformer_features(q, positions, max_length), cosformer_features(k, positions, max_length, padding_mask),
-        v, None if state is None else state[:2], eps=EPS, chunk=chunk)
-    return out, CosformerState(kv, k_sum, end)
-
-
-def cosformer_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                              max_length: int | None = None,
-                              padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: explicit weights ``relu(q) relu(k)^T cos(pi/2 (i - j) / M)`` (``M = max_length`` when causal,
-    else ``T``)."""
-    length = q.shape[1]
-    position = torch.arange(length, device=q.device, dtype=q.dtype)
-    distance = position[:, None] - position[None, :]
-    horizon = max_length if causal else length
-    weights = torch.einsum("bthd,bshd->bhts", torch.relu(q), torch.relu(k))
-    weights = weights * torch.cos(math.pi / 2 * distance / horizon)
-    if padding_mask is not None:
-        weights = weights * padding_mask[:, None, None, :]
-    if causal:
-        weights = weights.tril()
-    out = torch.einsum("bhts,bshd->bthd", weights, v)
-    return out / weights.sum(-1).transpose(1, 2).clamp(min=EPS)[..., None]
+        v, None if cache is None else (cache.kv, cache.k_sum), eps=EPS, chunk=chunk)
+    return out, CosformerCache(kv, k_sum, end)

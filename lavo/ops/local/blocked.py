@@ -10,12 +10,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from .checks import check_pos_bias, check_window_inputs
-
-
-def neg_inf(dtype: torch.dtype) -> float:
-    """A finite stand-in for -inf: masked rows stay NaN-free, and exp() of it is exactly zero."""
-    return torch.finfo(dtype).min
+from ..common import check_pos_bias, check_window_inputs, neg_inf
 
 
 # Elements of scores computed at once: 4 MiB in float32, about what stays in cache.
@@ -221,42 +216,3 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
         out = out * padding_mask[:, :, None, None].to(out.dtype)
     return out
 
-
-def keep_visible(position: int, window: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    r"""Trim keys to what a causal query at ``position`` or later can still see.
-
-    Args:
-        position: tokens seen so far; each tensor's time axis (dim 1) ends at ``position - 1``.
-        tensors: e.g. keys ``[B, L, H, D]`` and their mask ``[B, L]``.
-    Returns:
-        each tensor from the start of the previous window on: its last ``<= 2w - 1`` positions.
-    """
-    keep = position - max(0, (position // window - 1) * window)
-    return tuple(t[:, t.shape[1] - keep:] for t in tensors)
-
-
-def local_attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int, window: int,
-                          pos_bias: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
-                          scale: float | None = None) -> torch.Tensor:
-    r"""Causal sliding-window attention for a chunk of queries against explicit keys (used in decoding).
-
-    Args:
-        q: ``[B, Tq, H, D]`` at absolute positions ``start .. start + Tq - 1``.
-        k, v: ``[B, Tk, H, D]``, ``Tk >= Tq``, at positions ending with the queries' last position.
-        key_mask: ``[B, Tk]`` bool, True for real keys.
-    Returns:
-        ``[B, Tq, H, D]``; costs ``O(Tq Tk D)``, so keep ``Tk`` near ``2w``.
-    """
-    B, Tq, H, D = q.shape
-    Tk = k.shape[1]
-    scale = D ** -0.5 if scale is None else scale
-    q_pos = torch.arange(start, start + Tq, device=q.device)
-    k_pos = torch.arange(start + Tq - Tk, start + Tq, device=q.device)
-    offset = q_pos[:, None] - k_pos[None, :]
-    allowed = (offset >= 0) & (k_pos[None, :] >= (q_pos[:, None] // window - 1) * window)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
-    if pos_bias is not None:
-        scores = scores + pos_bias[:, offset.clamp(0, 2 * window - 1)].to(scores.dtype)
-    allowed = allowed if key_mask is None else allowed & key_mask[:, None, None, :]
-    scores = scores.masked_fill(~allowed, neg_inf(scores.dtype))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)

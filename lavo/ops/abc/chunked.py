@@ -12,7 +12,7 @@ weight shrinks as later tokens arrive (not each step's own normalisation).
 
 The causal form keeps unnormalised prefix sums scaled by ``exp(-m)``, in at least float32, with ``m`` the
 maximum of the logits up to the end of the current chunk of positions (detached: the result does not depend on
-it): ``O(T r D)`` time and memory, and the same sums are the constant-size decoding state. It is exact unless,
+it): ``O(T r D)`` time and memory, and the same sums are the constant-size decoding cache. It is exact unless,
 inside one chunk, a slot's logit rises more than ~80 (float32) above every earlier logit of that slot: those
 earlier sums underflow. ``chunk=1`` never underflows.
 """
@@ -22,39 +22,36 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_padding_mask, check_same_shape
-from .local import neg_inf
-from .memory import accumulation_dtype
+from ...cache import Cache
+from ..common import accumulation_dtype, check_padding_mask, check_same_shape, neg_inf
 
 
 @dataclass(frozen=True)
-class ABCState:
-    r"""Constant-size causal state: the memory after all tokens so far, unnormalised.
+class ABCCache(Cache):
+    r"""Constant-size causal cache: the memory after all tokens so far, unnormalised.
 
     Attributes:
         reference: ``[B, H, r]`` the running maximum ``m`` of the real tokens' control logits.
         keys, values: ``[B, H, r, D]`` ``sum_i exp(a_i - m) k_i`` and ``sum_i exp(a_i - m) v_i``.
         normaliser: ``[B, H, r]`` ``sum_i exp(a_i - m)``.
         All in the accumulation dtype (float32, or float64 for float64 inputs).
+        position: tokens seen so far, padding included.
     """
 
     reference: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
     normaliser: torch.Tensor
+    position: int
 
     @classmethod
     def empty(cls, batch: int, heads: int, slots: int, head_dim: int, *, dtype: torch.dtype | None = None,
-              device: torch.device | None = None) -> ABCState:
-        """The state before the first token, for inputs of ``dtype``."""
+              device: torch.device | str | None = None) -> ABCCache:
+        """The cache before the first token, for inputs of ``dtype``."""
         dtype = accumulation_dtype(torch.get_default_dtype() if dtype is None else dtype)
         memory = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
         normaliser = torch.zeros(batch, heads, slots, dtype=dtype, device=device)
-        return cls(torch.full_like(normaliser, neg_inf(dtype)), memory, memory, normaliser)
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys.shape[0]
+        return cls(torch.full_like(normaliser, neg_inf(dtype)), memory, memory, normaliser, 0)
 
 
 def _logits(k: torch.Tensor, control: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
@@ -81,17 +78,17 @@ def _read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, normaliser:
     return torch.einsum("bthr,bthrd->bthd", scores.softmax(-1) * inverse, values)
 
 
-def _causal_chunk(q, k, v, logits, real, state: ABCState, scale: float) -> tuple[torch.Tensor, ABCState]:
-    """Causal ABC over one chunk of positions, continuing ``state``. Shapes as in :func:`abc_attention`.
+def _causal_chunk(q, k, v, logits, real, cache: ABCCache, scale: float) -> tuple[torch.Tensor, ABCCache]:
+    """Causal ABC over one chunk of positions, continuing ``cache``. Shapes as in :func:`abc_attention`.
 
     Inside the chunk the prefix memories are never formed per token: with the masked ``[C, C]`` products
     ``q k^T`` and ``p w^T``, reading them costs ``O(C (C + r) D)``."""
-    reference = torch.maximum(state.reference, logits.amax(1)).detach()
-    carry = torch.exp(state.reference - reference)  # rescales the earlier sums to the new reference
+    reference = torch.maximum(cache.reference, logits.amax(1)).detach()
+    carry = torch.exp(cache.reference - reference)  # rescales the earlier sums to the new reference
     weights = torch.exp(logits - reference[:, None]) * real[:, :, None, None]  # [B, C, H, r]
-    normaliser = carry[:, None] * state.normaliser[:, None] + weights.cumsum(1)
+    normaliser = carry[:, None] * cache.normaliser[:, None] + weights.cumsum(1)
     inverse = 1 / normaliser.clamp(min=torch.finfo(normaliser.dtype).tiny)
-    old_keys, old_values = carry[..., None] * state.keys, carry[..., None] * state.values  # [B, H, r, D]
+    old_keys, old_values = carry[..., None] * cache.keys, carry[..., None] * cache.values  # [B, H, r, D]
     causal = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device).tril()
     q = q * scale
     qk = torch.einsum("bthd,bshd->bhts", q, k) * causal
@@ -101,66 +98,48 @@ def _causal_chunk(q, k, v, logits, real, state: ABCState, scale: float) -> tuple
     out = torch.einsum("bhts,bshd->bthd", mixing, v) + torch.einsum("bthr,bhrd->bthd", probs, old_values)
     keys = old_keys + torch.einsum("bshr,bshd->bhrd", weights, k)
     values = old_values + torch.einsum("bshr,bshd->bhrd", weights, v)
-    return out, ABCState(reference, keys, values, normaliser[:, -1])
+    return out, ABCCache(reference, keys, values, normaliser[:, -1], cache.position + q.shape[1])
 
 
 def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, control: torch.Tensor, *, causal: bool = True,
-                  padding_mask: torch.Tensor | None = None, state: ABCState | None = None,
-                  scale: float | None = None, chunk: int = 64) -> tuple[torch.Tensor, ABCState | None]:
+                  padding_mask: torch.Tensor | None = None, cache: ABCCache | None = None,
+                  scale: float | None = None, chunk: int = 64) -> tuple[torch.Tensor, ABCCache | None]:
     r"""ABC attention with learned control.
 
     Args:
         q, k, v: ``[B, T, H, D]``.
         control: ``W_phi``, ``[H, r, D]``.
         padding_mask: ``[B, T]`` bool, True for real tokens; padding is never written, and its output is zero.
-        state: causal only, the state after earlier positions (None: start of the sequence).
+        cache: causal only, the cache after earlier positions (None: start of the sequence).
         scale: defaults to ``D ** -0.5``.
         chunk: causal positions per step; bounds the working set to ``O(chunk r D)`` per batch and head.
     Returns:
-        ``[B, T, H, D]`` and, causal, the state after these positions (None when non-causal).
+        ``[B, T, H, D]`` and, causal, the cache after these positions (None when non-causal).
     """
     check_same_shape(q=q, k=k, v=v)
     B, T, H, D = q.shape
     check_padding_mask(padding_mask, B, T)
     if control.dim() != 3 or control.shape[0] != H or control.shape[2] != D:
         raise ValueError(f"control must have shape [H, r, D] with H={H}, D={D}, got {tuple(control.shape)}")
-    if state is not None and not causal:
-        raise ValueError("a state exists only for causal attention (causal=False was given)")
+    if cache is not None and not causal:
+        raise ValueError("a cache exists only for causal attention (causal=False was given)")
     scale = D ** -0.5 if scale is None else scale
     out_dtype = q.dtype
     q, k, v, control = (x.to(accumulation_dtype(out_dtype)) for x in (q, k, v, control))
     real = torch.ones(B, T, dtype=q.dtype, device=q.device) if padding_mask is None else padding_mask.to(q.dtype)
     logits = _logits(k, control, padding_mask)
     if causal:
-        state = ABCState.empty(B, H, control.shape[1], D, dtype=q.dtype, device=q.device) if state is None else state
-        if state.batch_size != B:
-            raise ValueError(f"state was built for batch size {state.batch_size}, got input of batch size {B}")
+        cache = ABCCache.empty(B, H, control.shape[1], D, dtype=q.dtype, device=q.device) if cache is None else cache
+        cache.check_batch_size(B)
         outputs = []
         # split(), not slicing: the backward of a slice fills a zero tensor as long as the whole sequence, which
         # made the backward quadratic in T; split's backward is one concatenation.
         for pieces in zip(*(x.split(chunk, 1) for x in (q, k, v, logits, real))):
-            out, state = _causal_chunk(*pieces, state, scale)
+            out, cache = _causal_chunk(*pieces, cache, scale)
             outputs.append(out)
         out = torch.cat(outputs, 1)
     else:
         weights = torch.exp(logits - logits.amax(1, keepdim=True).detach()) * real[:, :, None, None]
         keys, values = (torch.einsum("bthr,bthd->bhrd", weights, x)[:, None] for x in (k, v))
         out = _read(q, keys, values, weights.sum(1)[:, None], scale)
-    return (out * real[:, :, None, None]).to(out_dtype), state if causal else None
-
-
-def abc_attention_naive(q, k, v, control, *, causal=True, padding_mask=None, scale=None):
-    """Reference for :func:`abc_attention`, one query at a time with an explicit softmax over time per slot."""
-    B, T, H, D = q.shape
-    scale = D ** -0.5 if scale is None else scale
-    mask = torch.ones(B, T, dtype=torch.bool) if padding_mask is None else padding_mask
-    logits = torch.einsum("bthd,hrd->bthr", k, control)
-    out = torch.zeros_like(q)
-    for t in range(T):
-        seen = slice(0, t + 1 if causal else T)
-        alpha = logits[:, seen].masked_fill(~mask[:, seen, None, None], float("-inf")).softmax(1)  # over time
-        alpha = torch.nan_to_num(alpha)  # no real token yet
-        memory_k, memory_v = (torch.einsum("bihr,bihd->bhrd", alpha, x[:, seen]) for x in (k, v))
-        weights = torch.einsum("bhd,bhrd->bhr", q[:, t] * scale, memory_k).softmax(-1)
-        out[:, t] = torch.einsum("bhr,bhrd->bhd", weights, memory_v) * mask[:, t, None, None]
-    return out
+    return (out * real[:, :, None, None]).to(out_dtype), cache if causal else None

@@ -1,47 +1,9 @@
-"""Full softmax attention through ``scaled_dot_product_attention``, and the key/value cache for decoding."""
+"""Full softmax attention through ``scaled_dot_product_attention``."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from einops import rearrange
 from torch.nn.functional import scaled_dot_product_attention
-
-
-@dataclass(frozen=True)
-class KVCache:
-    r"""Keys and values a causal layer keeps to continue a sequence.
-
-    Attributes:
-        keys, values: ``[B, L, H, D]``, the cached positions ``position - L .. position - 1``.
-        key_mask: ``[B, L]`` bool, True for real (non-padding) keys.
-        position: tokens seen so far, padding included.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    key_mask: torch.Tensor
-    position: int
-
-    @classmethod
-    def empty(cls, batch: int, heads: int, head_dim: int, *, dtype: torch.dtype | None = None,
-              device: torch.device | None = None) -> KVCache:
-        """The cache before the first token."""
-        keys = torch.zeros(batch, 0, heads, head_dim, dtype=dtype, device=device)
-        return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), 0)
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys.shape[0]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None) -> KVCache:
-        """The cache after ``T`` more positions: ``k, v [B, T, H, D]``, ``padding_mask [B, T]`` or None."""
-        B, T = k.shape[:2]
-        if B != self.batch_size:
-            raise ValueError(f"cache was built for batch size {self.batch_size}, got input of batch size {B}")
-        real = torch.ones(B, T, dtype=torch.bool, device=k.device) if padding_mask is None else padding_mask
-        return KVCache(torch.cat([self.keys, k], 1), torch.cat([self.values, v], 1),
-                       torch.cat([self.key_mask, real], 1), self.position + T)
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,

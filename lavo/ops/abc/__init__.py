@@ -1,0 +1,9 @@
+"""Attention with bounded-memory control (ABC, Peng et al., 2022), learned-control variant.
+
+``naive``: the reference, one query at a time. ``chunked``: the fast form (causal: prefix sums a chunk of
+positions at a time, which are also the decoding cache).
+"""
+from .chunked import ABCCache, abc_attention
+from .naive import abc_attention_naive
+
+__all__ = ["abc_attention", "abc_attention_naive", "ABCCache"]

@@ -1,0 +1,28 @@
+r"""cosFormer with the explicit weights ``relu(q) relu(k)^T cos(pi/2 (i - j) / M)``: the reference of
+:mod:`.features`. Quadratic; small inputs only."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .features import EPS
+
+
+def cosformer_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                              max_length: int | None = None,
+                              padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: explicit weights ``relu(q) relu(k)^T cos(pi/2 (i - j) / M)`` (``M = max_length`` when causal,
+    else ``T``)."""
+    length = q.shape[1]
+    position = torch.arange(length, device=q.device, dtype=q.dtype)
+    distance = position[:, None] - position[None, :]
+    horizon = max_length if causal else length
+    weights = torch.einsum("bthd,bshd->bhts", torch.relu(q), torch.relu(k))
+    weights = weights * torch.cos(math.pi / 2 * distance / horizon)
+    if padding_mask is not None:
+        weights = weights * padding_mask[:, None, None, :]
+    if causal:
+        weights = weights.tril()
+    out = torch.einsum("bhts,bshd->bthd", weights, v)
+    return out / weights.sum(-1).transpose(1, 2).clamp(min=EPS)[..., None]

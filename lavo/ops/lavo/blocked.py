@@ -1,0 +1,87 @@
+"""LAVO attention, blocked: sliding-window local attention plus the orthogonal memory over its outputs, both
+computed a window at a time on ``[n, B, H, w, D]`` blocks."""
+from __future__ import annotations
+
+import torch
+
+from ...cache import LavoCache
+from ..common import accumulation_dtype, check_basis, check_pos_bias, check_window_inputs, exclusive_cumsum
+from ..local.blocked import blocked_local_attention, from_blocks, real_tokens, to_blocks
+from ..local.decoding import keep_visible
+from .memory import memory_read, project
+
+
+def check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask):
+    """The checks of :func:`lavo_attention` and its cached form."""
+    check_window_inputs(q, k, v, window, padding_mask)
+    check_basis(basis, q.shape[2], q.shape[3])
+    check_pos_bias(pos_bias, q.shape[2], window, causal)
+
+
+def _memory_branch(q, features, counts, basis, scale, causal, dissection, skip_counts):
+    r"""Global branch on blocks: ``q, features [n, B, H, w, D]``, ``counts [n, B, 1, w, 1]`` ->
+    (read-out ``[n, B, H, w, D]``, per-window projection sums ``[n, B, H, 1, r]``)."""
+    if not skip_counts:
+        features = features * counts.to(features.dtype)
+    block_count = counts.sum(3, keepdim=True)
+    if dissection or not causal:
+        # Projection is linear: project each window's sum rather than every token.
+        block_sum = project(features.sum(3, keepdim=True), basis)
+    else:
+        proj = project(features, basis)  # [n, B, H, w, r]
+        block_sum = proj.sum(3, keepdim=True)
+    if not causal:
+        coefficients = (block_sum.sum(0) / block_count.sum(0).clamp(min=1))[None]
+    elif dissection:  # whole earlier windows only
+        coefficients = exclusive_cumsum(block_sum, 0) / exclusive_cumsum(block_count, 0).clamp(min=1)
+    else:  # every token up to and including the query
+        running = exclusive_cumsum(block_sum, 0) + proj.cumsum(3)
+        coefficients = running / (exclusive_cumsum(block_count, 0) + counts.cumsum(3)).clamp(min=1)
+    return memory_read(q, coefficients, basis, scale), block_sum
+
+
+def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor, *, window: int,
+                   causal: bool = True, pos_bias: torch.Tensor | None = None, dissection: bool = True,
+                   padding_mask: torch.Tensor | None = None, scale: float | None = None,
+                   return_cache: bool = False) -> torch.Tensor | tuple[torch.Tensor, LavoCache]:
+    r"""LAVO attention, blocked: ``O(T (w + r) D)`` time, ``O(T w)`` memory.
+
+    Args:
+        q, k, v: ``[B, T, H, D]``.
+        basis: ``[H, r, D]`` with orthonormal rows.
+        window: local window length ``w``.
+        pos_bias: relative-position table, ``[H, 2w]`` causal or ``[H, 4w - 1]`` non-causal, or None.
+        dissection: compress the local outputs (True) or the values (False) into the memory.
+        padding_mask: ``[B, T]`` bool, True for real tokens; padded positions return zeros.
+        scale: defaults to ``D ** -0.5``.
+        return_cache: also return the :class:`LavoCache` that continues this sequence (causal only).
+    Returns:
+        ``[B, T, H, D]``, and the cache when asked.
+    """
+    check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask)
+    if return_cache and not causal:
+        raise ValueError("a cache exists only for causal attention (causal=False was given)")
+    B, T, H, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    # Both branches work on windows, [n, B, H, w, D]: one matmul-friendly layout, views of the inputs.
+    qb, kb, vb = to_blocks(q, window), to_blocks(k, window), to_blocks(v, window)
+    real = real_tokens(padding_mask, B, T, window, q.device)
+    local = blocked_local_attention(qb, kb, vb, real, causal=causal, pos_bias=pos_bias, scale=scale)
+    counts = real[:, :, None, :, None].to(accumulation_dtype(q.dtype))  # [n, B, 1, w, 1]
+    skip_counts = padding_mask is None and T % window == 0  # every count is 1
+    memory, block_sum = _memory_branch(qb, local if dissection else vb, counts, basis, scale, causal, dissection,
+                                       skip_counts)
+    out = from_blocks(memory.add_(local).mul_(0.5), T)  # the read-out is not kept for backward: reuse it
+    if padding_mask is not None:
+        out = out * padding_mask[:, :, None, None].to(out.dtype)
+    if not return_cache:
+        return out
+    done = T // window  # completed windows
+    key_mask = real.transpose(0, 1).flatten(1)[:, :T]
+    keys, values, key_mask = (x.clone() for x in keep_visible(T, window, k, v, key_mask))
+    counts = counts.sum((2, 3, 4))  # [n, B]
+    cache = LavoCache(keys=keys, values=values, key_mask=key_mask,
+                      memory_sum=block_sum[:done].sum(0)[:, :, 0], memory_count=counts[:done].sum(0),
+                      window_sum=block_sum[done:].sum(0)[:, :, 0], window_count=counts[done:].sum(0), position=T)
+    return out, cache
+

@@ -1,0 +1,148 @@
+"""The cache protocol on every mechanism with a decoding form: empty_cache, nbytes, to, select, position."""
+from dataclasses import dataclass, fields
+
+import pytest
+import torch
+
+from lavo import available_attentions, build_attention
+from lavo.cache import Cache, KVCache
+
+DIM, HEADS = 16, 2
+# Small windows, so that a few tokens cross window boundaries and LAVO's memory is used.
+OPTIONS = {"lavo": dict(window=4, rank=4), "local": dict(window=4)}
+
+
+def _build(name):
+    torch.manual_seed(0)
+    layer = build_attention(name, DIM, HEADS, causal=True, **OPTIONS.get(name, {})).double()
+    with torch.no_grad():  # zero-initialised position biases would hide position errors
+        for p in layer.parameters():
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.5)
+    return layer
+
+
+DECODING = [name for name in available_attentions() if _build(name).supports_decoding]
+NOT_DECODING = [name for name in available_attentions() if name not in DECODING]
+
+
+def _prefix(layer, length=11):
+    """A batch of two different rows, row 0 with left padding: (x, mask, output, cache)."""
+    x = torch.randn(2, length, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, length, dtype=torch.bool)
+    mask[0, :3] = False
+    y, cache = layer(x, padding_mask=mask)
+    return x, mask, y, cache
+
+
+def _decode(layer, x, cache, sizes=(1, 1, 3)):
+    outputs, start = [], 0
+    for size in sizes:
+        y, cache = layer(x[:, start:start + size], cache=cache)
+        outputs.append(y)
+        start += size
+    return torch.cat(outputs, 1), cache
+
+
+def test_every_mechanism_is_classified():
+    assert set(DECODING) >= {"lavo", "local", "softmax", "abc", "performer", "cosformer", "s4d"}
+    assert NOT_DECODING == ["longshort"]
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_empty_cache_equals_no_cache(name):
+    layer = _build(name)
+    empty = layer.empty_cache(2)
+    assert isinstance(empty, Cache) and empty.position == 0 and empty.batch_size == 2
+    # The layer's dtype by default: float64 sums and keys (complex128 for a complex state), never float32.
+    assert all(t.dtype in (torch.float64, torch.complex128, torch.bool) for t in empty.tensors())
+    x, mask, y, cache = _prefix(layer)
+    y_empty, cache_empty = layer(x, padding_mask=mask, cache=empty)
+    torch.testing.assert_close(y_empty, y)
+    assert type(cache_empty) is type(cache) and cache_empty.position == cache.position
+    for a, b in zip(cache_empty.tensors(), cache.tensors(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_nbytes_is_the_bytes_of_every_tensor_field(name):
+    _, _, _, cache = _prefix(_build(name))
+    tensors = [value for f in fields(cache) if isinstance(value := getattr(cache, f.name), torch.Tensor)]
+    assert tensors and cache.nbytes() == sum(t.numel() * t.element_size() for t in tensors) > 0
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_to_keeps_the_type_position_and_values(name):
+    _, _, _, cache = _prefix(_build(name))
+    moved = cache.to("cpu")
+    assert type(moved) is type(cache) and moved.position == cache.position
+    for a, b in zip(moved.tensors(), cache.tensors(), strict=True):
+        assert torch.equal(a, b)
+    meta = cache.to("meta")  # a real move on any machine
+    assert type(meta) is type(cache) and meta.position == cache.position
+    for a, b in zip(meta.tensors(), cache.tensors(), strict=True):
+        assert a.device.type == "meta" and (a.shape, a.dtype) == (b.shape, b.dtype)
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_selected_rows_continue_like_the_rows_they_came_from(name):
+    layer = _build(name)
+    _, _, _, cache = _prefix(layer)
+    more = torch.randn(2, 5, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    expected, expected_cache = _decode(layer, more, cache)
+
+    swapped = cache.select(torch.tensor([1, 0]))
+    assert type(swapped) is type(cache) and swapped.batch_size == 2 and swapped.position == cache.position
+    got, got_cache = _decode(layer, more.flip(0), swapped)
+    torch.testing.assert_close(got, expected.flip(0))
+
+    row = cache.select(torch.tensor([1]))
+    assert row.batch_size == 1
+    got_row, got_row_cache = _decode(layer, more[1:], row)
+    torch.testing.assert_close(got_row, expected[1:])
+    for a, b, c in zip(got_row_cache.tensors(), got_cache.select(torch.tensor([0])).tensors(),
+                       expected_cache.select(torch.tensor([1])).tensors(), strict=True):
+        torch.testing.assert_close(a, c)
+        torch.testing.assert_close(b, c)
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_position_counts_tokens_padding_included(name):
+    layer = _build(name)
+    _, _, _, cache = _prefix(layer, length=11)
+    assert cache.position == 11
+    more = torch.randn(2, 5, DIM, dtype=torch.float64)
+    _, cache = layer(more[:, :1], cache=cache)
+    assert cache.position == 12
+    _, cache = layer(more[:, 1:], padding_mask=torch.tensor([[True, False, True, True]] * 2), cache=cache)
+    assert cache.position == 16
+
+
+@pytest.mark.parametrize("name", NOT_DECODING)
+def test_a_layer_without_decoding_refuses_an_empty_cache(name):
+    with pytest.raises(ValueError, match="has no decoding form"):
+        _build(name).empty_cache(2)
+
+
+@dataclass(frozen=True)
+class _Pair(Cache):
+    """A cache of caches, as a model's cache holds one per layer."""
+
+    layers: tuple
+    position: int
+
+
+def test_a_cache_of_caches_applies_the_protocol_to_every_part():
+    parts = []
+    for heads in (1, 3):
+        cache = KVCache.empty(2, heads, 4, dtype=torch.float64)
+        parts.append(cache.append(torch.randn(2, 3, heads, 4, dtype=torch.float64),
+                                  torch.randn(2, 3, heads, 4, dtype=torch.float64), None))
+    pair = _Pair(tuple(parts), 3)
+    assert pair.batch_size == 2 and pair.nbytes() == sum(part.nbytes() for part in parts)
+    picked = pair.select(torch.tensor([1]))
+    assert type(picked) is _Pair and type(picked.layers) is tuple and picked.position == 3
+    for got, part in zip(picked.layers, parts, strict=True):
+        assert type(got) is KVCache and got.position == part.position
+        assert torch.equal(got.keys, part.keys[1:]) and torch.equal(got.key_mask, part.key_mask[1:])
+    assert all(t.device.type == "meta" for t in pair.to("meta").tensors())
