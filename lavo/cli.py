@@ -73,6 +73,7 @@ def cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .config import bundled_configs
     parser = argparse.ArgumentParser(prog="lavo", description="LAVO language modelling: prepare data, train, "
                                      "evaluate perplexity at many lengths, generate, run the demo.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -89,10 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("train", help="train a language model",
                             description="Train a model. Settings come from --config (JSON or TOML with sections "
-                            "data, model, train; see configs/) and --set section.key=value overrides, e.g. "
+                            "data, model, train; a file or the name of a bundled config: "
+                            f"{', '.join(bundled_configs())}) and --set section.key=value overrides, e.g. "
                             "--set train.steps=200 --set model.attention=softmax --set model.position=rope. "
                             "Data parallel: torchrun --nproc_per_node N -m lavo.cli train ...")
-    p.add_argument("--config", help="a JSON or TOML config file")
+    p.add_argument("--config", help="a JSON or TOML config file, or a bundled config's name")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in train.out_dir")
     p.add_argument("--overwrite", action="store_true", help="start again even if train.out_dir has a checkpoint")
@@ -132,10 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("demo", help="Austen: tiny LAVO vs tiny softmax+RoPE, perplexity vs length",
                             description="Fetch the Austen novels, train a tiny LAVO and a tiny softmax+RoPE model "
                             "with the same token budget, evaluate at 1x..8x the training length on the held-out "
-                            "novel, print the table and write runs/demo/perplexity.png. Override any setting, e.g. "
-                            "--set train.steps=300 --set models.lavo.attention_options.window=64 "
-                            "--set eval.max_tokens=8192 --set out_dir=runs/demo2 (see configs/demo.json).")
-    p.add_argument("--config", help="a JSON or TOML file with demo settings (see configs/demo.json)")
+                            "novel, print the table and write runs/demo/perplexity.png. Settings: the bundled "
+                            "config `demo` (lavo/configs/demo.json): the run config every model shares (data, "
+                            "model, train), one entry per model under runs, and eval. Override any setting, e.g. "
+                            "--set train.steps=300 --set runs.lavo.model.attention_options.window=64 "
+                            "--set eval.max_tokens=8192 --set out_dir=runs/demo2.")
+    p.add_argument("--config", help="a JSON or TOML file with all demo settings, or a bundled config's name "
+                   "(default: demo)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
     p.set_defaults(handler=cmd_demo)
     return parser

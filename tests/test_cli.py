@@ -1,5 +1,6 @@
 """The `lavo` command line, end to end on a small generated corpus."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -54,12 +55,29 @@ def test_errors_are_one_clear_line(tmp_path, capsys):
     assert "unknown train settings ['nonsense']" in capsys.readouterr().err
 
 
-def test_demo_settings_overrides():
-    from lavo.demo import demo_settings
-    settings = demo_settings(None, ["train.steps=5", "models.lavo.attention_options.window=64", "out_dir=x"])
-    assert settings["train"]["steps"] == 5 and settings["out_dir"] == "x"
-    assert settings["models"]["lavo"]["attention_options"]["window"] == 64
-    assert settings["models"]["softmax-rope"]["position"] == "rope"
+def test_demo_config_is_one_run_config_per_model_with_overrides():
+    from lavo.config import read_config_file
+    from lavo.demo import demo_config
+    demo = demo_config(None, ["train.steps=5", "runs.lavo.model.attention_options.window=64", "out_dir=x"])
+    assert demo.settings == demo_config("demo", ["train.steps=5", "runs.lavo.model.attention_options.window=64",
+                                                 "out_dir=x"]).settings
+    assert list(demo.runs) == list(read_config_file("demo")["runs"]) == ["lavo", "softmax-rope"]
+    lavo, softmax = demo.runs["lavo"], demo.runs["softmax-rope"]
+    assert lavo.train.steps == softmax.train.steps == 5 and lavo.train.lr == softmax.train.lr == 0.002
+    assert Path(lavo.train.out_dir) == Path("x/lavo") and Path(softmax.train.out_dir) == Path("x/softmax-rope")
+    assert lavo.model_config().attention_options == {"window": 64} and lavo.model_config().dim == 192
+    assert softmax.model_config().position == "rope" and softmax.model_config().attention == "softmax"
+    assert demo.eval.multiples == [1, 2, 4, 8] and demo.seconds_per_model == 240
+
+
+def test_demo_config_errors():
+    from lavo.demo import demo_config
+    with pytest.raises(ValueError, match="same data and token budget"):
+        demo_config(None, ["runs.lavo.train.batch_size=4"])
+    with pytest.raises(ValueError, match="unknown eval settings"):
+        demo_config(None, ["eval.lenghts=[1]"])
+    with pytest.raises(ValueError, match="not a section"):
+        demo_config(None, ["runs.lavo.model.attention.window=3"])
 
 
 def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lavo.config import RunConfig, TrainConfig, load_config
+from lavo.config import RunConfig, TrainConfig, bundled_configs, deep_merge, load_config
 from lavo.train import WindowSampler, learning_rate, load_run, train, weights_digest
 from lm_corpus import tiny_run, write_corpus
 
@@ -99,6 +99,29 @@ def test_config_overrides(tmp_path):
     assert config.model_config().attention_options == {"window": 16}
     with pytest.raises(ValueError, match="unknown train settings"):
         load_config(path, ["train.stepz=1"])
+    with pytest.raises(ValueError, match="model.attention is a setting"):
+        load_config(path, ["model.attention.window=16"])
+
+
+def test_deep_merge_merges_sections_and_leaves_its_inputs_alone():
+    base = {"model": {"attention": "lavo", "attention_options": {"window": 32, "rank": 8}}, "train": {"steps": 1}}
+    update = {"model": {"attention_options": {"window": 64}}, "data": {"source": "x"}}
+    merged = deep_merge(base, update)
+    assert merged == {"model": {"attention": "lavo", "attention_options": {"window": 64, "rank": 8}},
+                      "train": {"steps": 1}, "data": {"source": "x"}}
+    assert base["model"]["attention_options"]["window"] == 32 and "data" not in base
+    merged["data"]["source"] = "y"
+    assert update["data"]["source"] == "x"
+
+
+def test_bundled_configs_load_by_name():
+    assert {"demo", "lavo-tiny-austen", "softmax-rope-tiny-austen"} <= set(bundled_configs())
+    by_name = load_config("lavo-tiny-austen")
+    assert by_name == load_config("lavo-tiny-austen.json")
+    assert by_name.model_config().attention == "lavo" and by_name.train.out_dir == "runs/lavo-tiny-austen"
+    assert load_config("softmax-rope-small-shakespeare").data.tokenizer == "gpt2"
+    with pytest.raises(FileNotFoundError, match="neither a file nor a bundled config"):
+        load_config("configs/lavo-tiny-austen.json")
 
 
 def test_data_parallel_processes_end_with_identical_weights(corpus, tmp_path):
