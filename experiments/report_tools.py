@@ -60,8 +60,8 @@ def collect(exp: Path) -> dict:
         "final_train_loss": loss,
         "train_seconds": train_wall,
         "wall_times": read_jsonl(exp / "wall_times.jsonl"),
-        "model": {k: v for k, v in config["resolved_model"].items() if k not in ("attention", "attention_options")},
-        "options": {name: json.loads((Path(run) / "config.json").read_text())["resolved_model"]
+        "model": {k: v for k, v in config["model"].items() if k not in ("attention", "attention_options")},
+        "options": {name: json.loads((Path(run) / "config.json").read_text())["model"]
                     for name, run in evaluation["runs"].items()},
     }
     result["options"] = {name: {"attention": m["attention"], "attention_options": m["attention_options"],

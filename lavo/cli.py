@@ -40,23 +40,15 @@ def cmd_eval(args) -> None:
     from .evaluate import evaluate_runs
     evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split,
                   batch_size=args.batch_size, chunk_size=args.chunk_size or None, max_tokens=args.max_tokens,
-                  device=args.device, out_dir=args.out, progress=not args.quiet)
+                  data_dir=args.data_dir, device=args.device, out_dir=args.out, progress=not args.quiet)
 
 
 def cmd_generate(args) -> None:
-    import json as _json
-    from pathlib import Path
-
-    from .data import load_tokenizer
     from .generate import generate
-    from .train import load_run, resolve_device
+    from .run import load_run
+    from .train import resolve_device
     device = resolve_device(args.device)
-    model, config = load_run(args.run, device)
-    manifest_path = Path(config["data_manifest"])
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"{manifest_path} (the run's prepared data) is missing: run `lavo data --source "
-                                f"{config['data']['source']} --tokenizer {config['data']['tokenizer']}`")
-    tokenizer = load_tokenizer(_json.loads(manifest_path.read_text()), manifest_path.parent)
+    model, _, tokenizer = load_run(args.run, device)
     prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_id]
     samples = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                        top_p=args.top_p, seed=args.seed, stop_id=tokenizer.eot_id, num_samples=args.num_samples,
@@ -102,13 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("eval", help="perplexity at several lengths on held-out text",
                             description="Perplexity of trained runs at several lengths over the same held-out "
-                            "tokens; prints a table, writes results.json and perplexity.png to --out.")
+                            "tokens (each run's held-out documents, tokenised with the run's own tokenizer); "
+                            "prints a table, writes results.json and perplexity.png to --out.")
     p.add_argument("runs", nargs="+", help="run directories (train.out_dir of each)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--lengths", type=_list(int), help="comma-separated lengths, e.g. 256,512,1024,2048")
     group.add_argument("--multiples", type=_list(float), default=None,
                        help="multiples of the first run's train_length (default: 1,2,4,8)")
     p.add_argument("--split", default="valid", help="split to score (default: valid, the held-out documents)")
+    p.add_argument("--data-dir", default=None, help="where the runs' data was downloaded (default: the data_dir "
+                   "each run trained with)")
     p.add_argument("--batch-size", type=int, default=8, help="segments per forward pass (default: 8)")
     p.add_argument("--chunk-size", type=int, default=512, help="positions per forward pass through the cache; "
                    "0 scores each segment in one pass (default: 512)")
@@ -119,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_eval)
 
     p = commands.add_parser("generate", help="sample text from a trained run",
-                            description="Sample a continuation of --prompt (temperature, top-k, top-p, seeded).")
+                            description="Sample a continuation of --prompt (temperature, top-k, top-p, seeded). "
+                            "Needs nothing but the run directory.")
     p.add_argument("run", help="run directory")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200)

@@ -1,8 +1,7 @@
 """Training loop: AdamW, warmup + cosine schedule, clipping, accumulation, optional bf16 autocast, DDP.
 
-A run directory holds ``config.json`` (the run config, model config resolved), ``model.safetensors`` (weights)
-and ``state.pt`` (optimiser, step, sampler, RNG states; loads with ``weights_only=True``), all written atomically,
-plus ``metrics.jsonl``. ``train(config, resume=True)`` continues a run exactly where its checkpoint left it.
+A run trains into the run directory ``train.out_dir`` (its files: :mod:`lavo.run`). ``train(config,
+resume=True)`` continues a run exactly where its checkpoint left it.
 
 Data parallel: started by ``torchrun --nproc_per_node N -m lavo.cli train ...``; each step draws
 ``N * batch_size`` windows from one seeded stream and every process takes its share, so the sampler state is
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import time
@@ -23,11 +21,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from .config import RunConfig
 from .data import prepare
-from .model import LanguageModel, ModelConfig, count_parameters
+from .model import LanguageModel, count_parameters
+from .run import MetricsLog, has_checkpoint, load_checkpoint, save_checkpoint, save_run_config
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -80,43 +78,12 @@ def windows(tokens: np.ndarray, offsets: np.ndarray, length: int, device) -> tup
     return batch[:, :-1], batch[:, 1:]
 
 
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def weights_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def save_checkpoint(run_dir: Path, model: LanguageModel, state: dict) -> None:
-    """Weights (safetensors) then the training state (torch), each through a temporary file + os.replace."""
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    _atomic(run_dir / "model.safetensors",
-            lambda tmp: save_file(weights, str(tmp), metadata={"step": str(state["step"])}))
-    _atomic(run_dir / "state.pt", lambda tmp: torch.save(state, tmp))
-
-
-def write_json(path: Path, value) -> None:
-    _atomic(path, lambda tmp: tmp.write_text(json.dumps(value, indent=1) + "\n"))
-
-
-def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[LanguageModel, dict]:
-    """The model of a run directory (weights from ``model.safetensors``) and its saved config dict."""
-    run_dir = Path(run_dir)
-    config_path, weights_path = run_dir / "config.json", run_dir / "model.safetensors"
-    if not config_path.is_file() or not weights_path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a trained run (needs config.json and model.safetensors): "
-                                f"train one with `lavo train --set train.out_dir={run_dir}`")
-    config = json.loads(config_path.read_text())
-    model = LanguageModel(ModelConfig.from_dict(config["resolved_model"]))
-    model.load_state_dict(load_file(str(weights_path)))
-    return model.to(device).eval(), config
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -176,7 +143,7 @@ def train(config: RunConfig, resume: bool = False, overwrite: bool = False, stop
     say = log if env.main else (lambda *a, **k: None)
     run_dir = Path(tc.out_dir)
     if env.main:
-        if (run_dir / "state.pt").exists() and not resume and not overwrite:
+        if has_checkpoint(run_dir) and not resume and not overwrite:
             raise FileExistsError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, "
                                   "--overwrite to start again, or choose another --set train.out_dir=...")
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -200,29 +167,23 @@ def train(config: RunConfig, resume: bool = False, overwrite: bool = False, stop
     sampler = WindowSampler(len(prepared.train), tc.train_length, tc.seed)
     step, tokens_seen, elapsed = 0, 0, 0.0
 
-    if resume and (run_dir / "state.pt").exists():
-        state = torch.load(run_dir / "state.pt", map_location="cpu", weights_only=True)
-        weights = load_file(str(run_dir / "model.safetensors"))
-        model.load_state_dict(weights)
+    metrics = MetricsLog(run_dir)
+    if resume and has_checkpoint(run_dir):
+        state = load_checkpoint(run_dir, model)
         optimizer.load_state_dict(state["optimizer"])
         sampler.load_state_dict(state["sampler"])
         step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
         torch.set_rng_state(state["rng"]["torch"])
         if device.type == "cuda" and state["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(state["rng"]["cuda"], device)
-        if env.main:  # forget metrics logged after the checkpoint: they are about to be redone
-            metrics = run_dir / "metrics.jsonl"
-            if metrics.exists():
-                kept = [line for line in metrics.read_text().splitlines()
-                        if line.strip() and json.loads(line).get("step", 0) <= step]
-                metrics.write_text("".join(line + "\n" for line in kept))
+        if env.main:
+            metrics.forget_after(step)
         say(f"resumed {run_dir} at step {step}")
     elif resume:
         say(f"no checkpoint in {run_dir}; starting a new run")
 
     if env.main:
-        write_json(run_dir / "config.json", {**config.to_dict(), "resolved_model": model_config.to_dict(),
-                                             "data_manifest": str(prepared.directory / "manifest.json")})
+        save_run_config(run_dir, config, model_config, prepared.tokenizer)
         say(f"model: {model_config.attention} {model_config.attention_options or ''} position={model_config.position}"
             f", {count_parameters(model) / 1e6:.2f}M parameters "
             f"({count_parameters(model, exclude_embedding=True) / 1e6:.2f}M without embeddings)")
@@ -246,12 +207,10 @@ def train(config: RunConfig, resume: bool = False, overwrite: bool = False, stop
     if env.main and tc.progress:
         from tqdm import tqdm
         progress = tqdm(total=tc.steps, initial=step, desc=run_dir.name, unit="step", dynamic_ncols=True)
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if env.main else None
 
     def record(entry: dict) -> None:
-        if metrics_file is not None:
-            metrics_file.write(json.dumps(entry) + "\n")
-            metrics_file.flush()
+        if env.main:
+            metrics.write(entry)
 
     def checkpoint() -> None:
         if env.main:
@@ -335,8 +294,7 @@ def train(config: RunConfig, resume: bool = False, overwrite: bool = False, stop
         dist.all_gather_object(digests, weights_digest(model))
         summary["rank_digests"] = digests
     record({"final": True, **summary})
-    if metrics_file is not None:
-        metrics_file.close()
+    metrics.close()
     if env.enabled:
         dist.barrier()
     return summary

@@ -1,5 +1,6 @@
 """The `lavo` command line, end to end on a small generated corpus."""
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,48 @@ def test_data_train_eval_generate(tmp_path, capsys):
     first = capsys.readouterr().out
     assert main(args) == 0
     assert capsys.readouterr().out == first and first.startswith("the sister")
+
+
+def test_a_run_directory_is_self_contained(tmp_path, monkeypatch, capsys):
+    """Trained with relative paths, then moved (data too) and used from another working directory."""
+    from lavo import data as D
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
+
+    def fetch_toy(root):  # a built-in source, so that its texts live in the data directory
+        texts = Path(root) / "toy" / "texts"
+        if not texts.is_dir():
+            shutil.copytree(corpus, texts)
+        return texts
+
+    monkeypatch.setitem(D.BUILTIN_SOURCES, "toy", (fetch_toy, ["doc3"]))
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    config = tiny_run(Path("toy"), Path("data"), Path("runs/r"), steps=3)
+    Path("run.json").write_text(json.dumps(config))
+    assert main(["train", "--config", "run.json"]) == 0
+    generate = ["--prompt", "the sister", "--max-new-tokens", "12", "--seed", "3"]
+    evaluate = ["--lengths", "32,64", "--chunk-size", "40", "--quiet"]
+    capsys.readouterr()
+    assert main(["generate", "runs/r", *generate]) == 0
+    text = capsys.readouterr().out
+    assert main(["eval", "runs/r", *evaluate, "--out", "before"]) == 0
+    before = json.loads(Path("before/results.json").read_text())["results"]
+
+    moved = tmp_path / "elsewhere" / "r"
+    shutil.move("runs/r", moved)
+    shutil.move("data", tmp_path / "data-moved")  # the prepared cache and its tokenizer go too
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path / "other")
+    assert sorted(p.name for p in moved.iterdir()) == ["config.json", "metrics.jsonl", "model.safetensors",
+                                                       "state.pt", "tokenizer.json"]
+    capsys.readouterr()
+    assert main(["generate", str(moved), *generate]) == 0
+    assert capsys.readouterr().out == text and text.startswith("the sister")
+
+    assert main(["eval", str(moved), *evaluate]) == 2  # its data is no longer where it trained
+    assert "toy is not downloaded in" in capsys.readouterr().err
+    assert main(["eval", str(moved), *evaluate, "--data-dir", str(tmp_path / "data-moved"), "--out", "after"]) == 0
+    assert json.loads(Path("after/results.json").read_text())["results"] == {"r": before["r"]}
 
 
 def test_errors_are_one_clear_line(tmp_path, capsys):
