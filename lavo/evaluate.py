@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .files import write_json
+from .report import line_plot, text_table
 
 
 def shared_length(num_tokens: int, lengths: list[int], max_tokens: int | None = None) -> int:
@@ -83,43 +84,21 @@ def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch
 def format_table(results: dict[str, dict[int, dict]]) -> str:
     """Perplexity table: one row per model, one column per length."""
     lengths = sorted({length for per_model in results.values() for length in per_model})
-    name_width = max([len("model")] + [len(name) for name in results])
-    header = f"{'model':<{name_width}}" + "".join(f"{'L=' + str(length):>10}" for length in lengths)
-    lines = [header, "-" * len(header)]
-    for name, per_model in results.items():
-        cells = "".join(f"{per_model[length]['ppl']:>10.2f}" if length in per_model else f"{'-':>10}"
-                        for length in lengths)
-        lines.append(f"{name:<{name_width}}{cells}")
+    rows = [[name] + [f"{per_model[length]['ppl']:.2f}" if length in per_model else "-" for length in lengths]
+            for name, per_model in results.items()]
     tokens = {p["tokens"] for per_model in results.values() for p in per_model.values()}
-    lines.append(f"(perplexity on the same {', '.join(str(t) for t in sorted(tokens))} held-out tokens at every "
-                 "length; segments scored from an empty context)")
-    return "\n".join(lines)
+    return (text_table(["model"] + [f"L={length}" for length in lengths], rows) +
+            f"\n(perplexity on the same {', '.join(str(t) for t in sorted(tokens))} held-out tokens at every "
+            "length; segments scored from an empty context)")
 
 
 def save_plot(results: dict[str, dict[int, dict]], path: str | os.PathLike, title: str | None = None,
-              train_length: int | None = None) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, per_model in results.items():
-        lengths = sorted(per_model)
-        ax.plot(lengths, [per_model[length]["ppl"] for length in lengths], marker="o", label=name)
-    if train_length:
-        ax.axvline(train_length, color="grey", linestyle=":", linewidth=1, label="training length")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("perplexity")
-    ax.set_title(title or "held-out perplexity vs length")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+              train_length: int | None = None) -> Path | None:
+    """Perplexity against evaluation length, one line per model (log-2 length axis)."""
+    series = {name: [(length, r["ppl"]) for length, r in per_model.items()] for name, per_model in results.items()}
+    return line_plot(series, path, xlabel="evaluation length (tokens)", ylabel="perplexity",
+                     title=title or "held-out perplexity vs length",
+                     vline=(train_length, "training length") if train_length else None)
 
 
 def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, multiples: list[float] | None = None,
