@@ -1,4 +1,7 @@
-"""``lavo`` command line: data, train, eval, generate, demo (``lavo COMMAND --help`` for each)."""
+"""``lavo`` command line: data, train, eval, generate, demo (``lavo COMMAND --help`` for each).
+
+Each command is a handler ``cmd_NAME(args)`` and a function ``add_NAME(commands)`` that adds its parser; a new
+command is those two and an entry in :data:`COMMANDS`."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +25,18 @@ def cmd_data(args) -> None:
     print(describe(prepared))
 
 
+def add_data(commands) -> None:
+    p = commands.add_parser("data", help="download a corpus and tokenise it (cached)",
+                            description="Download a corpus if needed, split it by document and cache token arrays.")
+    p.add_argument("--source", default="austen", help="austen | shakespeare | a directory of .txt files "
+                   "(default: austen)")
+    p.add_argument("--tokenizer", default="bpe4096", help="gpt2 | bpe<vocab size> (default: bpe4096)")
+    p.add_argument("--data-dir", default="data", help="where downloads and prepared arrays go (default: data)")
+    p.add_argument("--holdout", type=_list(str), default=None, help="comma-separated document names to hold out")
+    p.add_argument("--rebuild", action="store_true", help="tokenise again even if a cache exists")
+    p.set_defaults(handler=cmd_data)
+
+
 def cmd_train(args) -> None:
     from .config import load_config
     from .train import train
@@ -36,50 +51,8 @@ def cmd_train(args) -> None:
         print(json.dumps(summary))
 
 
-def cmd_eval(args) -> None:
-    from .evaluate import evaluate_runs
-    evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split,
-                  batch_size=args.batch_size, chunk_size=args.chunk_size or None, max_tokens=args.max_tokens,
-                  data_dir=args.data_dir, device=args.device, out_dir=args.out, progress=not args.quiet)
-
-
-def cmd_generate(args) -> None:
-    from .generate import generate
-    from .run import load_run
-    from .train import resolve_device
-    device = resolve_device(args.device)
-    model, _, tokenizer = load_run(args.run, device)
-    prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_id]
-    samples = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                       top_p=args.top_p, seed=args.seed, stop_id=tokenizer.eot_id, num_samples=args.num_samples,
-                       device=device)
-    for i, sample in enumerate(samples):
-        if args.num_samples > 1:
-            print(f"--- sample {i} ---")
-        print(args.prompt + tokenizer.decode(sample))
-
-
-def cmd_demo(args) -> None:
-    from .demo import run_demo
-    run_demo(args.config, args.set)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def add_train(commands) -> None:
     from .config import bundled_configs
-    parser = argparse.ArgumentParser(prog="lavo", description="LAVO language modelling: prepare data, train, "
-                                     "evaluate perplexity at many lengths, generate, run the demo.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = commands.add_parser("data", help="download a corpus and tokenise it (cached)",
-                            description="Download a corpus if needed, split it by document and cache token arrays.")
-    p.add_argument("--source", default="austen", help="austen | shakespeare | a directory of .txt files "
-                   "(default: austen)")
-    p.add_argument("--tokenizer", default="bpe4096", help="gpt2 | bpe<vocab size> (default: bpe4096)")
-    p.add_argument("--data-dir", default="data", help="where downloads and prepared arrays go (default: data)")
-    p.add_argument("--holdout", type=_list(str), default=None, help="comma-separated document names to hold out")
-    p.add_argument("--rebuild", action="store_true", help="tokenise again even if a cache exists")
-    p.set_defaults(handler=cmd_data)
-
     p = commands.add_parser("train", help="train a language model",
                             description="Train a model. Settings come from --config (JSON or TOML with sections "
                             "data, model, train; a file or the name of a bundled config: "
@@ -92,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="start again even if train.out_dir has a checkpoint")
     p.set_defaults(handler=cmd_train)
 
+
+def cmd_eval(args) -> None:
+    from .evaluate import evaluate_runs
+    evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split,
+                  batch_size=args.batch_size, chunk_size=args.chunk_size or None, max_tokens=args.max_tokens,
+                  data_dir=args.data_dir, device=args.device, out_dir=args.out, progress=not args.quiet)
+
+
+def add_eval(commands) -> None:
     p = commands.add_parser("eval", help="perplexity at several lengths on held-out text",
                             description="Perplexity of trained runs at several lengths over the same held-out "
                             "tokens (each run's held-out documents, tokenised with the run's own tokenizer); "
@@ -113,6 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=cmd_eval)
 
+
+def cmd_generate(args) -> None:
+    from .generate import generate
+    from .run import load_run
+    from .train import resolve_device
+    device = resolve_device(args.device)
+    model, _, tokenizer = load_run(args.run, device)
+    prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_id]
+    samples = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                       top_p=args.top_p, seed=args.seed, stop_id=tokenizer.eot_id, num_samples=args.num_samples,
+                       device=device)
+    for i, sample in enumerate(samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i} ---")
+        print(args.prompt + tokenizer.decode(sample))
+
+
+def add_generate(commands) -> None:
     p = commands.add_parser("generate", help="sample text from a trained run",
                             description="Sample a continuation of --prompt (temperature, top-k, top-p, seeded). "
                             "Needs nothing but the run directory.")
@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.set_defaults(handler=cmd_generate)
 
+
+def cmd_demo(args) -> None:
+    from .demo import run_demo
+    run_demo(args.config, args.set)
+
+
+def add_demo(commands) -> None:
     p = commands.add_parser("demo", help="Austen: tiny LAVO vs tiny softmax+RoPE, perplexity vs length",
                             description="Fetch the Austen novels, train a tiny LAVO and a tiny softmax+RoPE model "
                             "with the same token budget, evaluate at 1x..8x the training length on the held-out "
@@ -139,6 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: demo)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
     p.set_defaults(handler=cmd_demo)
+
+
+# the commands, in the order `lavo --help` lists them
+COMMANDS = (add_data, add_train, add_eval, add_generate, add_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lavo", description="LAVO language modelling: prepare data, train, "
+                                     "evaluate perplexity at many lengths, generate, run the demo.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_command in COMMANDS:
+        add_command(commands)
     return parser
 
 
