@@ -107,7 +107,7 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
                   out_dir: str | None = None, progress: bool = True, log=print) -> dict[str, dict[int, dict]]:
     """Score trained runs on the split ``split`` of each run's data (read from ``data_dir``, default the run's
     own, and tokenised with the run's tokenizer); print the table, write ``results.json`` and ``perplexity.png``."""
-    from .data import split_tokens
+    from .data import DataError, split_tokens
     from .run import load_run
     from .train import resolve_device
 
@@ -130,7 +130,11 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
         where = data_dir or data.data_dir
         key = (data.source, where, json.dumps(data.holdout), tokenizer.inner.to_str())
         if key not in texts:
-            texts[key] = split_tokens(data.source, where, data.holdout, split, tokenizer)
+            try:
+                texts[key] = split_tokens(data.source, where, data.holdout, split, tokenizer)
+            except DataError as error:
+                raise DataError(f"{error} (or, if the run's data is elsewhere: `lavo eval --data-dir FOLDER`)"
+                                ) from error
         results[name] = perplexity_by_length(model, texts[key], lengths, batch_size=batch_size,
                                              chunk_size=chunk_size, max_tokens=max_tokens, device=device,
                                              progress=progress)

@@ -82,7 +82,7 @@ def test_a_run_directory_is_self_contained(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out == text and text.startswith("the sister")
 
     assert main(["eval", str(moved), *evaluate]) == 2  # its data is no longer where it trained
-    assert "toy is not downloaded in" in capsys.readouterr().err
+    assert "toy is not downloaded in" in (err := capsys.readouterr().err) and "lavo eval --data-dir" in err
     assert main(["eval", str(moved), *evaluate, "--data-dir", str(tmp_path / "data-moved"), "--out", "after"]) == 0
     assert json.loads(Path("after/results.json").read_text())["results"] == {"r": before["r"]}
 
