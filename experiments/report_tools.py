@@ -13,6 +13,9 @@ import re
 import sys
 from pathlib import Path
 
+from lavo.files import write_json, write_text
+from lavo.report import line_plot, markdown_table
+
 # Paper (arXiv 2312.11135), PG-19, trained at 8K; perplexity at 8K / 12K / 16K where the paper gives them.
 PAPER_8K = {
     "lavo": {"1": 19.43, "1.5": 19.41, "2": 19.40},
@@ -60,8 +63,8 @@ def collect(exp: Path) -> dict:
         "final_train_loss": loss,
         "train_seconds": train_wall,
         "wall_times": read_jsonl(exp / "wall_times.jsonl"),
-        "model": {k: v for k, v in config["resolved_model"].items() if k not in ("attention", "attention_options")},
-        "options": {name: json.loads((Path(run) / "config.json").read_text())["resolved_model"]
+        "model": {k: v for k, v in config["model"].items() if k not in ("attention", "attention_options")},
+        "options": {name: json.loads((Path(run) / "config.json").read_text())["model"]
                     for name, run in evaluation["runs"].items()},
     }
     result["options"] = {name: {"attention": m["attention"], "attention_options": m["attention_options"],
@@ -70,27 +73,12 @@ def collect(exp: Path) -> dict:
 
 
 def plot(exp: Path, result: dict) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, per_length in result["ppl"].items():
-        lengths = [int(k) for k in per_length]
-        ax.plot(lengths, list(per_length.values()), marker="o", label=name)
-    ax.axvline(result["train_length"], color="grey", linestyle=":", linewidth=1, label="training length")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("held-out perplexity (log scale)")
-    ax.set_title(f"{exp.name}: trained at L={result['train_length']}, {result['tokens_seen']:,} tokens")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = exp / f"{exp.name}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    series = {name: [(int(length), value) for length, value in per_length.items()]
+              for name, per_length in result["ppl"].items()}
+    return line_plot(series, exp / f"{exp.name}.png", xlabel="evaluation length (tokens)",
+                     ylabel="held-out perplexity (log scale)", logy=True,
+                     title=f"{exp.name}: trained at L={result['train_length']}, {result['tokens_seen']:,} tokens",
+                     vline=(result["train_length"], "training length"))
 
 
 def fmt(x: float) -> str:
@@ -100,20 +88,19 @@ def fmt(x: float) -> str:
 def ppl_table(result: dict) -> str:
     L = result["train_length"]
     lengths = list(next(iter(result["ppl"].values())))
-    header = "| model | params | " + " | ".join(f"{int(k):,} ({int(k) / L:g}x)" for k in lengths) + " |"
-    lines = [header, "|" + "---|" * (len(lengths) + 2)]
-    for name, per_length in result["ppl"].items():
-        lines.append(f"| {name} | {result['params'][name]:,} | " + " | ".join(fmt(v) for v in per_length.values())
-                     + " |")
-    return "\n".join(lines)
+    header = ["model", "params"] + [f"{int(k):,} ({int(k) / L:g}x)" for k in lengths]
+    rows = [[name, f"{result['params'][name]:,}"] + [fmt(v) for v in per_length.values()]
+            for name, per_length in result["ppl"].items()]
+    return markdown_table(header, rows)
 
 
 def ratio_table(result: dict, multiples: list[str], paper_columns: bool = False) -> str:
     """ppl at k L divided by ppl at L (1.00 = flat), ours beside the paper's where it has the numbers."""
     L = result["train_length"]
-    extra = " paper 8K ppl | paper 1.5x / 1x | paper 2x / 1x |" if paper_columns else ""
-    lines = ["| model | " + " | ".join(f"{m}x / 1x" for m in multiples) + " |" + extra,
-             "|" + "---|" * (len(multiples) + 1 + 3 * paper_columns)]
+    header = ["model"] + [f"{m}x / 1x" for m in multiples]
+    if paper_columns:
+        header += ["paper 8K ppl", "paper 1.5x / 1x", "paper 2x / 1x"]
+    rows = []
     for name, per_length in result["ppl"].items():
         base = per_length[str(L)]
         cells = [f"{per_length[str(int(float(m) * L))] / base:.2f}" if str(int(float(m) * L)) in per_length else "-"
@@ -124,36 +111,31 @@ def ratio_table(result: dict, multiples: list[str], paper_columns: bool = False)
             cells.append(f"{p1:.2f}" if p1 else "-")
             cells.append(f"{paper['1.5'] / p1:.2f}" if "1.5" in paper else "-")
             cells.append(f"{paper['2'] / p1:.2f}" if "2" in paper else "-")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([name] + cells)
+    return markdown_table(header, rows)
 
 
 def paper_table() -> str:
-    lines = ["| paper model (PG-19, trained at 8K) | 8K | 12K | 16K |", "|---|---|---|---|"]
-    for key, name in PAPER_NAMES.items():
-        p = PAPER_8K[key]
-        lines.append(f"| {name} | {p['1']:.2f} | {p.get('1.5', '-')} | {p['2']:.2f} |")
-    return "\n".join(lines)
+    rows = [[name, f"{PAPER_8K[key]['1']:.2f}", PAPER_8K[key].get("1.5", "-"), f"{PAPER_8K[key]['2']:.2f}"]
+            for key, name in PAPER_NAMES.items()]
+    return markdown_table(["paper model (PG-19, trained at 8K)", "8K", "12K", "16K"], rows)
 
 
 def wall_table(result: dict) -> str:
-    lines = ["| step | wall time (s) |", "|---|---|"]
-    for entry in result["wall_times"]:
-        lines.append(f"| {entry['what']} | {entry['wall_s']} |")
-    total = sum(e["wall_s"] for e in result["wall_times"])
-    lines.append(f"| **total (this experiment's queue)** | {total} |")
-    return "\n".join(lines)
+    rows = [[entry["what"], entry["wall_s"]] for entry in result["wall_times"]]
+    rows.append(["**total (this experiment's queue)**", sum(e["wall_s"] for e in result["wall_times"])])
+    return markdown_table(["step", "wall time (s)"], rows)
 
 
 def budget_table(result: dict) -> str:
-    lines = ["| model | attention | options | position | params | steps x batch x L = tokens | final train loss |"
-             " training time (s) |", "|---|---|---|---|---|---|---|---|"]
-    for name, opts in result["options"].items():
-        lines.append(f"| {name} | {opts['attention']} | {json.dumps(opts['attention_options'])} | "
-                     f"{opts['position']} | {result['params'][name]:,} | {result['steps']} x "
-                     f"{result['batch_size']} x {result['train_length']} = {result['tokens_seen']:,} | "
-                     f"{result['final_train_loss'][name]:.3f} | {result['train_seconds'][name]:.0f} |")
-    return "\n".join(lines)
+    header = ["model", "attention", "options", "position", "params", "steps x batch x L = tokens",
+              "final train loss", "training time (s)"]
+    rows = [[name, opts["attention"], json.dumps(opts["attention_options"]), opts["position"],
+             f"{result['params'][name]:,}",
+             f"{result['steps']} x {result['batch_size']} x {result['train_length']} = {result['tokens_seen']:,}",
+             f"{result['final_train_loss'][name]:.3f}", f"{result['train_seconds'][name]:.0f}"]
+            for name, opts in result["options"].items()]
+    return markdown_table(header, rows, align="llllrrrr")
 
 
 def delta_table(result: dict) -> str:
@@ -161,14 +143,16 @@ def delta_table(result: dict) -> str:
     names = list(result["ppl"])
     base = result["ppl"][names[0]]
     L = result["train_length"]
-    head = " | ".join(f"ppl at {int(k) // L}x ({int(k):,}) | change vs {names[0]}" for k in base)
-    lines = [f"| variant | {head} |", "|" + "---|" * (1 + 2 * len(base))]
+    header = ["variant"]
+    for k in base:
+        header += [f"ppl at {int(k) // L}x ({int(k):,})", f"change vs {names[0]}"]
+    rows = []
     for name in names[1:]:
         cells = []
         for length, value in result["ppl"][name].items():
             cells += [fmt(value), f"{100 * (value / base[length] - 1):+.1f}%"]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([name] + cells)
+    return markdown_table(header, rows)
 
 
 def fill(report: Path, tables: dict[str, str]) -> None:
@@ -178,16 +162,17 @@ def fill(report: Path, tables: dict[str, str]) -> None:
     for name, table in tables.items():
         pattern = re.compile(rf"(<!-- BEGIN {re.escape(name)} -->\n).*?(<!-- END {re.escape(name)} -->)", re.S)
         text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
-    report.write_text(text)
+    write_text(report, text)
 
 
 def tables(exp: Path) -> None:
     result = json.loads((exp / "results.json").read_text())
     L = result["train_length"]
     multiples = [f"{int(k) / L:g}" for k in next(iter(result["ppl"].values()))][1:]
-    out = {"ppl": ppl_table(result), "ratio": ratio_table(result, multiples, exp.name == "lm_extrapolation"), "paper": paper_table(),
-           "wall": wall_table(result), "budget": budget_table(result), "delta": delta_table(result)}
-    (exp / "tables.md").write_text("".join(f"## {k}\n\n{v}\n\n" for k, v in out.items()))
+    out = {"ppl": ppl_table(result), "ratio": ratio_table(result, multiples, exp.name == "lm_extrapolation"),
+           "paper": paper_table(), "wall": wall_table(result), "budget": budget_table(result),
+           "delta": delta_table(result)}
+    write_text(exp / "tables.md", "".join(f"## {k}\n\n{v}\n\n" for k, v in out.items()))
     fill(exp / "REPORT.md", out)
 
 
@@ -195,7 +180,7 @@ def main(argv: list[str]) -> None:
     command, exp = argv[0], Path(argv[1])
     if command == "results":
         result = collect(exp)
-        (exp / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+        write_json(exp / "results.json", result)
         plot(exp, result)
     tables(exp)
     print(f"{exp}: results.json, {exp.name}.png, tables.md" + (", REPORT.md tables" if (exp / 'REPORT.md').exists()

@@ -1,4 +1,7 @@
-"""``lavo`` command line: data, train, eval, generate, demo (``lavo COMMAND --help`` for each)."""
+"""``lavo`` command line: data, train, eval, generate, demo (``lavo COMMAND --help`` for each).
+
+Each command is a handler ``cmd_NAME(args)`` and a function ``add_NAME(commands)`` that adds its parser; a new
+command is those two and an entry in :data:`COMMANDS`."""
 from __future__ import annotations
 
 import argparse
@@ -22,61 +25,7 @@ def cmd_data(args) -> None:
     print(describe(prepared))
 
 
-def cmd_train(args) -> None:
-    from .config import load_config
-    from .train import train
-    config = load_config(args.config, args.set)
-    try:
-        summary = train(config, resume=args.resume, overwrite=args.overwrite)
-    finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(summary))
-
-
-def cmd_eval(args) -> None:
-    from .evaluate import evaluate_runs
-    evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split,
-                  batch_size=args.batch_size, chunk_size=args.chunk_size or None, max_tokens=args.max_tokens,
-                  device=args.device, out_dir=args.out, progress=not args.quiet)
-
-
-def cmd_generate(args) -> None:
-    import json as _json
-    from pathlib import Path
-
-    from .data import load_tokenizer
-    from .generate import generate
-    from .train import load_run, resolve_device
-    device = resolve_device(args.device)
-    model, config = load_run(args.run, device)
-    manifest_path = Path(config["data_manifest"])
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"{manifest_path} (the run's prepared data) is missing: run `lavo data --source "
-                                f"{config['data']['source']} --tokenizer {config['data']['tokenizer']}`")
-    tokenizer = load_tokenizer(_json.loads(manifest_path.read_text()), manifest_path.parent)
-    prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_id]
-    samples = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                       top_p=args.top_p, seed=args.seed, stop_id=tokenizer.eot_id, num_samples=args.num_samples,
-                       device=device)
-    for i, sample in enumerate(samples):
-        if args.num_samples > 1:
-            print(f"--- sample {i} ---")
-        print(args.prompt + tokenizer.decode(sample))
-
-
-def cmd_demo(args) -> None:
-    from .demo import run_demo
-    run_demo(args.config, args.set)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lavo", description="LAVO language modelling: prepare data, train, "
-                                     "evaluate perplexity at many lengths, generate, run the demo.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def add_data(commands) -> None:
     p = commands.add_parser("data", help="download a corpus and tokenise it (cached)",
                             description="Download a corpus if needed, split it by document and cache token arrays.")
     p.add_argument("--source", default="austen", help="austen | shakespeare | a directory of .txt files "
@@ -87,26 +36,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rebuild", action="store_true", help="tokenise again even if a cache exists")
     p.set_defaults(handler=cmd_data)
 
+
+def cmd_train(args) -> None:
+    from .config import load_config
+    from .train import train
+    config = load_config(args.config, args.set)
+    try:
+        summary = train(config, resume=args.resume, overwrite=args.overwrite)
+    finally:
+        import gc
+
+        import torch.distributed as dist
+        if dist.is_initialized():
+            # Free the DDP wrapper (its reducer holds gloo work objects) while the process group is alive: left to
+            # interpreter shutdown, gloo's threads can abort the process after a finished run.
+            gc.collect()
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(summary))
+
+
+def add_train(commands) -> None:
+    from .config import bundled_configs
     p = commands.add_parser("train", help="train a language model",
                             description="Train a model. Settings come from --config (JSON or TOML with sections "
-                            "data, model, train; see configs/) and --set section.key=value overrides, e.g. "
+                            "data, model, train; a file or the name of a bundled config: "
+                            f"{', '.join(bundled_configs())}) and --set section.key=value overrides, e.g. "
                             "--set train.steps=200 --set model.attention=softmax --set model.position=rope. "
                             "Data parallel: torchrun --nproc_per_node N -m lavo.cli train ...")
-    p.add_argument("--config", help="a JSON or TOML config file")
+    p.add_argument("--config", help="a JSON or TOML config file, or a bundled config's name")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in train.out_dir")
     p.add_argument("--overwrite", action="store_true", help="start again even if train.out_dir has a checkpoint")
     p.set_defaults(handler=cmd_train)
 
+
+def cmd_eval(args) -> None:
+    from .evaluate import evaluate_runs
+    evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split,
+                  batch_size=args.batch_size, chunk_size=args.chunk_size or None, max_tokens=args.max_tokens,
+                  data_dir=args.data_dir, device=args.device, out_dir=args.out, progress=not args.quiet)
+
+
+def add_eval(commands) -> None:
     p = commands.add_parser("eval", help="perplexity at several lengths on held-out text",
                             description="Perplexity of trained runs at several lengths over the same held-out "
-                            "tokens; prints a table, writes results.json and perplexity.png to --out.")
+                            "tokens (each run's held-out documents, tokenised with the run's own tokenizer); "
+                            "prints a table, writes results.json and perplexity.png to --out.")
     p.add_argument("runs", nargs="+", help="run directories (train.out_dir of each)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--lengths", type=_list(int), help="comma-separated lengths, e.g. 256,512,1024,2048")
     group.add_argument("--multiples", type=_list(float), default=None,
                        help="multiples of the first run's train_length (default: 1,2,4,8)")
     p.add_argument("--split", default="valid", help="split to score (default: valid, the held-out documents)")
+    p.add_argument("--data-dir", default=None, help="where the runs' data was downloaded (default: the data_dir "
+                   "each run trained with)")
     p.add_argument("--batch-size", type=int, default=8, help="segments per forward pass (default: 8)")
     p.add_argument("--chunk-size", type=int, default=512, help="positions per forward pass through the cache; "
                    "0 scores each segment in one pass (default: 512)")
@@ -116,8 +100,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=cmd_eval)
 
+
+def cmd_generate(args) -> None:
+    from .generate import generate
+    from .run import load_run
+    from .train import resolve_device
+    device = resolve_device(args.device)
+    model, _, tokenizer = load_run(args.run, device)
+    prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_id]
+    samples = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                       top_p=args.top_p, seed=args.seed, stop_id=tokenizer.eot_id, num_samples=args.num_samples,
+                       device=device)
+    for i, sample in enumerate(samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i} ---")
+        print(args.prompt + tokenizer.decode(sample))
+
+
+def add_generate(commands) -> None:
     p = commands.add_parser("generate", help="sample text from a trained run",
-                            description="Sample a continuation of --prompt (temperature, top-k, top-p, seeded).")
+                            description="Sample a continuation of --prompt (temperature, top-k, top-p, seeded). "
+                            "Needs nothing but the run directory.")
     p.add_argument("run", help="run directory")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200)
@@ -129,15 +132,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.set_defaults(handler=cmd_generate)
 
+
+def cmd_demo(args) -> None:
+    from .demo import run_demo
+    run_demo(args.config, args.set)
+
+
+def add_demo(commands) -> None:
     p = commands.add_parser("demo", help="Austen: tiny LAVO vs tiny softmax+RoPE, perplexity vs length",
                             description="Fetch the Austen novels, train a tiny LAVO and a tiny softmax+RoPE model "
                             "with the same token budget, evaluate at 1x..8x the training length on the held-out "
-                            "novel, print the table and write runs/demo/perplexity.png. Override any setting, e.g. "
-                            "--set train.steps=300 --set models.lavo.attention_options.window=64 "
-                            "--set eval.max_tokens=8192 --set out_dir=runs/demo2 (see configs/demo.json).")
-    p.add_argument("--config", help="a JSON or TOML file with demo settings (see configs/demo.json)")
+                            "novel, print the table and write runs/demo/perplexity.png. Settings: the bundled "
+                            "config `demo` (lavo/configs/demo.json): the run config every model shares (data, "
+                            "model, train), one entry per model under runs, and eval. Override any setting, e.g. "
+                            "--set train.steps=300 --set runs.lavo.model.attention_options.window=64 "
+                            "--set eval.max_tokens=8192 --set out_dir=runs/demo2.")
+    p.add_argument("--config", help="a JSON or TOML file with all demo settings, or a bundled config's name "
+                   "(default: demo)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
     p.set_defaults(handler=cmd_demo)
+
+
+def cmd_bench(args) -> int:
+    from .bench.cli import run_from_args
+    return run_from_args(args)
+
+
+def add_bench(commands) -> None:
+    from .bench.cli import DESCRIPTION, EPILOG, add_arguments
+    p = commands.add_parser("bench", help="time and memory of every mechanism against SDPA, decoding, throughput",
+                            description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(handler=cmd_bench)
+
+
+# the commands, in the order `lavo --help` lists them
+COMMANDS = (add_data, add_train, add_eval, add_generate, add_demo, add_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lavo", description="LAVO language modelling: prepare data, train, "
+                                     "evaluate perplexity at many lengths, generate, run the demo, benchmark.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_command in COMMANDS:
+        add_command(commands)
     return parser
 
 
@@ -145,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     from .data import DataError
     args = build_parser().parse_args(argv)
     try:
-        args.handler(args)
+        status = args.handler(args)
     except (DataError, FileExistsError, FileNotFoundError, ValueError) as error:
         if os.environ.get("LAVO_DEBUG"):
             raise
@@ -153,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

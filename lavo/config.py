@@ -1,5 +1,9 @@
 """Run configuration: JSON (or TOML) files in three sections, ``data``, ``model`` and ``train``, plus
-``--set section.key=value`` overrides (values are read as JSON, else kept as strings)."""
+``--set section.key=value`` overrides (values are read as JSON, else kept as strings).
+
+``--config`` takes a file path or the name of a config bundled with the package (``lavo/configs/``, e.g.
+``lavo-tiny-austen``). Files, overrides and the demo's per-run settings are all combined by :func:`deep_merge`.
+"""
 from __future__ import annotations
 
 import copy
@@ -90,9 +94,25 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def deep_merge(base: dict, update: dict, where: str = "") -> dict:
+    """A copy of ``base`` with ``update`` merged in: nested dicts merge key by key, other values replace.
+
+    A dict cannot replace a plain value (``model.attention.window=32`` is a mistake for
+    ``model.attention_options.window=32``), so that raises ``ValueError``."""
+    merged = copy.deepcopy(base)
+    for key, value in update.items():
+        path = f"{where}{key}"
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value, f"{path}.")
+        elif isinstance(value, dict) and key in merged:
+            raise ValueError(f"{path} is a setting ({merged[key]!r}), not a section")
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
 def apply_overrides(values: dict, overrides: list[str], allow_top_level: bool = False) -> dict:
-    """``["train.steps=10", "model.attention_options.window=32"]`` applied to a nested dict (a copy)."""
-    values = copy.deepcopy(values)
+    """``["train.steps=10", "model.attention_options.window=32"]`` merged into a nested dict (a copy)."""
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"--set expects key=value, got {item!r}")
@@ -100,19 +120,36 @@ def apply_overrides(values: dict, overrides: list[str], allow_top_level: bool = 
         parts = key.strip().split(".")
         if len(parts) < 2 and not allow_top_level:
             raise ValueError(f"--set keys name a section and a setting, e.g. train.steps=100; got {key!r}")
-        target = values
-        for part in parts[:-1]:
-            target = target.setdefault(part, {})
-            if not isinstance(target, dict):
-                raise ValueError(f"--set {key}: {part} is not a section")
-        target[parts[-1]] = parse_value(text)
+        update = parse_value(text)
+        for part in reversed(parts):
+            update = {part: update}
+        values = deep_merge(values, update)
     return values
 
 
-def read_config_file(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} not found")
+BUNDLED = Path(__file__).parent / "configs"
+
+
+def bundled_configs() -> list[str]:
+    """Names of the configs that ship with the package (``lavo/configs/*.json``)."""
+    return sorted(path.stem for path in BUNDLED.glob("*.json"))
+
+
+def find_config(name: str | os.PathLike) -> Path:
+    """A config file: ``name`` itself if it is a file, else the bundled config of that name (``.json`` optional)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    if path.parent == Path("."):
+        bundled = BUNDLED / (path.name if path.suffix == ".json" else f"{path.name}.json")
+        if bundled.is_file():
+            return bundled
+    raise FileNotFoundError(f"config {str(name)!r} is neither a file nor a bundled config "
+                            f"({', '.join(bundled_configs())})")
+
+
+def read_config_file(name: str | os.PathLike) -> dict:
+    path = find_config(name)
     if path.suffix == ".toml":
         import tomllib
         return tomllib.loads(path.read_text())
@@ -122,13 +159,7 @@ def read_config_file(path: str | os.PathLike) -> dict:
         raise ValueError(f"{path} is not valid JSON: {error}") from error
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = (), base: dict | None = None
-                ) -> RunConfig:
-    values = copy.deepcopy(base) if base else {}
-    if path is not None:
-        for section, settings in read_config_file(path).items():
-            if isinstance(settings, dict) and isinstance(values.get(section), dict):
-                values[section].update(settings)
-            else:
-                values[section] = settings
+def load_config(name: str | os.PathLike | None = None, overrides: list[str] = ()) -> RunConfig:
+    """The run config of a file (path or bundled name; None: every default) with ``--set`` overrides applied."""
+    values = read_config_file(name) if name is not None else {}
     return RunConfig.from_dict(apply_overrides(values, list(overrides)))

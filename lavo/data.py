@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import atomic_write, write_json
+
 EOT = "<|endoftext|>"
 DEFAULT_DATA_DIR = "data"
 SPLITS = ("train", "valid")
@@ -38,12 +40,6 @@ class DataError(RuntimeError):
 class Document:
     name: str
     text: str
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _run(command: list[str], cwd: Path, what: str, fix: str) -> None:
@@ -268,6 +264,10 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.inner.decode([int(i) for i in ids])
 
+    def save(self, path: str | os.PathLike) -> None:
+        """The whole tokenizer as one ``tokenizer.json`` (read back with :func:`load_tokenizer_file`)."""
+        atomic_write(path, lambda tmp: self.inner.save(str(tmp)))
+
 
 def _tokenizers():
     try:
@@ -383,21 +383,17 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2 ** 16 else np.uint32)
 
 
-def _write_split(path: Path, tokenizer: Tokenizer, documents: list[Document], dtype: np.dtype) -> tuple[int, list]:
+def encode_documents(tokenizer: Tokenizer, documents: list[Document], dtype: np.dtype) -> tuple[np.ndarray, list]:
+    """The documents' tokens in one array, each followed by ``<|endoftext|>``, and each document's span."""
     encoded = tokenizer.encode_batch([d.text for d in documents])
-    total = sum(len(ids) + 1 for ids in encoded)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    array = np.memmap(tmp, dtype=dtype, mode="w+", shape=(max(total, 1),))
+    tokens = np.empty(sum(len(ids) + 1 for ids in encoded), dtype=dtype)
     bounds, at = [], 0
     for doc, ids in zip(documents, encoded):
-        array[at:at + len(ids)] = ids
+        tokens[at:at + len(ids)] = ids
         bounds.append({"name": doc.name, "start": at, "end": at + len(ids)})
-        array[at + len(ids)] = tokenizer.eot_id  # document separator
+        tokens[at + len(ids)] = tokenizer.eot_id  # document separator
         at += len(ids) + 1
-    array.flush()
-    del array
-    os.replace(tmp, path)
-    return total, bounds
+    return tokens, bounds
 
 
 def _load_split(directory: Path, manifest: dict, split: str, fix: str) -> TokenData:
@@ -412,6 +408,22 @@ def _load_split(directory: Path, manifest: dict, split: str, fix: str) -> TokenD
     return TokenData(tokens, info["documents"], split, manifest)
 
 
+def _split_source(source: str, texts_dir: Path, holdout: list[str] | None) -> dict[str, list[Document]]:
+    if holdout is None and source in BUILTIN_SOURCES:
+        holdout = BUILTIN_SOURCES[source][1]
+    return split_documents(read_documents(texts_dir), holdout)
+
+
+def split_tokens(source: str, data_dir: str | os.PathLike, holdout: list[str] | None, split: str,
+                 tokenizer: Tokenizer) -> np.ndarray:
+    """One split of ``source`` tokenised with ``tokenizer``: the same tokens :func:`prepare` caches, without the
+    cache (evaluation reads a run's held-out text with the run's own tokenizer)."""
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
+    documents = _split_source(source, source_texts(source, data_dir, fetch=False), holdout)[split]
+    return encode_documents(tokenizer, documents, token_dtype(tokenizer.vocab_size))[0]
+
+
 def prepare(source: str = "austen", tokenizer: str = "bpe4096", data_dir: str | os.PathLike = DEFAULT_DATA_DIR,
             holdout: list[str] | None = None, rebuild: bool = False, fetch: bool = True,
             log=print) -> Prepared:
@@ -423,9 +435,7 @@ def prepare(source: str = "austen", tokenizer: str = "bpe4096", data_dir: str | 
     """
     vocab_size = parse_tokenizer(tokenizer)
     texts_dir = source_texts(source, data_dir, fetch=fetch)
-    if holdout is None and source in BUILTIN_SOURCES:
-        holdout = BUILTIN_SOURCES[source][1]
-    splits = split_documents(read_documents(texts_dir), holdout)
+    splits = _split_source(source, texts_dir, holdout)
     fingerprint = _fingerprint(splits, tokenizer)
     directory = Path(data_dir) / _source_key(source) / tokenizer
     manifest_path = directory / "manifest.json"
@@ -452,26 +462,18 @@ def prepare(source: str = "austen", tokenizer: str = "bpe4096", data_dir: str | 
     else:
         log(f"training a byte-level BPE ({vocab_size} tokens) on {len(splits['train'])} training documents")
         tok = train_bpe([d.text for d in splits["train"]], vocab_size)
-        tmp = tokenizer_path.with_name(f"tokenizer.json.tmp{os.getpid()}")
-        tok.inner.save(str(tmp))
-        os.replace(tmp, tokenizer_path)
+        tok.save(tokenizer_path)
     dtype = token_dtype(tok.vocab_size)
     manifest = {"source": source, "texts": str(texts_dir), "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
                 "eot_id": tok.eot_id, "dtype": dtype.name, "fingerprint": fingerprint, "splits": {}}
     for split in SPLITS:
         file = f"{split}.bin"
         log(f"tokenising {split}: {', '.join(d.name for d in splits[split])}")
-        total, bounds = _write_split(directory / file, tok, splits[split], dtype)
-        manifest["splits"][split] = {"file": file, "num_tokens": total, "documents": bounds}
-    _atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")
+        tokens, bounds = encode_documents(tok, splits[split], dtype)
+        atomic_write(directory / file, tokens.tofile)
+        manifest["splits"][split] = {"file": file, "num_tokens": len(tokens), "documents": bounds}
+    write_json(manifest_path, manifest)
     return Prepared(*(_load_split(directory, manifest, s, fix) for s in SPLITS), tok, directory, manifest)
-
-
-def load_tokenizer(manifest: dict, directory: str | os.PathLike) -> Tokenizer:
-    """The tokenizer a prepared directory was built with."""
-    if manifest["tokenizer"] == "gpt2":
-        return gpt2_tokenizer()
-    return load_tokenizer_file(Path(directory) / "tokenizer.json", manifest["tokenizer"])
 
 
 def describe(prepared: Prepared) -> str:

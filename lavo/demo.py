@@ -1,42 +1,77 @@
 """The demo: tiny LAVO vs tiny softmax+RoPE on Jane Austen, same token budget, perplexity at 1x..8x the
-training length on the held-out novel (Persuasion). Sized for a few minutes per model on two CPU cores."""
+training length on the held-out novel (Persuasion). Sized for a few minutes per model on two CPU cores.
+
+Its settings are one file, the bundled ``lavo/configs/demo.json`` unless ``--config`` names another:
+
+* ``data``, ``model``, ``train``: the run config every model shares;
+* ``runs``: one entry per model, merged over the shared run config (``runs.lavo.model.attention_options...``);
+  each run trains in ``out_dir/<name>``;
+* ``seconds_per_model``: ``train.steps`` is the most steps; fewer when the slowest model would not fit in
+  ``seconds_per_model`` (measured before training; every model gets the same number of steps, i.e. the same
+  token budget). 0 or null trains exactly ``train.steps``. The slowest model trains first; if it is still running
+  at 1.25 x the budget (a much busier machine than measured) it stops there, and the other models stop at the
+  same step, on the same learning-rate schedule;
+* ``eval``: the lengths (``multiples`` of the training length, or ``lengths``) and batching of the evaluation.
+"""
 from __future__ import annotations
 
-import copy
 import json
 import time
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .config import RunConfig, apply_overrides, read_config_file
+from .config import RunConfig, apply_overrides, deep_merge, read_config_file
+from .files import write_json
 
-DEMO = {
-    "out_dir": "runs/demo",
-    "data": {"source": "austen", "tokenizer": "bpe4096", "data_dir": "data"},
-    # train.steps: at most this many; fewer when the slowest model would not fit in seconds_per_model (measured
-    # before training; every model gets the same number of steps, i.e. the same token budget). Set
-    # seconds_per_model to 0 (or null) to train exactly train.steps. The slowest model trains first; if it is
-    # still running at 1.25 x the budget (a much busier machine than measured) it stops there, and the other
-    # models stop at the same step, on the same learning-rate schedule.
-    "seconds_per_model": 240,
-    "train": {"train_length": 256, "batch_size": 8, "grad_accum": 1, "steps": 2000, "lr": 2e-3, "min_lr": 2e-4,
-              "warmup": 30, "log_interval": 10, "checkpoint_interval": 100, "seed": 0, "device": "auto"},
-    "models": {
-        "lavo": {"preset": "tiny", "attention": "lavo", "attention_options": {"window": 32}, "position": "none"},
-        "softmax-rope": {"preset": "tiny", "attention": "softmax", "position": "rope"},
-    },
-    "eval": {"multiples": [1, 2, 4, 8], "max_tokens": 16384, "batch_size": 4, "chunk_size": 512},
-}
+RUN_SECTIONS = ("data", "model", "train")
+# every model trains on the same data and number of tokens, so these train settings may not differ between runs
+BUDGET = ("train_length", "batch_size", "grad_accum", "steps")
 
 
-def demo_settings(path: str | None = None, overrides: list[str] = ()) -> dict:
-    settings = copy.deepcopy(DEMO)
-    if path is not None:
-        for key, value in read_config_file(path).items():
-            if isinstance(value, dict) and isinstance(settings.get(key), dict) and key != "models":
-                settings[key].update(value)
-            else:
-                settings[key] = value
-    return apply_overrides(settings, list(overrides), allow_top_level=True)
+@dataclass
+class EvalSettings:
+    multiples: list[float] | None = field(default_factory=lambda: [1, 2, 4, 8])
+    lengths: list[int] | None = None
+    max_tokens: int | None = None
+    batch_size: int = 8
+    chunk_size: int | None = 512
+
+
+@dataclass
+class DemoConfig:
+    runs: dict[str, RunConfig]
+    eval: EvalSettings
+    seconds_per_model: float | None
+    out_dir: str
+    settings: dict  # the merged file and overrides, as written to out_dir/demo.json
+
+
+def demo_config(name: str | None = None, overrides: list[str] = ()) -> DemoConfig:
+    """The demo file (a path or a bundled name; default ``demo``) with ``--set`` overrides applied."""
+    settings = apply_overrides(read_config_file(name or "demo"), list(overrides), allow_top_level=True)
+    known = {*RUN_SECTIONS, "runs", "eval", "seconds_per_model", "out_dir"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown demo settings {unknown}; known: {', '.join(sorted(known))}")
+    if not settings.get("runs"):
+        raise ValueError("the demo settings name no runs: add a `runs` section, e.g. {\"lavo\": {\"model\": ...}}")
+    eval_names = {f.name for f in fields(EvalSettings)}
+    bad = sorted(set(settings.get("eval", {})) - eval_names)
+    if bad:
+        raise ValueError(f"unknown eval settings {bad}; known: {', '.join(sorted(eval_names))}")
+    out_dir = settings.get("out_dir", "runs/demo")
+    shared = {section: settings[section] for section in RUN_SECTIONS if section in settings}
+    runs = {}
+    for name, overlay in settings["runs"].items():
+        values = deep_merge(deep_merge(shared, overlay, f"runs.{name}."),
+                            {"train": {"out_dir": str(Path(out_dir) / name)}})
+        runs[name] = RunConfig.from_dict(values)
+    compared = {json.dumps([asdict(run.data), [getattr(run.train, key) for key in BUDGET]]) for run in runs.values()}
+    if len(compared) > 1:
+        raise ValueError("the demo compares models on the same data and token budget: set data.* and "
+                         f"train.{', train.'.join(BUDGET)} in the shared sections, not per run")
+    return DemoConfig(runs, EvalSettings(**settings.get("eval", {})), settings.get("seconds_per_model"), out_dir,
+                      settings)
 
 
 def seconds_per_step(config: RunConfig, vocab_size: int, steps: int = 4, warmup: int = 2) -> float:
@@ -68,66 +103,68 @@ def seconds_per_step(config: RunConfig, vocab_size: int, steps: int = 4, warmup:
     return min(times)
 
 
-def run_demo(path: str | None = None, overrides: list[str] = (), log=print) -> dict:
+def run_demo(name: str | None = None, overrides: list[str] = (), log=print) -> dict:
     from .data import describe, prepare
     from .evaluate import evaluate_runs
     from .registry import available_attentions
     from .train import train
 
-    settings = demo_settings(path, overrides)
-    out = Path(settings["out_dir"])
+    demo = demo_config(name, overrides)
+    out = Path(demo.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "demo.json").write_text(json.dumps(settings, indent=1) + "\n")
+    write_json(out / "demo.json", demo.settings)
     begin = time.perf_counter()
-    data = settings["data"]
-    prepared = prepare(data["source"], data["tokenizer"], data["data_dir"], data.get("holdout"), log=log)
+    first = next(iter(demo.runs.values()))
+    data = first.data
+    prepared = prepare(data.source, data.tokenizer, data.data_dir, data.holdout, log=log)
     log(describe(prepared))
     configs = {}
-    for name, model in settings["models"].items():
-        if model.get("attention", "lavo") not in available_attentions():
-            log(f"skipping {name}: attention {model.get('attention')!r} is not registered "
+    for run_name, config in demo.runs.items():
+        attention = config.model_config().attention
+        if attention not in available_attentions():
+            log(f"skipping {run_name}: attention {attention!r} is not registered "
                 f"(available: {', '.join(available_attentions())})")
             continue
-        configs[name] = RunConfig.from_dict({"data": data, "model": model,
-                                             "train": {**settings["train"], "out_dir": str(out / name)}})
+        configs[run_name] = config
     if not configs:
         raise ValueError("no demo model could be built")
 
-    budget = settings.get("seconds_per_model")
-    steps = settings["train"]["steps"]
+    budget = demo.seconds_per_model
+    tc = first.train
+    steps = tc.steps
     if budget:
-        timing = {name: seconds_per_step(c, prepared.tokenizer.vocab_size) for name, c in configs.items()}
+        timing = {n: seconds_per_step(c, prepared.tokenizer.vocab_size) for n, c in configs.items()}
         log("measured seconds per step: " + ", ".join(f"{n} {t:.2f}" for n, t in timing.items()))
         steps = max(10, min(steps, int(budget / max(timing.values()))))
         configs = dict(sorted(configs.items(), key=lambda item: -timing[item[0]]))  # slowest first
-    tc = settings["train"]
-    log(f"training every model for {steps} steps of {tc['batch_size'] * tc.get('grad_accum', 1)} x "
-        f"{tc['train_length']} tokens ({steps * tc['batch_size'] * tc.get('grad_accum', 1) * tc['train_length']:,} "
-        "tokens each)")
+    window_tokens = tc.batch_size * tc.grad_accum * tc.train_length
+    log(f"training every model for {steps} steps of {tc.batch_size * tc.grad_accum} x {tc.train_length} tokens "
+        f"({steps * window_tokens:,} tokens each)")
     runs, summaries, cap = [], {}, None
-    for name, config in configs.items():
+    for run_name, config in configs.items():
         config.train.steps = steps  # the same schedule for every model, even if one is cut short
         if budget and config.train.time_limit is None and cap is None:
             config.train.time_limit = 1.25 * budget  # a guard against a machine much busier than measured
-        log(f"\n== training {name} ==")
+        log(f"\n== training {run_name} ==")
         summary = train(config, overwrite=True, stop_after=cap, log=log)
-        log(f"{name}: {summary['step']} steps, {summary['tokens']:,} tokens, final training loss "
+        log(f"{run_name}: {summary['step']} steps, {summary['tokens']:,} tokens, final training loss "
             f"{summary['loss']:.3f}, {summary['elapsed']:.0f}s")
         if cap is None and summary["step"] < steps:
             cap = summary["step"]
-            log(f"{name} reached the time limit after {cap} of {steps} steps (the machine is busier than when "
+            log(f"{run_name} reached the time limit after {cap} of {steps} steps (the machine is busier than when "
                 f"measured): the other models stop at step {cap} too, on the same learning-rate schedule")
         elif cap is not None and summary["step"] < cap:
-            log(f"warning: {name} stopped after {summary['step']} steps, before the others: token budgets differ")
-        runs.append(str(out / name))
-        summaries[name] = summary
+            log(f"warning: {run_name} stopped after {summary['step']} steps, before the others: token budgets "
+                "differ")
+        runs.append(config.train.out_dir)
+        summaries[run_name] = summary
     log("\n== held-out perplexity by evaluation length ==")
-    ev = settings["eval"]
-    results = evaluate_runs(runs, multiples=ev.get("multiples"), lengths=ev.get("lengths"),
-                            batch_size=ev["batch_size"], chunk_size=ev["chunk_size"], max_tokens=ev["max_tokens"],
-                            device=settings["train"].get("device", "auto"), out_dir=str(out), log=log)
-    for name, summary in summaries.items():
-        log(f"{name}: {summary['parameters'] / 1e6:.2f}M parameters, {summary['tokens']:,} training tokens, "
+    ev = demo.eval
+    results = evaluate_runs(runs, multiples=ev.multiples, lengths=ev.lengths, batch_size=ev.batch_size,
+                            chunk_size=ev.chunk_size, max_tokens=ev.max_tokens, device=tc.device, out_dir=str(out),
+                            log=log)
+    for run_name, summary in summaries.items():
+        log(f"{run_name}: {summary['parameters'] / 1e6:.2f}M parameters, {summary['tokens']:,} training tokens, "
             f"{summary['elapsed']:.0f}s")
     log(f"demo finished in {time.perf_counter() - begin:.0f}s; results in {out}")
     return results

@@ -17,6 +17,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .files import write_json
+from .report import line_plot, text_table
+
 
 def shared_length(num_tokens: int, lengths: list[int], max_tokens: int | None = None) -> int:
     """``N``: the number of target tokens scored at every length, a multiple of every length."""
@@ -81,83 +84,67 @@ def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch
 def format_table(results: dict[str, dict[int, dict]]) -> str:
     """Perplexity table: one row per model, one column per length."""
     lengths = sorted({length for per_model in results.values() for length in per_model})
-    name_width = max([len("model")] + [len(name) for name in results])
-    header = f"{'model':<{name_width}}" + "".join(f"{'L=' + str(length):>10}" for length in lengths)
-    lines = [header, "-" * len(header)]
-    for name, per_model in results.items():
-        cells = "".join(f"{per_model[length]['ppl']:>10.2f}" if length in per_model else f"{'-':>10}"
-                        for length in lengths)
-        lines.append(f"{name:<{name_width}}{cells}")
+    rows = [[name] + [f"{per_model[length]['ppl']:.2f}" if length in per_model else "-" for length in lengths]
+            for name, per_model in results.items()]
     tokens = {p["tokens"] for per_model in results.values() for p in per_model.values()}
-    lines.append(f"(perplexity on the same {', '.join(str(t) for t in sorted(tokens))} held-out tokens at every "
-                 "length; segments scored from an empty context)")
-    return "\n".join(lines)
+    return (text_table(["model"] + [f"L={length}" for length in lengths], rows) +
+            f"\n(perplexity on the same {', '.join(str(t) for t in sorted(tokens))} held-out tokens at every "
+            "length; segments scored from an empty context)")
 
 
 def save_plot(results: dict[str, dict[int, dict]], path: str | os.PathLike, title: str | None = None,
-              train_length: int | None = None) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, per_model in results.items():
-        lengths = sorted(per_model)
-        ax.plot(lengths, [per_model[length]["ppl"] for length in lengths], marker="o", label=name)
-    if train_length:
-        ax.axvline(train_length, color="grey", linestyle=":", linewidth=1, label="training length")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("perplexity")
-    ax.set_title(title or "held-out perplexity vs length")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+              train_length: int | None = None) -> Path | None:
+    """Perplexity against evaluation length, one line per model (log-2 length axis)."""
+    series = {name: [(length, r["ppl"]) for length, r in per_model.items()] for name, per_model in results.items()}
+    return line_plot(series, path, xlabel="evaluation length (tokens)", ylabel="perplexity",
+                     title=title or "held-out perplexity vs length",
+                     vline=(train_length, "training length") if train_length else None)
 
 
 def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, multiples: list[float] | None = None,
                   split: str = "valid", batch_size: int = 8, chunk_size: int | None = 512,
-                  max_tokens: int | None = None, device: str = "auto", out_dir: str | None = None,
-                  progress: bool = True, log=print) -> dict[str, dict[int, dict]]:
-    """Score trained runs on the held-out split; print the table, write ``results.json`` and ``perplexity.png``."""
-    from .data import prepare
-    from .train import load_run, resolve_device
+                  max_tokens: int | None = None, data_dir: str | None = None, device: str = "auto",
+                  out_dir: str | None = None, progress: bool = True, log=print) -> dict[str, dict[int, dict]]:
+    """Score trained runs on the split ``split`` of each run's data (read from ``data_dir``, default the run's
+    own, and tokenised with the run's tokenizer); print the table, write ``results.json`` and ``perplexity.png``."""
+    from .data import DataError, split_tokens
+    from .run import load_run
+    from .train import resolve_device
 
     device = resolve_device(device)
     names = [Path(run).name for run in run_dirs]
     if len(set(names)) < len(names):  # same folder name in different places: use the paths
         names = [str(run) for run in run_dirs]
     loaded = [(name, *load_run(run, device)) for name, run in zip(names, run_dirs)]
-    data_keys = {(c["data"]["source"], c["data"]["tokenizer"]) for _, _, c in loaded}
+    data_keys = {(c.data.source, c.data.tokenizer) for _, _, c, _ in loaded}
     if len(data_keys) > 1:
         log(f"warning: the runs use different data or tokenizers {sorted(data_keys)}: perplexities do not compare")
-    train_length = loaded[0][2]["train"]["train_length"]
+    train_length = loaded[0][2].train.train_length
     if lengths is None:
         multiples = multiples or [1, 2, 4, 8]
         lengths = [int(round(m * train_length)) for m in multiples]
-    prepared_cache = {}
+    texts = {}  # runs on the same data with the same tokenizer score the same tokens: tokenise once
     results = {}
-    for name, model, config in loaded:
-        data = config["data"]
-        key = (data["source"], data["tokenizer"], data["data_dir"], json.dumps(data["holdout"]))
-        if key not in prepared_cache:
-            prepared_cache[key] = prepare(data["source"], data["tokenizer"], data["data_dir"], data["holdout"],
-                                          fetch=False, log=log)
-        tokens = prepared_cache[key].split(split).tokens
-        results[name] = perplexity_by_length(model, tokens, lengths, batch_size=batch_size, chunk_size=chunk_size,
-                                             max_tokens=max_tokens, device=device, progress=progress)
+    for name, model, config, tokenizer in loaded:
+        data = config.data
+        where = data_dir or data.data_dir
+        key = (data.source, where, json.dumps(data.holdout), tokenizer.inner.to_str())
+        if key not in texts:
+            try:
+                texts[key] = split_tokens(data.source, where, data.holdout, split, tokenizer)
+            except DataError as error:
+                raise DataError(f"{error} (or, if the run's data is elsewhere: `lavo eval --data-dir FOLDER`)"
+                                ) from error
+        results[name] = perplexity_by_length(model, texts[key], lengths, batch_size=batch_size,
+                                             chunk_size=chunk_size, max_tokens=max_tokens, device=device,
+                                             progress=progress)
     log(format_table(results))
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        payload = {"split": split, "runs": {name: str(run) for (name, _, _), run in zip(loaded, run_dirs)},
+        payload = {"split": split, "runs": {name: str(run) for (name, *_), run in zip(loaded, run_dirs)},
                    "results": {name: {str(k): v for k, v in r.items()} for name, r in results.items()}}
-        (out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
+        write_json(out / "results.json", payload)
         plot = save_plot(results, out / "perplexity.png", train_length=train_length)
         log(f"wrote {out / 'results.json'} and {plot}")
     return results

@@ -1,8 +1,7 @@
 """Training loop: AdamW, warmup + cosine schedule, clipping, accumulation, optional bf16 autocast, DDP.
 
-A run directory holds ``config.json`` (the run config, model config resolved), ``model.safetensors`` (weights)
-and ``state.pt`` (optimiser, step, sampler, RNG states; loads with ``weights_only=True``), all written atomically,
-plus ``metrics.jsonl``. ``train(config, resume=True)`` continues a run exactly where its checkpoint left it.
+A run trains into the run directory ``train.out_dir`` (its files: :mod:`lavo.run`). ``train(config,
+resume=True)`` continues a run exactly where its checkpoint left it.
 
 Data parallel: started by ``torchrun --nproc_per_node N -m lavo.cli train ...``; each step draws
 ``N * batch_size`` windows from one seeded stream and every process takes its share, so the sampler state is
@@ -12,22 +11,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from .config import RunConfig
-from .data import prepare
-from .model import LanguageModel, ModelConfig, count_parameters
+from .data import Prepared, prepare
+from .model import LanguageModel, count_parameters
+from .run import MetricsLog, has_checkpoint, load_checkpoint, save_checkpoint, save_run_config
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -80,43 +79,12 @@ def windows(tokens: np.ndarray, offsets: np.ndarray, length: int, device) -> tup
     return batch[:, :-1], batch[:, 1:]
 
 
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def weights_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def save_checkpoint(run_dir: Path, model: LanguageModel, state: dict) -> None:
-    """Weights (safetensors) then the training state (torch), each through a temporary file + os.replace."""
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    _atomic(run_dir / "model.safetensors",
-            lambda tmp: save_file(weights, str(tmp), metadata={"step": str(state["step"])}))
-    _atomic(run_dir / "state.pt", lambda tmp: torch.save(state, tmp))
-
-
-def write_json(path: Path, value) -> None:
-    _atomic(path, lambda tmp: tmp.write_text(json.dumps(value, indent=1) + "\n"))
-
-
-def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[LanguageModel, dict]:
-    """The model of a run directory (weights from ``model.safetensors``) and its saved config dict."""
-    run_dir = Path(run_dir)
-    config_path, weights_path = run_dir / "config.json", run_dir / "model.safetensors"
-    if not config_path.is_file() or not weights_path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a trained run (needs config.json and model.safetensors): "
-                                f"train one with `lavo train --set train.out_dir={run_dir}`")
-    config = json.loads(config_path.read_text())
-    model = LanguageModel(ModelConfig.from_dict(config["resolved_model"]))
-    model.load_state_dict(load_file(str(weights_path)))
-    return model.to(device).eval(), config
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -149,7 +117,16 @@ def setup_distributed(device_name: str) -> tuple[Distributed, torch.device]:
     return env, device
 
 
-def _valid_loss(model, tokens, length, batches, batch_size, device, autocast) -> float:
+def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context factory: bf16 autocast for ``dtype == "bfloat16"``, nothing for float32."""
+    if dtype == "float32":
+        return contextlib.nullcontext
+    if dtype == "bfloat16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    raise ValueError(f"train.dtype must be float32 or bfloat16, got {dtype!r}")
+
+
+def valid_loss(model, tokens, length, batches, batch_size, device, autocast) -> float:
     """Mean loss over ``batches * batch_size`` evenly spaced windows of the validation split."""
     count = batches * batch_size
     offsets = np.linspace(0, len(tokens) - length - 1, count).astype(np.int64)
@@ -165,174 +142,225 @@ def _valid_loss(model, tokens, length, batches, batch_size, device, autocast) ->
     return total / (count * length)
 
 
+def prepare_run(config: RunConfig, env: Distributed, resume: bool, overwrite: bool, log) -> Prepared:
+    """Rank 0 checks and creates the run directory and prepares (and caches) the data; the others then map it."""
+    run_dir, data = Path(config.train.out_dir), config.data
+    if env.main:
+        if has_checkpoint(run_dir) and not resume and not overwrite:
+            raise FileExistsError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, "
+                                  "--overwrite to start again, or choose another --set train.out_dir=...")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        prepared = prepare(data.source, data.tokenizer, data.data_dir, data.holdout, log=log)
+    if env.enabled:
+        dist.barrier()
+    if not env.main:
+        prepared = prepare(data.source, data.tokenizer, data.data_dir, data.holdout, fetch=False, log=log)
+    return prepared
+
+
+@dataclass
+class Progress:
+    """How far a run is; saved in its checkpoint, so a resumed run carries on counting."""
+
+    step: int = 0  # optimiser steps done
+    tokens: int = 0  # training tokens seen, all processes together
+    elapsed: float = 0.0  # seconds spent training
+
+
+class Trainer:
+    """The model, optimiser and sampler of one run, and the steps that train it.
+
+    Building it seeds torch and initialises the model exactly as a fresh run does, so a resumed run (which then
+    loads its checkpoint over it) and an uninterrupted one follow the same path.
+    """
+
+    def __init__(self, config: RunConfig, env: Distributed, device: torch.device, data: Prepared, log=print):
+        tc = config.train
+        self.config, self.tc, self.env, self.device, self.data, self.log = config, tc, env, device, data, log
+        self.run_dir = Path(tc.out_dir)
+        self.autocast = autocast_for(tc.dtype, device)
+        self.model_config = config.model_config(vocab_size=data.tokenizer.vocab_size)
+        torch.manual_seed(tc.seed)
+        self.model = LanguageModel(self.model_config).to(device)
+        self.optimizer = torch.optim.AdamW(self.model.parameter_groups(tc.weight_decay), lr=tc.lr,
+                                           betas=(tc.beta1, tc.beta2), fused=device.type == "cuda" or None)
+        self.sampler = WindowSampler(len(data.train), tc.train_length, tc.seed)
+        self.progress = Progress()
+        self.metrics = MetricsLog(self.run_dir)
+        self.replica = self.model  # what the steps call: the model, or its DDP wrapper
+        self.bar = None  # the progress bar, while run() runs
+        self.window_start, self.window_tokens = time.perf_counter(), 0  # throughput since the last record
+
+    def restore(self) -> None:
+        """Continue from the run directory's checkpoint: weights, optimiser, sampler, counters and RNG."""
+        if not has_checkpoint(self.run_dir):
+            self.log(f"no checkpoint in {self.run_dir}; starting a new run")
+            return
+        state = load_checkpoint(self.run_dir, self.model)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.progress = Progress(state["step"], state["tokens"], state["elapsed"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if self.device.type == "cuda" and state["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        if self.env.main:
+            self.metrics.forget_after(self.progress.step)
+        self.log(f"resumed {self.run_dir} at step {self.progress.step}")
+
+    def start(self) -> None:
+        """Write the run's config and tokenizer, describe the model, and wrap it for data parallelism."""
+        config, model = self.model_config, self.model
+        if self.env.main:
+            save_run_config(self.run_dir, self.config, config, self.data.tokenizer)
+            self.log(f"model: {config.attention} {config.attention_options or ''} position={config.position}, "
+                     f"{count_parameters(model) / 1e6:.2f}M parameters "
+                     f"({count_parameters(model, exclude_embedding=True) / 1e6:.2f}M without embeddings)")
+        if self.env.enabled:
+            self.replica = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tc.batch_size * self.tc.grad_accum * self.env.world * self.tc.train_length
+
+    def train_step(self, lr: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One optimiser step over ``grad_accum`` micro-batches; returns the mean loss (over the processes too)
+        and the gradient norm before clipping (None without clipping)."""
+        tc, env = self.tc, self.env
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.device)
+        for micro in range(tc.grad_accum):
+            offsets = self.sampler.next_offsets(tc.batch_size * env.world)
+            x, y = windows(self.data.train.tokens, offsets[env.rank::env.world], tc.train_length, self.device)
+            sync = micro == tc.grad_accum - 1 or not env.enabled  # DDP averages gradients on the last one only
+            with (contextlib.nullcontext() if sync else self.replica.no_sync()):
+                with self.autocast():
+                    logits, _ = self.replica(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                (loss / tc.grad_accum).backward()
+            total += loss.detach() / tc.grad_accum
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip) if tc.grad_clip > 0 else None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if env.enabled:
+            dist.all_reduce(total)
+            total /= env.world
+        return total, norm
+
+    def record(self, entry: dict) -> None:
+        if self.env.main:
+            self.metrics.write(entry)
+
+    def log_step(self, loss: torch.Tensor, norm: torch.Tensor | None, lr: float) -> None:
+        """Record the step's loss, learning rate and the throughput since the last record."""
+        loss_value = loss.item()
+        now = time.perf_counter()
+        speed = self.window_tokens / max(now - self.window_start, 1e-9)
+        self.window_start, self.window_tokens = now, 0
+        p = self.progress
+        self.record({"step": p.step, "loss": loss_value, "lr": lr, "tokens": p.tokens,
+                     "tokens_per_s": round(speed, 1), "elapsed": round(p.elapsed, 2),
+                     "grad_norm": None if norm is None else round(norm.item(), 4)})
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{speed:,.0f}")
+
+    def validate(self) -> None:
+        tc = self.tc
+        valid = valid_loss(self.model, self.data.valid.tokens, tc.train_length, tc.eval_batches, tc.batch_size,
+                           self.device, self.autocast)
+        self.record({"step": self.progress.step, "valid_loss": valid, "valid_ppl": math.exp(valid)})
+        self.log(f"step {self.progress.step}: valid loss {valid:.4f} (ppl {math.exp(valid):.2f})")
+
+    def checkpoint(self) -> None:
+        if not self.env.main:
+            return
+        p = self.progress
+        rng = {"torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+        save_checkpoint(self.run_dir, self.model, {"step": p.step, "tokens": p.tokens, "elapsed": p.elapsed,
+                                                   "optimizer": self.optimizer.state_dict(),
+                                                   "sampler": self.sampler.state_dict(), "rng": rng})
+
+    def time_is_up(self) -> bool:
+        """Whether ``time_limit`` has passed on any process (so that every process stops at the same step)."""
+        if self.tc.time_limit is None:
+            return False
+        over = torch.tensor(float(self.progress.elapsed > self.tc.time_limit))
+        if self.env.enabled:
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        if over.item():
+            self.log(f"time limit of {self.tc.time_limit:.0f}s reached at step {self.progress.step}")
+        return bool(over.item())
+
+    def run(self, end: int) -> dict:
+        """Train up to step ``end`` (or the time limit), logging, validating and checkpointing on the way; save a
+        final checkpoint and return the summary."""
+        tc, p = self.tc, self.progress
+        if self.env.main and tc.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=tc.steps, initial=p.step, desc=self.run_dir.name, unit="step", dynamic_ncols=True)
+        self.model.train()
+        last = None
+        self.window_start, self.window_tokens = time.perf_counter(), 0
+        started = time.perf_counter() - p.elapsed
+        try:
+            while p.step < end:
+                lr = learning_rate(p.step, tc)
+                last, norm = self.train_step(lr)
+                p.step += 1
+                p.tokens += self.tokens_per_step
+                self.window_tokens += self.tokens_per_step
+                p.elapsed = time.perf_counter() - started
+                if p.step % tc.log_interval == 0 or p.step == end:
+                    self.log_step(last, norm, lr)
+                if self.bar is not None:
+                    self.bar.update(1)
+                if tc.eval_interval and (p.step % tc.eval_interval == 0 or p.step == tc.steps) and self.env.main:
+                    self.validate()
+                if tc.checkpoint_interval and p.step % tc.checkpoint_interval == 0 and p.step < end:
+                    self.checkpoint()
+                if self.time_is_up():
+                    break
+        except KeyboardInterrupt:
+            self.log(f"interrupted at step {p.step}; saving a checkpoint (resume with --resume)")
+            self.checkpoint()
+            raise
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+        self.checkpoint()
+        return self.finish(float("nan") if last is None else last.item())
+
+    def finish(self, loss: float) -> dict:
+        """The summary of this call, also the final record of ``metrics.jsonl``; with several processes it holds
+        each one's weight digest (they must agree)."""
+        p, env = self.progress, self.env
+        summary = {"step": p.step, "loss": loss, "tokens": p.tokens, "elapsed": round(p.elapsed, 2),
+                   "parameters": count_parameters(self.model), "world_size": env.world}
+        if env.enabled:
+            digests = [None] * env.world
+            dist.all_gather_object(digests, weights_digest(self.model))
+            summary["rank_digests"] = digests
+        self.record({"final": True, **summary})
+        self.metrics.close()
+        if env.enabled:
+            dist.barrier()
+        return summary
+
+
 def train(config: RunConfig, resume: bool = False, overwrite: bool = False, stop_after: int | None = None,
           log=print) -> dict:
     """Train (or resume) the run described by ``config``; returns a summary (final loss, steps, tokens, ...).
 
     ``stop_after`` ends this call after that many steps (checkpointing), as an interruption would.
     """
-    tc = config.train
-    env, device = setup_distributed(tc.device)
-    say = log if env.main else (lambda *a, **k: None)
-    run_dir = Path(tc.out_dir)
-    if env.main:
-        if (run_dir / "state.pt").exists() and not resume and not overwrite:
-            raise FileExistsError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, "
-                                  "--overwrite to start again, or choose another --set train.out_dir=...")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        prepared = prepare(config.data.source, config.data.tokenizer, config.data.data_dir, config.data.holdout,
-                           log=say)
-    if env.enabled:
-        dist.barrier()  # rank 0 prepared (and cached) the data; the others now map it
-    if not env.main:
-        prepared = prepare(config.data.source, config.data.tokenizer, config.data.data_dir, config.data.holdout,
-                           fetch=False, log=say)
-    model_config = config.model_config(vocab_size=prepared.tokenizer.vocab_size)
-
-    torch.manual_seed(tc.seed)
-    model = LanguageModel(model_config).to(device)
-    optimizer = torch.optim.AdamW(model.parameter_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
-                                  fused=device.type == "cuda" or None)
-    sampler = WindowSampler(len(prepared.train), tc.train_length, tc.seed)
-    step, tokens_seen, elapsed = 0, 0, 0.0
-
-    if resume and (run_dir / "state.pt").exists():
-        state = torch.load(run_dir / "state.pt", map_location="cpu", weights_only=True)
-        weights = load_file(str(run_dir / "model.safetensors"))
-        model.load_state_dict(weights)
-        optimizer.load_state_dict(state["optimizer"])
-        sampler.load_state_dict(state["sampler"])
-        step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
-        torch.set_rng_state(state["rng"]["torch"])
-        if device.type == "cuda" and state["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
-        if env.main:  # forget metrics logged after the checkpoint: they are about to be redone
-            metrics = run_dir / "metrics.jsonl"
-            if metrics.exists():
-                kept = [line for line in metrics.read_text().splitlines()
-                        if line.strip() and json.loads(line).get("step", 0) <= step]
-                metrics.write_text("".join(line + "\n" for line in kept))
-        say(f"resumed {run_dir} at step {step}")
-    elif resume:
-        say(f"no checkpoint in {run_dir}; starting a new run")
-
-    if env.main:
-        write_json(run_dir / "config.json", {**config.to_dict(), "resolved_model": model_config.to_dict(),
-                                             "data_manifest": str(prepared.directory / "manifest.json")})
-        say(f"model: {model_config.attention} {model_config.attention_options or ''} position={model_config.position}"
-            f", {count_parameters(model) / 1e6:.2f}M parameters "
-            f"({count_parameters(model, exclude_embedding=True) / 1e6:.2f}M without embeddings)")
-    if env.enabled:
-        model_ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index]
-                                                              if device.type == "cuda" else None)
-    else:
-        model_ddp = model
-    dtype = {"float32": None, "bfloat16": torch.bfloat16}
-    if tc.dtype not in dtype:
-        raise ValueError(f"train.dtype must be float32 or bfloat16, got {tc.dtype!r}")
-
-    def autocast():
-        if dtype[tc.dtype] is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=dtype[tc.dtype])
-
-    tokens_per_step = tc.batch_size * tc.grad_accum * env.world * tc.train_length
-    end = tc.steps if stop_after is None else min(tc.steps, step + stop_after)
-    progress = None
-    if env.main and tc.progress:
-        from tqdm import tqdm
-        progress = tqdm(total=tc.steps, initial=step, desc=run_dir.name, unit="step", dynamic_ncols=True)
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if env.main else None
-
-    def record(entry: dict) -> None:
-        if metrics_file is not None:
-            metrics_file.write(json.dumps(entry) + "\n")
-            metrics_file.flush()
-
-    def checkpoint() -> None:
-        if env.main:
-            rng = {"torch": torch.get_rng_state(),
-                   "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-            save_checkpoint(run_dir, model, {"step": step, "tokens": tokens_seen, "elapsed": elapsed,
-                                             "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
-                                             "rng": rng})
-
-    model.train()
-    loss_value, last = float("nan"), None
-    window_start, window_tokens = time.perf_counter(), 0
-    started = time.perf_counter() - elapsed
-    try:
-        while step < end:
-            lr = learning_rate(step, tc)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            total = torch.zeros((), device=device)
-            for micro in range(tc.grad_accum):
-                offsets = sampler.next_offsets(tc.batch_size * env.world)
-                x, y = windows(prepared.train.tokens, offsets[env.rank::env.world], tc.train_length, device)
-                sync = micro == tc.grad_accum - 1 or not env.enabled
-                with (contextlib.nullcontext() if sync else model_ddp.no_sync()):
-                    with autocast():
-                        logits, _ = model_ddp(x)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                    (loss / tc.grad_accum).backward()
-                total += loss.detach() / tc.grad_accum
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip) if tc.grad_clip > 0 else None
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if env.enabled:
-                dist.all_reduce(total)
-                total /= env.world
-            step += 1
-            last = total
-            tokens_seen += tokens_per_step
-            window_tokens += tokens_per_step
-            elapsed = time.perf_counter() - started
-            if step % tc.log_interval == 0 or step == end:
-                loss_value = total.item()
-                now = time.perf_counter()
-                speed = window_tokens / max(now - window_start, 1e-9)
-                window_start, window_tokens = now, 0
-                record({"step": step, "loss": loss_value, "lr": lr, "tokens": tokens_seen,
-                        "tokens_per_s": round(speed, 1), "elapsed": round(elapsed, 2),
-                        "grad_norm": None if norm is None else round(norm.item(), 4)})
-                if progress is not None:
-                    progress.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{speed:,.0f}")
-            if progress is not None:
-                progress.update(1)
-            if tc.eval_interval and (step % tc.eval_interval == 0 or step == tc.steps) and env.main:
-                valid = _valid_loss(model, prepared.valid.tokens, tc.train_length, tc.eval_batches,
-                                    tc.batch_size, device, autocast)
-                record({"step": step, "valid_loss": valid, "valid_ppl": math.exp(valid)})
-                say(f"step {step}: valid loss {valid:.4f} (ppl {math.exp(valid):.2f})")
-            if tc.checkpoint_interval and step % tc.checkpoint_interval == 0 and step < end:
-                checkpoint()
-            if tc.time_limit is not None:
-                over = torch.tensor(float(elapsed > tc.time_limit))
-                if env.enabled:
-                    dist.all_reduce(over, op=dist.ReduceOp.MAX)
-                if over.item():
-                    say(f"time limit of {tc.time_limit:.0f}s reached at step {step}")
-                    break
-    except KeyboardInterrupt:
-        say(f"interrupted at step {step}; saving a checkpoint (resume with --resume)")
-        checkpoint()
-        raise
-    finally:
-        if progress is not None:
-            progress.close()
-    if last is not None:
-        loss_value = last.item()
-    checkpoint()
-    summary = {"step": step, "loss": loss_value, "tokens": tokens_seen, "elapsed": round(elapsed, 2),
-               "parameters": count_parameters(model), "world_size": env.world}
-    if env.enabled:
-        digests = [None] * env.world
-        dist.all_gather_object(digests, weights_digest(model))
-        summary["rank_digests"] = digests
-    record({"final": True, **summary})
-    if metrics_file is not None:
-        metrics_file.close()
-    if env.enabled:
-        dist.barrier()
-    return summary
+    env, device = setup_distributed(config.train.device)
+    say = log if env.main else (lambda *args, **kwargs: None)
+    data = prepare_run(config, env, resume, overwrite, say)
+    trainer = Trainer(config, env, device, data, say)
+    if resume:
+        trainer.restore()
+    trainer.start()
+    steps = config.train.steps
+    return trainer.run(steps if stop_after is None else min(steps, trainer.progress.step + stop_after))

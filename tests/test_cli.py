@@ -1,5 +1,7 @@
 """The `lavo` command line, end to end on a small generated corpus."""
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +45,48 @@ def test_data_train_eval_generate(tmp_path, capsys):
     assert capsys.readouterr().out == first and first.startswith("the sister")
 
 
+def test_a_run_directory_is_self_contained(tmp_path, monkeypatch, capsys):
+    """Trained with relative paths, then moved (data too) and used from another working directory."""
+    from lavo import data as D
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
+
+    def fetch_toy(root):  # a built-in source, so that its texts live in the data directory
+        texts = Path(root) / "toy" / "texts"
+        if not texts.is_dir():
+            shutil.copytree(corpus, texts)
+        return texts
+
+    monkeypatch.setitem(D.BUILTIN_SOURCES, "toy", (fetch_toy, ["doc3"]))
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    config = tiny_run(Path("toy"), Path("data"), Path("runs/r"), steps=3)
+    Path("run.json").write_text(json.dumps(config))
+    assert main(["train", "--config", "run.json"]) == 0
+    generate = ["--prompt", "the sister", "--max-new-tokens", "12", "--seed", "3"]
+    evaluate = ["--lengths", "32,64", "--chunk-size", "40", "--quiet"]
+    capsys.readouterr()
+    assert main(["generate", "runs/r", *generate]) == 0
+    text = capsys.readouterr().out
+    assert main(["eval", "runs/r", *evaluate, "--out", "before"]) == 0
+    before = json.loads(Path("before/results.json").read_text())["results"]
+
+    moved = tmp_path / "elsewhere" / "r"
+    shutil.move("runs/r", moved)
+    shutil.move("data", tmp_path / "data-moved")  # the prepared cache and its tokenizer go too
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path / "other")
+    assert sorted(p.name for p in moved.iterdir()) == ["config.json", "metrics.jsonl", "model.safetensors",
+                                                       "state.pt", "tokenizer.json"]
+    capsys.readouterr()
+    assert main(["generate", str(moved), *generate]) == 0
+    assert capsys.readouterr().out == text and text.startswith("the sister")
+
+    assert main(["eval", str(moved), *evaluate]) == 2  # its data is no longer where it trained
+    assert "toy is not downloaded in" in (err := capsys.readouterr().err) and "lavo eval --data-dir" in err
+    assert main(["eval", str(moved), *evaluate, "--data-dir", str(tmp_path / "data-moved"), "--out", "after"]) == 0
+    assert json.loads(Path("after/results.json").read_text())["results"] == {"r": before["r"]}
+
+
 def test_errors_are_one_clear_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["data", "--source", str(tmp_path / "empty"), "--data-dir", str(tmp_path / "d")]) == 2
@@ -54,12 +98,29 @@ def test_errors_are_one_clear_line(tmp_path, capsys):
     assert "unknown train settings ['nonsense']" in capsys.readouterr().err
 
 
-def test_demo_settings_overrides():
-    from lavo.demo import demo_settings
-    settings = demo_settings(None, ["train.steps=5", "models.lavo.attention_options.window=64", "out_dir=x"])
-    assert settings["train"]["steps"] == 5 and settings["out_dir"] == "x"
-    assert settings["models"]["lavo"]["attention_options"]["window"] == 64
-    assert settings["models"]["softmax-rope"]["position"] == "rope"
+def test_demo_config_is_one_run_config_per_model_with_overrides():
+    from lavo.config import read_config_file
+    from lavo.demo import demo_config
+    demo = demo_config(None, ["train.steps=5", "runs.lavo.model.attention_options.window=64", "out_dir=x"])
+    assert demo.settings == demo_config("demo", ["train.steps=5", "runs.lavo.model.attention_options.window=64",
+                                                 "out_dir=x"]).settings
+    assert list(demo.runs) == list(read_config_file("demo")["runs"]) == ["lavo", "softmax-rope"]
+    lavo, softmax = demo.runs["lavo"], demo.runs["softmax-rope"]
+    assert lavo.train.steps == softmax.train.steps == 5 and lavo.train.lr == softmax.train.lr == 0.002
+    assert Path(lavo.train.out_dir) == Path("x/lavo") and Path(softmax.train.out_dir) == Path("x/softmax-rope")
+    assert lavo.model_config().attention_options == {"window": 64} and lavo.model_config().dim == 192
+    assert softmax.model_config().position == "rope" and softmax.model_config().attention == "softmax"
+    assert demo.eval.multiples == [1, 2, 4, 8] and demo.seconds_per_model == 240
+
+
+def test_demo_config_errors():
+    from lavo.demo import demo_config
+    with pytest.raises(ValueError, match="same data and token budget"):
+        demo_config(None, ["runs.lavo.train.batch_size=4"])
+    with pytest.raises(ValueError, match="unknown eval settings"):
+        demo_config(None, ["eval.lenghts=[1]"])
+    with pytest.raises(ValueError, match="not a section"):
+        demo_config(None, ["runs.lavo.model.attention.window=3"])
 
 
 def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, monkeypatch):

