@@ -9,44 +9,60 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .model import ModelConfig, model_config
+from .settings import Allowed, SettingsError, above, at_least, between, check_settings, matches, one_of, setting
+
+
+# a tokenizer name: GPT-2's, or a byte-level BPE trained on the data (more than the 256 bytes and <|endoftext|>)
+TOKENIZERS = Allowed(lambda v: v == "gpt2" or (re.fullmatch(r"bpe\d+", v) is not None and int(v[3:]) > 257),
+                     "gpt2 or bpe<vocab size> with vocab size > 257, e.g. bpe4096")
+DEVICES = matches(r"auto|cpu|cuda(:\d+)?", "auto, cpu, cuda or cuda:N")
 
 
 @dataclass
 class DataConfig:
     source: str = "austen"  # "austen" | "shakespeare" | a directory of .txt files
-    tokenizer: str = "bpe4096"  # "gpt2" | "bpe<vocab size>"
+    tokenizer: str = setting("bpe4096", TOKENIZERS)
     data_dir: str = "data"
-    holdout: list | None = None  # held-out document names; None: the source's default
+    holdout: list[str] | None = None  # held-out document names; None: the source's default
+
+    def __post_init__(self):
+        check_settings(self, "data")
 
 
 @dataclass
 class TrainConfig:
     out_dir: str = "runs/lavo"
-    train_length: int = 256
-    batch_size: int = 16  # windows per process and micro-step
-    grad_accum: int = 1
-    steps: int = 1000
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup: int = 50
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = 0
-    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str = "float32"  # "float32" | "bfloat16" (autocast)
-    log_interval: int = 10
-    eval_interval: int = 0  # 0: no validation during training
-    eval_batches: int = 4
-    checkpoint_interval: int = 100
-    time_limit: float | None = None  # seconds; stop early (and checkpoint) when reached
+    train_length: int = setting(256, at_least(1))
+    batch_size: int = setting(16, at_least(1))  # windows per process and micro-step
+    grad_accum: int = setting(1, at_least(1))
+    steps: int = setting(1000, at_least(1))
+    lr: float = setting(1e-3, above(0))
+    min_lr: float = setting(1e-4, at_least(0))  # at most lr
+    warmup: int = setting(50, at_least(0))
+    weight_decay: float = setting(0.1, at_least(0))
+    beta1: float = setting(0.9, between(0, 1, high_open=True))
+    beta2: float = setting(0.95, between(0, 1, high_open=True))
+    grad_clip: float = setting(1.0, at_least(0))  # 0: no clipping
+    seed: int = setting(0, at_least(0))
+    device: str = setting("auto", DEVICES)
+    dtype: str = setting("float32", one_of("float32", "bfloat16"))  # bfloat16: autocast
+    log_interval: int = setting(10, at_least(1))
+    eval_interval: int = setting(0, at_least(0))  # 0: no validation during training
+    eval_batches: int = setting(4, at_least(1))
+    checkpoint_interval: int = setting(100, at_least(0))  # 0: only at the end (and on interruption)
+    time_limit: float | None = setting(None, at_least(0))  # seconds; stop early (and checkpoint) when reached
     progress: bool = True
+
+    def __post_init__(self):
+        check_settings(self, "train")
+        if self.min_lr > self.lr:
+            raise SettingsError(f"train.min_lr must be at most train.lr ({self.lr:g}); got {self.min_lr:g}")
 
 
 SECTIONS = {"data": DataConfig, "train": TrainConfig}
@@ -76,7 +92,7 @@ class RunConfig:
             sections[name] = kind(**given)
         model = copy.deepcopy(values.get("model", {"preset": "tiny"}))
         config = cls(data=sections["data"], model=model, train=sections["train"])
-        config.model_config(vocab_size=model.get("vocab_size", 4096))  # validate early
+        check_attention_builds(config.model_config(vocab_size=model.get("vocab_size", 4096)))
         return config
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
@@ -85,6 +101,21 @@ class RunConfig:
         if vocab_size is not None:
             values["vocab_size"] = vocab_size
         return model_config(preset, **values)
+
+
+def check_attention_builds(config: ModelConfig) -> None:
+    """Build one attention layer of ``config`` (on the CPU, leaving the global RNG alone), so that a bad
+    attention option is reported when the config loads rather than after the data is prepared."""
+    import torch
+
+    from .model import Block
+    try:
+        with torch.random.fork_rng(devices=[]):
+            Block(config)
+    except (TypeError, ValueError) as error:
+        raise SettingsError(f"model.attention_options {config.attention_options} do not build a "
+                            f"{config.attention!r} layer of dim {config.dim} with {config.heads} heads: {error}"
+                            ) from error
 
 
 def parse_value(text: str) -> Any:

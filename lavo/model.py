@@ -20,30 +20,31 @@ from torch import nn
 from .cache import Cache
 from .layers.base import Mechanism
 from .registry import attention_class, available_attentions, build_attention, check_options
+from .settings import above, at_least, between, check_settings, one_of, setting
 
 POSITIONS = ("none", "sinusoidal", "rope")
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 4096
-    dim: int = 256
-    depth: int = 4
-    heads: int = 4
+    vocab_size: int = setting(4096, at_least(2))
+    dim: int = setting(256, at_least(1))
+    depth: int = setting(4, at_least(1))
+    heads: int = setting(4, at_least(1))
     attention: str = "lavo"
-    attention_options: dict = field(default_factory=dict)
-    position: str = "none"  # "none" | "sinusoidal" (added to the embeddings) | "rope" (rotary=True to attention)
-    mlp_ratio: int = 4
-    dropout: float = 0.0
-    init_std: float = 0.02
+    attention_options: dict = setting(factory=dict)
+    # "none" | "sinusoidal" (added to the embeddings) | "rope" (rotary=True to attention)
+    position: str = setting("none", one_of(*POSITIONS))
+    mlp_ratio: int = setting(4, at_least(1))
+    dropout: float = setting(0.0, between(0, 1, high_open=True))
+    init_std: float = setting(0.02, above(0))
 
     def __post_init__(self):
-        if self.position not in POSITIONS:
-            raise ValueError(f"position must be one of {POSITIONS}, got {self.position!r}")
+        check_settings(self, "model")
         if self.dim % self.heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.heads ({self.heads})")
         if self.position == "sinusoidal" and self.dim % 2:
-            raise ValueError(f"sinusoidal positions need an even dim, got {self.dim}")
+            raise ValueError(f"sinusoidal positions need an even model.dim, got {self.dim}")
         check_options(self.attention, self.attention_options)
         if self.position == "rope" and not attention_class(self.attention).accepts_rotary:
             rotary = [name for name in available_attentions() if attention_class(name).accepts_rotary]

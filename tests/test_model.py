@@ -73,7 +73,7 @@ def test_presets_and_overrides():
         model_config("tiny", width=3)
     with pytest.raises(ValueError, match="unknown preset"):
         model_config("huge")
-    with pytest.raises(ValueError, match="position must be one of"):
+    with pytest.raises(ValueError, match="model.position must be one of"):
         ModelConfig(position="learned")
     with pytest.raises(ValueError, match="unknown attention"):
         build_model(dict(attention="nonexistent"))

@@ -1,0 +1,178 @@
+"""Typed settings with their allowed values declared once, on the dataclass field, and checked by one validator.
+
+    @dataclass
+    class TrainConfig:
+        steps: int = setting(1000, at_least(1))
+        def __post_init__(self):
+            check_settings(self, "train")
+
+A field's annotation gives its type (``int``, ``float``, ``str``, ``bool``, ``list[int]``, ``X | None``), its
+``Allowed`` rule the range or choices; :func:`check_settings` enforces both (all errors at once, each naming the
+setting, the value and what is allowed), and :func:`flag_type` turns the same declaration into an argparse
+``type=`` for a command-line flag.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import numbers
+import re
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable
+
+
+class SettingsError(ValueError):
+    """A setting has a value of the wrong type or outside its range; the message names each one."""
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """What a setting may be: ``test(value)`` and the words that describe it (``">= 1"``, ``"one of a, b"``)."""
+
+    test: Callable[[Any], bool]
+    words: str
+
+
+def at_least(low: float) -> Allowed:
+    return Allowed(lambda v: v >= low, f">= {low:g}")
+
+
+def above(low: float) -> Allowed:
+    return Allowed(lambda v: v > low, f"> {low:g}")
+
+
+def between(low: float, high: float, *, high_open: bool = False, low_open: bool = False) -> Allowed:
+    """``low <= v <= high``; ``low_open`` / ``high_open`` exclude an end."""
+    left, right = ("(" if low_open else "["), (")" if high_open else "]")
+    return Allowed(lambda v: (v > low if low_open else v >= low) and (v < high if high_open else v <= high),
+                   f"in {left}{low:g}, {high:g}{right}")
+
+
+def one_of(*choices: str) -> Allowed:
+    return Allowed(lambda v: v in choices, f"one of {', '.join(choices)}")
+
+
+def matches(pattern: str, words: str) -> Allowed:
+    """A string matching the regular expression ``pattern`` entirely."""
+    compiled = re.compile(pattern)
+    return Allowed(lambda v: compiled.fullmatch(v) is not None, words)
+
+
+def setting(default: Any = MISSING, allowed: Allowed | None = None, *, factory: Callable[[], Any] | None = None):
+    """A dataclass field with its allowed values (for a list: the allowed value of each item)."""
+    metadata = {"allowed": allowed} if allowed is not None else {}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# ----------------------------------------------------------------------------------------------- types
+
+@dataclass(frozen=True)
+class Kind:
+    """A field's type: ``base`` (int, float, str, bool, list or dict), the type of a list's items, and
+    whether None is allowed."""
+
+    base: type
+    item: type | None
+    optional: bool
+
+    def words(self, allowed: Allowed | None = None) -> str:
+        """``"an integer >= 1"``, ``"one of float32, bfloat16"``, ``"a non-empty list of integers, each > 0"``."""
+        names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a table"}
+        if self.base is list:
+            text = "a non-empty list" + (f" of {names[self.item][2:]}s" if self.item else "")
+            text += f", each {allowed.words}" if allowed else ""
+        elif allowed is not None and self.base is str:
+            text = allowed.words
+        else:
+            text = names[self.base] + (f" {allowed.words}" if allowed else "")
+        return text + (", or null" if self.optional else "")
+
+
+def kind_of(hint: Any) -> Kind:
+    optional = False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        arguments = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(arguments) < len(typing.get_args(hint))
+        (hint,) = arguments
+    origin = typing.get_origin(hint) or hint
+    item = typing.get_args(hint)[0] if origin is list and typing.get_args(hint) else None
+    return Kind(origin, item, optional)
+
+
+def _convert(value: Any, base: type) -> tuple[bool, Any]:
+    """``(True, value as base)`` if ``value`` has the type ``base`` (an integer is a number; a bool is not)."""
+    if isinstance(value, bool):
+        return base is bool, value
+    if base is int and isinstance(value, numbers.Integral):
+        return True, int(value)
+    if base is float and isinstance(value, numbers.Real):
+        return math.isfinite(value), float(value)
+    return isinstance(value, base), value
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, str):
+        return f"{value!r} (a string)"
+    return repr(value)
+
+
+def check_value(name: str, value: Any, kind: Kind, allowed: Allowed | None) -> tuple[Any, str | None]:
+    """``(the value converted to its type, None)`` or ``(value, the error message)``."""
+    problem = f"{name} must be {kind.words(allowed)}; got {_describe(value)}"
+    if value is None:
+        return value, None if kind.optional else problem
+    ok, converted = _convert(value, kind.base)
+    if not ok or (kind.base is list and not converted):
+        return value, problem
+    if kind.base is list:
+        items = []
+        for item in converted:
+            ok, item = _convert(item, kind.item) if kind.item else (True, item)
+            if not ok or (allowed is not None and not allowed.test(item)):
+                return value, problem
+            items.append(item)
+        return items, None
+    if allowed is not None and not allowed.test(converted):
+        return value, problem
+    return converted, None
+
+
+def check_settings(instance: Any, section: str) -> None:
+    """Check (and convert in place: ``3`` for a float becomes ``3.0``) every field of the dataclass
+    ``instance``; raise one :class:`SettingsError` listing every bad setting as ``section.name``."""
+    hints = typing.get_type_hints(type(instance))
+    problems = []
+    for f in fields(instance):
+        value, problem = check_value(f"{section}.{f.name}", getattr(instance, f.name), kind_of(hints[f.name]),
+                                     f.metadata.get("allowed"))
+        if problem:
+            problems.append(problem)
+        else:
+            object.__setattr__(instance, f.name, value)
+    if problems:
+        raise SettingsError("; ".join(problems))
+
+
+def flag_type(cls: type, name: str) -> Callable[[str], Any]:
+    """An argparse ``type=`` for a flag that sets the field ``name`` of the dataclass ``cls``: it parses the
+    text as the field's type (a list is comma-separated) and checks the field's allowed values."""
+    kind = kind_of(typing.get_type_hints(cls)[name])
+    allowed = next(f for f in fields(cls) if f.name == name).metadata.get("allowed")
+    parse = kind.item if kind.base is list else kind.base
+
+    def parse_flag(text: str) -> Any:
+        try:
+            value = [parse(item) for item in text.split(",") if item.strip()] if kind.base is list else parse(text)
+        except ValueError:
+            value = text
+        value, problem = check_value("the value", value, kind, allowed)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    parse_flag.__name__ = kind.words(allowed)  # what argparse calls the type in its own messages
+    return parse_flag
