@@ -264,6 +264,11 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.inner.decode([int(i) for i in ids])
 
+    @property
+    def sha256(self) -> str:
+        """A digest of the whole tokenizer (vocabulary, merges, pre-tokenizer): equal digests tokenise alike."""
+        return hashlib.sha256(self.inner.to_str().encode()).hexdigest()
+
     def save(self, path: str | os.PathLike) -> None:
         """The whole tokenizer as one ``tokenizer.json`` (read back with :func:`load_tokenizer_file`)."""
         atomic_write(path, lambda tmp: self.inner.save(str(tmp)))

@@ -1,11 +1,27 @@
 """Writing files so that an interrupted process never leaves a half-written one: write a temporary file in the
-same folder, then ``os.replace`` it over the target (atomic on POSIX)."""
+same folder, flush it to disk, then ``os.replace`` it over the target (atomic on POSIX).
+
+A process killed mid-write (``kill -9``, power loss) leaves its temporary file ``.NAME.tmpPID`` behind;
+:func:`remove_orphans` deletes those whose process is gone.
+"""
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable
+
+TEMPORARY = re.compile(r"\..+\.tmp(\d+)")
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's (or a folder's) contents to disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
@@ -15,10 +31,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    fsync_path(path.parent)  # the rename itself
     return path
 
 
@@ -28,3 +46,26 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
 
 def write_json(path: str | os.PathLike, value: Any) -> Path:
     return write_text(path, json.dumps(value, indent=1) + "\n")
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_orphans(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files of :func:`atomic_write` in ``directory`` whose writing process no longer
+    exists (files of running processes are left alone); return what was deleted."""
+    directory = Path(directory)
+    removed = []
+    for path in directory.glob(".*.tmp*") if directory.is_dir() else []:
+        match = TEMPORARY.fullmatch(path.name)
+        if match and path.is_file() and not process_exists(int(match.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

@@ -8,24 +8,37 @@
     state.pt           optimiser, step, sampler and RNG states, to resume; loads with ``weights_only=True``
     metrics.jsonl      one JSON record per logged step, validation, and end of each training call
 
-Every file but the append-only ``metrics.jsonl`` is written atomically (:mod:`lavo.files`).
+Every file but the append-only ``metrics.jsonl`` is written atomically (:mod:`lavo.files`). The weights and the
+state form one checkpoint: both carry the same checkpoint id, and :func:`save_checkpoint` commits the pair by
+replacing ``state.pt`` (see there), so a process killed at any moment leaves the previous checkpoint or the new
+one, never a mixture. While a process trains into the directory it holds ``.lock`` (:class:`RunLock`).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import uuid
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import RunConfig, deep_merge
 from .data import BUILTIN_SOURCES, Tokenizer, load_tokenizer_file
-from .files import atomic_write, write_json, write_text
+from .files import atomic_write, fsync_path, remove_orphans, write_json, write_text
 from .model import LanguageModel, ModelConfig
 
 CONFIG, TOKENIZER, WEIGHTS, STATE, METRICS = (
     "config.json", "tokenizer.json", "model.safetensors", "state.pt", "metrics.jsonl")
+PENDING = ".model.safetensors.next"  # the next checkpoint's weights, until its state.pt commits them
+LOCK = ".lock"
+RUN_FILES = (WEIGHTS, STATE, METRICS)  # what a run directory that has trained holds
+
+
+class RunError(RuntimeError):
+    """A run directory that cannot be used as asked; the message names the file and what to do."""
 
 
 def save_run_config(run_dir: str | os.PathLike, config: RunConfig, model_config: ModelConfig,
@@ -45,8 +58,39 @@ def save_run_config(run_dir: str | os.PathLike, config: RunConfig, model_config:
 
 def read_run_config(run_dir: str | os.PathLike) -> RunConfig:
     """The run config of a run directory, with ``train.out_dir`` set to where the directory is now."""
-    values = json.loads((Path(run_dir) / CONFIG).read_text())
-    return RunConfig.from_dict(deep_merge(values, {"train": {"out_dir": str(run_dir)}}))
+    path = Path(run_dir) / CONFIG
+    try:
+        values = json.loads(path.read_text())
+        return RunConfig.from_dict(deep_merge(values, {"train": {"out_dir": str(run_dir)}}))
+    except (ValueError, TypeError, AttributeError) as error:
+        raise RunError(f"{path} is not a valid run config ({error}): restore it, or train the run again "
+                       "with --overwrite") from error
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as error:  # safetensors raises its own error type, or OSError for a truncated file
+        raise RunError(f"{path} is not a readable safetensors file ({error}): it is damaged; train the run "
+                       "again, or resume it from its checkpoint") from error
+
+
+def load_weights(model: LanguageModel, path: Path, config_path: Path) -> None:
+    """Load ``path`` into ``model``, or say how the file and the model of ``config_path`` differ."""
+    weights = read_weights(path)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    resized = sorted(f"{name} {tuple(weights[name].shape)} (model: {tuple(expected[name].shape)})"
+                     for name in set(weights) & set(expected) if weights[name].shape != expected[name].shape)
+    if missing or unexpected or resized:
+        problems = [f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                    for label, names in (("missing", missing), ("unexpected", unexpected), ("resized", resized))
+                    if names]
+        raise RunError(f"{path} does not hold the weights of the model {config_path} describes "
+                       f"({model.config.attention}, dim {model.config.dim}, depth {model.config.depth}): "
+                       f"{'; '.join(problems)}")
+    model.load_state_dict(weights)
 
 
 def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu"
@@ -59,28 +103,147 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu"
                                 f"`lavo train --set train.out_dir={run_dir}`")
     config = read_run_config(run_dir)
     model = LanguageModel(config.model_config())
-    model.load_state_dict(load_file(str(run_dir / WEIGHTS)))
+    load_weights(model, run_dir / WEIGHTS, run_dir / CONFIG)
     tokenizer = load_tokenizer_file(run_dir / TOKENIZER, config.data.tokenizer)
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise RunError(f"{run_dir / TOKENIZER} has {tokenizer.vocab_size} tokens, but the model of "
+                       f"{run_dir / CONFIG} has {model.config.vocab_size}: the files come from different runs")
     return model.to(device).eval(), config, tokenizer
 
 
+def checkpoint_id(path: Path) -> tuple[str | None, str | None]:
+    """``(step, checkpoint id)`` recorded in a weights file's metadata."""
+    try:
+        with safe_open(str(path), "pt") as weights:
+            metadata = weights.metadata() or {}
+    except Exception as error:
+        raise RunError(f"{path} is not a readable safetensors file ({error}): it is damaged") from error
+    return metadata.get("step"), metadata.get("checkpoint")
+
+
 def save_checkpoint(run_dir: str | os.PathLike, model: LanguageModel, state: dict) -> None:
-    """The weights (safetensors) then the training state (torch), each written atomically."""
+    """Write the weights and the training state as one checkpoint.
+
+    The weights go to ``.model.safetensors.next``; then ``state.pt``, carrying the same checkpoint id, replaces
+    the previous one: that replacement is the commit. Last, the new weights replace ``model.safetensors``. A
+    process killed before the commit leaves the previous checkpoint (and a stale ``.next`` file); killed after
+    it, the new state and its weights in ``.next``, which :func:`recover_checkpoint` moves into place.
+    On a failed write (a full disk) the previous checkpoint is left as it was and :class:`RunError` says so.
+    """
+    run_dir = Path(run_dir)
+    ident = uuid.uuid4().hex
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    atomic_write(Path(run_dir) / WEIGHTS,
-                 lambda tmp: save_file(weights, str(tmp), metadata={"step": str(state["step"])}))
-    atomic_write(Path(run_dir) / STATE, lambda tmp: torch.save(state, tmp))
+    try:
+        atomic_write(run_dir / PENDING, lambda tmp: save_file(
+            weights, str(tmp), metadata={"step": str(state["step"]), "checkpoint": ident}))
+        atomic_write(run_dir / STATE, lambda tmp: torch.save({**state, "checkpoint": ident}, tmp))
+    except OSError as error:
+        (run_dir / PENDING).unlink(missing_ok=True)
+        raise RunError(f"could not write the checkpoint of step {state['step']} to {run_dir} ({error}); the "
+                       "previous checkpoint there is intact: free some space and resume with --resume") from error
+    os.replace(run_dir / PENDING, run_dir / WEIGHTS)
+    fsync_path(run_dir)
+
+
+def read_state(run_dir: Path) -> dict:
+    path = run_dir / STATE
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a damaged file raises pickle, zip or runtime errors
+        raise RunError(f"{path} is not a readable training state ({type(error).__name__}: {error}): the run "
+                       "cannot be resumed exactly; start it again with --overwrite") from error
+
+
+def recover_checkpoint(run_dir: str | os.PathLike) -> None:
+    """Finish or drop a checkpoint write that a killed process left half done (call it holding the lock):
+    weights committed by ``state.pt`` but not yet moved into place are moved; uncommitted ones are deleted;
+    so are orphaned temporary files."""
+    run_dir = Path(run_dir)
+    remove_orphans(run_dir)
+    pending = run_dir / PENDING
+    if not pending.exists():
+        return
+    committed = (run_dir / STATE).exists() and checkpoint_id(pending)[1] == read_state(run_dir).get("checkpoint")
+    if committed:
+        os.replace(pending, run_dir / WEIGHTS)
+    else:
+        pending.unlink()
+
+
+def load_checkpoint(run_dir: str | os.PathLike, model: LanguageModel) -> dict:
+    """Load the checkpoint's weights into ``model``; return the training state saved with them. Refuses weights
+    and state that are not from the same checkpoint (run :func:`recover_checkpoint` first)."""
+    run_dir = Path(run_dir)
+    state = read_state(run_dir)
+    if not (run_dir / WEIGHTS).is_file():
+        raise RunError(f"{run_dir} has a training state ({STATE}) but no {WEIGHTS}: the run cannot be resumed; "
+                       "start it again with --overwrite")
+    step, ident = checkpoint_id(run_dir / WEIGHTS)
+    if (step, ident) != (str(state["step"]), state.get("checkpoint")):
+        raise RunError(f"{run_dir / WEIGHTS} (step {step}) and {run_dir / STATE} (step {state['step']}) are not "
+                       "from the same checkpoint, so the run cannot continue exactly: start it again with "
+                       "--overwrite")
+    load_weights(model, run_dir / WEIGHTS, run_dir / CONFIG)
+    return state
 
 
 def has_checkpoint(run_dir: str | os.PathLike) -> bool:
     return (Path(run_dir) / STATE).exists()
 
 
-def load_checkpoint(run_dir: str | os.PathLike, model: LanguageModel) -> dict:
-    """Load the checkpoint's weights into ``model``; return the training state saved with them."""
-    state = torch.load(Path(run_dir) / STATE, map_location="cpu", weights_only=True)
-    model.load_state_dict(load_file(str(Path(run_dir) / WEIGHTS)))
-    return state
+def trained_files(run_dir: str | os.PathLike) -> list[str]:
+    """The files of an earlier training in ``run_dir`` (weights, state, metrics)."""
+    return [name for name in RUN_FILES if (Path(run_dir) / name).exists()]
+
+
+def clear_run(run_dir: str | os.PathLike) -> None:
+    """Delete an earlier training's weights, state and metrics (``--overwrite``), so that nothing of it mixes
+    with the new run even if the new one stops before its first checkpoint."""
+    for name in (*RUN_FILES, PENDING):
+        (Path(run_dir) / name).unlink(missing_ok=True)
+
+
+class RunLock:
+    """An exclusive lock on a run directory while a process trains into it: ``fcntl.flock`` on ``.lock``,
+    released by :meth:`release` or by the operating system when the process ends, however it ends."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / LOCK
+        self.descriptor: int | None = None
+
+    def acquire(self) -> "RunLock":
+        while True:
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(descriptor, 32).decode(errors="replace").strip() or "unknown"
+                os.close(descriptor)
+                raise RunError(f"{self.path.parent} is being trained by another process (pid {holder}, which "
+                               f"holds {self.path}): wait for it to end, or choose another train.out_dir") from None
+            try:  # the file we locked must still be the one at the path (a releasing process deletes it)
+                same = os.stat(self.path).st_ino == os.fstat(descriptor).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(descriptor)
+        os.ftruncate(descriptor, 0)
+        os.write(descriptor, f"{os.getpid()}\n".encode())
+        self.descriptor = descriptor
+        return self
+
+    def release(self) -> None:
+        if self.descriptor is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self.descriptor)  # closing the last descriptor releases the lock
+            self.descriptor = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class MetricsLog:
@@ -93,9 +256,16 @@ class MetricsLog:
     def forget_after(self, step: int) -> None:
         """Drop the records of steps after ``step``: a resumed run is about to log them again."""
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= step]
+            kept = [line for line in self.path.read_text().splitlines() if self.step_of(line) <= step]
             write_text(self.path, "".join(line + "\n" for line in kept))
+
+    @staticmethod
+    def step_of(line: str) -> float:
+        """A record's step; infinite for a line a killed process left half written (so it is dropped)."""
+        try:
+            return json.loads(line).get("step", 0)
+        except ValueError:
+            return float("inf")
 
     def write(self, entry: dict) -> None:
         if self.file is None:

@@ -13,6 +13,8 @@ import contextlib
 import hashlib
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +28,8 @@ import torch.nn.functional as F
 from .config import RunConfig
 from .data import Prepared, prepare
 from .model import LanguageModel, count_parameters
-from .run import MetricsLog, has_checkpoint, load_checkpoint, save_checkpoint, save_run_config
+from .run import (MetricsLog, RunError, RunLock, clear_run, has_checkpoint, load_checkpoint, recover_checkpoint,
+                  save_checkpoint, save_run_config, trained_files)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -142,20 +145,59 @@ def valid_loss(model, tokens, length, batches, batch_size, device, autocast) -> 
     return total / (count * length)
 
 
-def prepare_run(config: RunConfig, env: Distributed, resume: bool, overwrite: bool, log) -> Prepared:
-    """Rank 0 checks and creates the run directory and prepares (and caches) the data; the others then map it."""
-    run_dir, data = Path(config.train.out_dir), config.data
+def check_run_directory(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse, before any data work, to train over an earlier run without --resume or --overwrite, or to
+    resume one that has weights but no training state; with --overwrite, delete the earlier run's files; with
+    --resume, finish or drop a checkpoint write a killed process left half done. Call it holding the lock."""
+    recover_checkpoint(run_dir)
+    earlier = trained_files(run_dir)
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in train.out_dir and --overwrite starts it again: pass one")
+    if overwrite:
+        clear_run(run_dir)
+    elif earlier and not resume:
+        raise FileExistsError(f"{run_dir} already holds a run ({', '.join(earlier)}): pass --resume to continue "
+                              "it, --overwrite to start again, or choose another --set train.out_dir=...")
+    elif resume and earlier and not has_checkpoint(run_dir):
+        raise RunError(f"{run_dir} holds {', '.join(earlier)} but no training state (state.pt), so it cannot be "
+                       "resumed exactly: start it again with --overwrite, or choose another train.out_dir")
+
+
+def prepare_run(config: RunConfig, env: Distributed, log) -> Prepared:
+    """Rank 0 prepares (and caches) the data; the others then map it."""
+    data = config.data
     if env.main:
-        if has_checkpoint(run_dir) and not resume and not overwrite:
-            raise FileExistsError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, "
-                                  "--overwrite to start again, or choose another --set train.out_dir=...")
-        run_dir.mkdir(parents=True, exist_ok=True)
         prepared = prepare(data.source, data.tokenizer, data.data_dir, data.holdout, log=log)
     if env.enabled:
         dist.barrier()
     if not env.main:
         prepared = prepare(data.source, data.tokenizer, data.data_dir, data.holdout, fetch=False, log=log)
     return prepared
+
+
+class StopRequests:
+    """While active, SIGINT (Ctrl-C) and SIGTERM only set :attr:`requested`, so training stops between two
+    steps and saves exactly where it is; a second Ctrl-C interrupts at once (the previous checkpoint stays)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {}
+
+    def handle(self, number, frame) -> None:
+        if self.requested and number == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> "StopRequests":
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self.previous = {number: signal.signal(number, self.handle) for number in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
 
 
 @dataclass
@@ -165,6 +207,7 @@ class Progress:
     step: int = 0  # optimiser steps done
     tokens: int = 0  # training tokens seen, all processes together
     elapsed: float = 0.0  # seconds spent training
+    loss: float = math.nan  # the training loss of the last step
 
 
 class Trainer:
@@ -192,20 +235,33 @@ class Trainer:
         self.window_start, self.window_tokens = time.perf_counter(), 0  # throughput since the last record
 
     def restore(self) -> None:
-        """Continue from the run directory's checkpoint: weights, optimiser, sampler, counters and RNG."""
+        """Continue from the run directory's checkpoint: weights, optimiser, sampler, counters and RNG. Refuses
+        a checkpoint made with another tokenizer or other training data."""
         if not has_checkpoint(self.run_dir):
             self.log(f"no checkpoint in {self.run_dir}; starting a new run")
             return
         state = load_checkpoint(self.run_dir, self.model)
+        self.check_same_data(state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
-        self.progress = Progress(state["step"], state["tokens"], state["elapsed"])
+        self.progress = Progress(state["step"], state["tokens"], state["elapsed"], state.get("loss", math.nan))
         torch.set_rng_state(state["rng"]["torch"])
         if self.device.type == "cuda" and state["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
         if self.env.main:
             self.metrics.forget_after(self.progress.step)
         self.log(f"resumed {self.run_dir} at step {self.progress.step}")
+
+    def check_same_data(self, state: dict) -> None:
+        data = self.data
+        for key, now, what in (("tokenizer_sha256", data.tokenizer.sha256, "tokenizer"),
+                               ("data_fingerprint", data.manifest["fingerprint"], "training data")):
+            if state.get(key, now) != now:
+                raise RunError(
+                    f"{self.run_dir} was trained with another {what} ({key} {state[key][:12]}) than the one "
+                    f"prepared now in {data.directory} ({now[:12]}): the texts, the held-out documents or the "
+                    "tokenizer changed since. Resume with the data settings of its config.json, or start "
+                    "again with --overwrite")
 
     def start(self) -> None:
         """Write the run's config and tokenizer, describe the model, and wrap it for data parallelism."""
@@ -270,7 +326,16 @@ class Trainer:
         valid = valid_loss(self.model, self.data.valid.tokens, tc.train_length, tc.eval_batches, tc.batch_size,
                            self.device, self.autocast)
         self.record({"step": self.progress.step, "valid_loss": valid, "valid_ppl": math.exp(valid)})
-        self.log(f"step {self.progress.step}: valid loss {valid:.4f} (ppl {math.exp(valid):.2f})")
+        self.say(f"step {self.progress.step}: valid loss {valid:.4f} (ppl {math.exp(valid):.2f})")
+
+    def say(self, message: str) -> None:
+        """Log a line above the progress bar rather than onto it."""
+        if self.bar is None:
+            self.log(message)
+            return
+        from tqdm import tqdm
+        with tqdm.external_write_mode():
+            self.log(message)
 
     def checkpoint(self) -> None:
         if not self.env.main:
@@ -278,66 +343,83 @@ class Trainer:
         p = self.progress
         rng = {"torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
-        save_checkpoint(self.run_dir, self.model, {"step": p.step, "tokens": p.tokens, "elapsed": p.elapsed,
-                                                   "optimizer": self.optimizer.state_dict(),
-                                                   "sampler": self.sampler.state_dict(), "rng": rng})
+        save_checkpoint(self.run_dir, self.model, {
+            "step": p.step, "tokens": p.tokens, "elapsed": p.elapsed, "loss": p.loss,
+            "optimizer": self.optimizer.state_dict(), "sampler": self.sampler.state_dict(), "rng": rng,
+            "tokenizer_sha256": self.data.tokenizer.sha256, "data_fingerprint": self.data.manifest["fingerprint"]})
 
-    def time_is_up(self) -> bool:
-        """Whether ``time_limit`` has passed on any process (so that every process stops at the same step)."""
-        if self.tc.time_limit is None:
-            return False
-        over = torch.tensor(float(self.progress.elapsed > self.tc.time_limit))
+    def stop_reason(self, stops: StopRequests) -> str | None:
+        """``"interrupt"``, ``"time"`` or None: whether to stop now, agreed by every process (so that all of
+        them stop after the same step)."""
+        tc = self.tc
+        flags = torch.tensor([float(stops.requested),
+                              float(tc.time_limit is not None and self.progress.elapsed > tc.time_limit)])
         if self.env.enabled:
-            dist.all_reduce(over, op=dist.ReduceOp.MAX)
-        if over.item():
-            self.log(f"time limit of {self.tc.time_limit:.0f}s reached at step {self.progress.step}")
-        return bool(over.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0]:
+            return "interrupt"
+        if flags[1]:
+            self.say(f"time limit of {tc.time_limit:.0f}s reached at step {self.progress.step}")
+            return "time"
+        return None
 
     def run(self, end: int) -> dict:
         """Train up to step ``end`` (or the time limit), logging, validating and checkpointing on the way; save a
-        final checkpoint and return the summary."""
+        final checkpoint and return the summary. Ctrl-C (or SIGTERM) finishes the current step, saves a
+        checkpoint there and raises ``KeyboardInterrupt``."""
         tc, p = self.tc, self.progress
+        if p.step >= end:
+            self.log(f"{self.run_dir} is already trained to step {p.step} (train.steps is {tc.steps}): nothing "
+                     "to do; raise train.steps to train further")
+            self.metrics.close()
+            return self.summary()
         if self.env.main and tc.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=tc.steps, initial=p.step, desc=self.run_dir.name, unit="step", dynamic_ncols=True)
         self.model.train()
-        last = None
         self.window_start, self.window_tokens = time.perf_counter(), 0
         started = time.perf_counter() - p.elapsed
         try:
-            while p.step < end:
-                lr = learning_rate(p.step, tc)
-                last, norm = self.train_step(lr)
-                p.step += 1
-                p.tokens += self.tokens_per_step
-                self.window_tokens += self.tokens_per_step
-                p.elapsed = time.perf_counter() - started
-                if p.step % tc.log_interval == 0 or p.step == end:
-                    self.log_step(last, norm, lr)
-                if self.bar is not None:
-                    self.bar.update(1)
-                if tc.eval_interval and (p.step % tc.eval_interval == 0 or p.step == tc.steps) and self.env.main:
-                    self.validate()
-                if tc.checkpoint_interval and p.step % tc.checkpoint_interval == 0 and p.step < end:
-                    self.checkpoint()
-                if self.time_is_up():
-                    break
-        except KeyboardInterrupt:
-            self.log(f"interrupted at step {p.step}; saving a checkpoint (resume with --resume)")
-            self.checkpoint()
-            raise
+            with StopRequests() as stops:
+                while p.step < end:
+                    lr = learning_rate(p.step, tc)
+                    loss, norm = self.train_step(lr)
+                    p.step += 1
+                    p.tokens += self.tokens_per_step
+                    p.loss = loss.item()
+                    self.window_tokens += self.tokens_per_step
+                    p.elapsed = time.perf_counter() - started
+                    if p.step % tc.log_interval == 0 or p.step == end:
+                        self.log_step(loss, norm, lr)
+                    if self.bar is not None:
+                        self.bar.update(1)
+                    if tc.eval_interval and (p.step % tc.eval_interval == 0 or p.step == tc.steps) and self.env.main:
+                        self.validate()
+                    stop = self.stop_reason(stops)
+                    if stop == "interrupt":
+                        self.say(f"interrupted after step {p.step}; saving a checkpoint (resume with --resume)")
+                        self.checkpoint()
+                        raise KeyboardInterrupt
+                    if stop == "time":
+                        break
+                    if tc.checkpoint_interval and p.step % tc.checkpoint_interval == 0 and p.step < end:
+                        self.checkpoint()
         finally:
             if self.bar is not None:
                 self.bar.close()
+                self.bar = None
         self.checkpoint()
-        return self.finish(float("nan") if last is None else last.item())
+        return self.finish()
 
-    def finish(self, loss: float) -> dict:
+    def summary(self) -> dict:
+        p = self.progress
+        return {"step": p.step, "loss": p.loss, "tokens": p.tokens, "elapsed": round(p.elapsed, 2),
+                "parameters": count_parameters(self.model), "world_size": self.env.world}
+
+    def finish(self) -> dict:
         """The summary of this call, also the final record of ``metrics.jsonl``; with several processes it holds
         each one's weight digest (they must agree)."""
-        p, env = self.progress, self.env
-        summary = {"step": p.step, "loss": loss, "tokens": p.tokens, "elapsed": round(p.elapsed, 2),
-                   "parameters": count_parameters(self.model), "world_size": env.world}
+        summary, env = self.summary(), self.env
         if env.enabled:
             digests = [None] * env.world
             dist.all_gather_object(digests, weights_digest(self.model))
@@ -357,10 +439,18 @@ def train(config: RunConfig, resume: bool = False, overwrite: bool = False, stop
     """
     env, device = setup_distributed(config.train.device)
     say = log if env.main else (lambda *args, **kwargs: None)
-    data = prepare_run(config, env, resume, overwrite, say)
-    trainer = Trainer(config, env, device, data, say)
-    if resume:
-        trainer.restore()
-    trainer.start()
-    steps = config.train.steps
-    return trainer.run(steps if stop_after is None else min(steps, trainer.progress.step + stop_after))
+    run_dir = Path(config.train.out_dir)
+    lock = contextlib.nullcontext()
+    if env.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(run_dir)
+    with lock:
+        if env.main:
+            check_run_directory(run_dir, resume, overwrite)
+        data = prepare_run(config, env, say)
+        trainer = Trainer(config, env, device, data, say)
+        if resume:
+            trainer.restore()
+        trainer.start()
+        steps = config.train.steps
+        return trainer.run(steps if stop_after is None else min(steps, trainer.progress.step + stop_after))

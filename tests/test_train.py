@@ -64,7 +64,12 @@ def test_checkpoint_files(corpus, tmp_path):
     weights = load_file(str(out / "model.safetensors"))
     assert "embed.weight" in weights and not any(k.startswith("head") for k in weights)
     state = torch.load(out / "state.pt", weights_only=True)
-    assert set(state) == {"step", "tokens", "elapsed", "optimizer", "sampler", "rng"}
+    assert set(state) == {"step", "tokens", "elapsed", "loss", "optimizer", "sampler", "rng", "checkpoint",
+                          "tokenizer_sha256", "data_fingerprint"}
+    assert load_file(str(out / "model.safetensors")) is not None
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"step": "3", "checkpoint": state["checkpoint"]}
     config = json.loads((out / "config.json").read_text())
     assert config["model"]["vocab_size"] == 320 and config["model"]["dim"] == 32 and config["train"]["steps"] == 3
     assert "out_dir" not in config["train"] and Path(config["data"]["data_dir"]).is_absolute()
@@ -73,7 +78,8 @@ def test_checkpoint_files(corpus, tmp_path):
     assert tokenizer.vocab_size == 320 and tokenizer.encode("the sister") != []
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["final"] and records[0]["tokens_per_s"] > 0 and summary["loss"] == records[-1]["loss"]
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(FileExistsError, match=r"already holds a run \(model.safetensors, state.pt, metrics.jsonl\)"
+                       ".*--resume"):
         train(run(corpus, tmp_path, "r", steps=3), log=quiet)
 
 
