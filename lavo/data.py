@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write, write_json
+from .files import atomic_write, remove_orphans, write_json
 
 EOT = "<|endoftext|>"
 DEFAULT_DATA_DIR = "data"
@@ -185,16 +185,18 @@ BUILTIN_SOURCES = {
 }
 
 
-def source_texts(source: str, data_dir: str | os.PathLike, fetch: bool = True) -> Path:
+def source_texts(source: str, data_dir: str | os.PathLike, fetch: bool = True, log=print) -> Path:
     """The directory of ``.txt`` documents of ``source``, downloading a built-in corpus if needed."""
     if source in BUILTIN_SOURCES:
         root = Path(data_dir)
+        texts = root / source / "texts"
         if not fetch:
-            texts = root / source / "texts"
             if not texts.is_dir():
                 raise DataError(f"{source} is not downloaded in {root}: run `lavo data --source {source} "
                                 f"--data-dir {root}`")
             return texts
+        if not texts.is_dir():
+            log(f"fetching {source} into {root / source} (once; this can take a minute)")
         root.mkdir(parents=True, exist_ok=True)
         return BUILTIN_SOURCES[source][0](root)
     path = Path(source)
@@ -434,40 +436,45 @@ def prepare(source: str = "austen", tokenizer: str = "bpe4096", data_dir: str | 
             log=print) -> Prepared:
     """Fetch ``source`` if needed, split it by document, tokenise each split once and map the cached arrays.
 
-    Cached files live in ``data_dir/<source>/<tokenizer>/``: ``train.bin``, ``valid.bin``, ``manifest.json``
-    (and ``tokenizer.json`` for a trained BPE). They are rebuilt only when the texts, the split or the
-    tokenizer change (or with ``rebuild=True``).
+    Cached files live in ``data_dir/<source>/<tokenizer>-<key>/``: ``train.bin``, ``valid.bin``,
+    ``manifest.json`` (and ``tokenizer.json`` for a trained BPE), where ``key`` is a digest of the texts, the
+    split and the tokenizer name. A cache folder is written once, complete, and never changed: other texts or
+    another split get a folder of their own, so a trained BPE a run used is never retrained under it.
+    ``rebuild=True`` builds the folder again (e.g. after damage).
     """
     vocab_size = parse_tokenizer(tokenizer)
-    texts_dir = source_texts(source, data_dir, fetch=fetch)
+    texts_dir = source_texts(source, data_dir, fetch=fetch, log=log)
     splits = _split_source(source, texts_dir, holdout)
     fingerprint = _fingerprint(splits, tokenizer)
-    directory = Path(data_dir) / _source_key(source) / tokenizer
-    manifest_path = directory / "manifest.json"
-    tokenizer_path = directory / "tokenizer.json"
+    directory = Path(data_dir) / _source_key(source) / f"{tokenizer}-{fingerprint[:12]}"
     fix = (f"delete {directory} or run `lavo data --source {source} --tokenizer {tokenizer} "
            f"--data-dir {data_dir} --rebuild`")
-    manifest = None
-    if manifest_path.is_file() and not rebuild:
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            manifest["splits"], manifest["dtype"]
-        except (ValueError, KeyError) as error:
-            raise DataError(f"{manifest_path} is corrupt ({error}): {fix}") from error
-        if manifest.get("fingerprint") != fingerprint:
-            log(f"{directory}: texts, split or tokenizer changed; preparing again")
-            manifest = None
-    if manifest is not None:
-        tok = gpt2_tokenizer() if vocab_size is None else load_tokenizer_file(tokenizer_path, tokenizer)
-        return Prepared(*(_load_split(directory, manifest, s, fix) for s in SPLITS), tok, directory, manifest)
+    remove_orphans(directory.parent)
+    if rebuild or not (directory / "manifest.json").is_file():
+        build_cache(directory, texts_dir, splits, source, tokenizer, fingerprint, log)
+    manifest_path = directory / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        manifest["splits"], manifest["dtype"], manifest["fingerprint"]
+    except (ValueError, KeyError) as error:
+        raise DataError(f"{manifest_path} is corrupt ({error}): {fix}") from error
+    tok = gpt2_tokenizer() if vocab_size is None else load_tokenizer_file(directory / "tokenizer.json", tokenizer)
+    return Prepared(*(_load_split(directory, manifest, s, fix) for s in SPLITS), tok, directory, manifest)
 
-    directory.mkdir(parents=True, exist_ok=True)
+
+def build_cache(directory: Path, texts_dir: Path, splits: dict[str, list[Document]], source: str, tokenizer: str,
+                fingerprint: str, log) -> None:
+    """Tokenise the splits into a staging folder beside ``directory``, then move it into place whole."""
+    vocab_size = parse_tokenizer(tokenizer)
+    staging = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     if vocab_size is None:
         tok = gpt2_tokenizer()
     else:
         log(f"training a byte-level BPE ({vocab_size} tokens) on {len(splits['train'])} training documents")
         tok = train_bpe([d.text for d in splits["train"]], vocab_size)
-        tok.save(tokenizer_path)
+        tok.save(staging / "tokenizer.json")
     dtype = token_dtype(tok.vocab_size)
     manifest = {"source": source, "texts": str(texts_dir), "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
                 "eot_id": tok.eot_id, "dtype": dtype.name, "fingerprint": fingerprint, "splits": {}}
@@ -475,10 +482,19 @@ def prepare(source: str = "austen", tokenizer: str = "bpe4096", data_dir: str | 
         file = f"{split}.bin"
         log(f"tokenising {split}: {', '.join(d.name for d in splits[split])}")
         tokens, bounds = encode_documents(tok, splits[split], dtype)
-        atomic_write(directory / file, tokens.tofile)
+        atomic_write(staging / file, tokens.tofile)
         manifest["splits"][split] = {"file": file, "num_tokens": len(tokens), "documents": bounds}
-    write_json(manifest_path, manifest)
-    return Prepared(*(_load_split(directory, manifest, s, fix) for s in SPLITS), tok, directory, manifest)
+    write_json(staging / "manifest.json", manifest)
+    if directory.exists():  # --rebuild: the old folder goes only once the new one is complete
+        retired = directory.with_name(f".{directory.name}.old{os.getpid()}")
+        os.replace(directory, retired)
+        shutil.rmtree(retired)
+    try:
+        os.replace(staging, directory)
+    except OSError:  # another process published the same content first
+        if not (directory / "manifest.json").is_file():
+            raise
+        shutil.rmtree(staging)
 
 
 def describe(prepared: Prepared) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -59,13 +60,16 @@ def process_exists(pid: int) -> bool:
 
 
 def remove_orphans(directory: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files of :func:`atomic_write` in ``directory`` whose writing process no longer
-    exists (files of running processes are left alone); return what was deleted."""
+    """Delete the temporary files (and staging folders) named ``.NAME.tmpPID`` in ``directory`` whose writing
+    process no longer exists (those of running processes are left alone); return what was deleted."""
     directory = Path(directory)
     removed = []
     for path in directory.glob(".*.tmp*") if directory.is_dir() else []:
         match = TEMPORARY.fullmatch(path.name)
-        if match and path.is_file() and not process_exists(int(match.group(1))):
-            path.unlink(missing_ok=True)
+        if match and not process_exists(int(match.group(1))):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             removed.append(path)
     return removed

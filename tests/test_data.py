@@ -199,3 +199,34 @@ def test_error_missing_package(module, call, match, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail
     with pytest.raises(D.DataError, match=match):
         call(tmp_path)
+
+
+def test_caches_are_immutable_and_keyed_by_content(corpus, tmp_path):
+    """Another held-out document trains another BPE: it goes to a folder of its own, and the tokenizer an
+    earlier run used is left byte for byte as it was."""
+    first = D.prepare(str(corpus), "bpe300", tmp_path, holdout=["doc1"], log=quiet)
+    saved = (first.directory / "tokenizer.json").read_bytes()
+    second = D.prepare(str(corpus), "bpe300", tmp_path, holdout=["doc2"], log=quiet)
+    assert second.directory != first.directory and second.directory.parent == first.directory.parent
+    assert (first.directory / "tokenizer.json").read_bytes() == saved
+    assert second.tokenizer.sha256 != first.tokenizer.sha256
+    again = D.prepare(str(corpus), "bpe300", tmp_path, holdout=["doc1"], log=quiet)
+    assert again.directory == first.directory and again.tokenizer.sha256 == first.tokenizer.sha256
+    rebuilt = D.prepare(str(corpus), "bpe300", tmp_path, holdout=["doc1"], rebuild=True, log=quiet)
+    assert rebuilt.tokenizer.sha256 == first.tokenizer.sha256  # training the BPE is deterministic
+    assert sorted(p.name for p in first.directory.parent.iterdir()) == sorted(
+        [first.directory.name, second.directory.name])  # no staging folder left behind
+
+
+def test_orphaned_temporary_files_are_removed(corpus, tmp_path):
+    """A process killed while writing leaves `.NAME.tmpPID`; the next prepare deletes those of dead processes."""
+    import subprocess
+    first = D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = first.directory.parent / f".{first.directory.name}.tmp{dead.pid}"
+    (orphan / "sub").mkdir(parents=True)
+    mine = first.directory.parent / f".x.tmp{os.getpid()}"
+    mine.write_text("still being written")
+    D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
+    assert not orphan.exists() and mine.exists()
