@@ -13,10 +13,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _list(kind):
-    def parse(text: str):
-        return [kind(item) for item in text.split(",") if item.strip()]
-    return parse
+def _flag(section: str, name: str):
+    """The argparse ``type=`` of a flag that sets the setting ``name`` of ``section``: the type and range
+    declared on the setting's dataclass field (:func:`lavo.settings.flag_type`)."""
+    from .settings import flag_type
+    if section == "data":
+        from .config import DataConfig as kind
+    elif section == "train":
+        from .config import TrainConfig as kind
+    elif section == "eval":
+        from .evaluate import EvalSettings as kind
+    else:
+        from .generate import SamplingSettings as kind
+    return flag_type(kind, name)
 
 
 def cmd_data(args) -> None:
@@ -30,9 +39,9 @@ def add_data(commands) -> None:
                             description="Download a corpus if needed, split it by document and cache token arrays.")
     p.add_argument("--source", default="austen", help="austen | shakespeare | a directory of .txt files "
                    "(default: austen)")
-    p.add_argument("--tokenizer", default="bpe4096", help="gpt2 | bpe<vocab size> (default: bpe4096)")
+    p.add_argument("--tokenizer", default="bpe4096", type=_flag("data", "tokenizer"), help="gpt2 | bpe<vocab size> (default: bpe4096)")
     p.add_argument("--data-dir", default="data", help="where downloads and prepared arrays go (default: data)")
-    p.add_argument("--holdout", type=_list(str), default=None, help="comma-separated document names to hold out")
+    p.add_argument("--holdout", type=_flag("data", "holdout"), default=None, help="comma-separated document names to hold out")
     p.add_argument("--rebuild", action="store_true", help="tokenise again even if a cache exists")
     p.set_defaults(handler=cmd_data)
 
@@ -66,8 +75,10 @@ def add_train(commands) -> None:
                             "Data parallel: torchrun --nproc_per_node N -m lavo.cli train ...")
     p.add_argument("--config", help="a JSON or TOML config file, or a bundled config's name")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
-    p.add_argument("--resume", action="store_true", help="continue the checkpoint in train.out_dir")
-    p.add_argument("--overwrite", action="store_true", help="start again even if train.out_dir has a checkpoint")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true", help="continue the checkpoint in train.out_dir")
+    start.add_argument("--overwrite", action="store_true", help="start again, deleting the weights, state and "
+                       "metrics of an earlier run in train.out_dir")
     p.set_defaults(handler=cmd_train)
 
 
@@ -85,17 +96,17 @@ def add_eval(commands) -> None:
                             "prints a table, writes results.json and perplexity.png to --out.")
     p.add_argument("runs", nargs="+", help="run directories (train.out_dir of each)")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--lengths", type=_list(int), help="comma-separated lengths, e.g. 256,512,1024,2048")
-    group.add_argument("--multiples", type=_list(float), default=None,
+    group.add_argument("--lengths", type=_flag("eval", "lengths"), help="comma-separated lengths, e.g. 256,512,1024,2048")
+    group.add_argument("--multiples", type=_flag("eval", "multiples"), default=None,
                        help="multiples of the first run's train_length (default: 1,2,4,8)")
-    p.add_argument("--split", default="valid", help="split to score (default: valid, the held-out documents)")
+    p.add_argument("--split", default="valid", choices=("train", "valid"), help="split to score (default: valid, the held-out documents)")
     p.add_argument("--data-dir", default=None, help="where the runs' data was downloaded (default: the data_dir "
                    "each run trained with)")
-    p.add_argument("--batch-size", type=int, default=8, help="segments per forward pass (default: 8)")
-    p.add_argument("--chunk-size", type=int, default=512, help="positions per forward pass through the cache; "
+    p.add_argument("--batch-size", type=_flag("eval", "batch_size"), default=8, help="segments per forward pass (default: 8)")
+    p.add_argument("--chunk-size", type=_flag("eval", "chunk_size"), default=512, help="positions per forward pass through the cache; "
                    "0 scores each segment in one pass (default: 512)")
-    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--max-tokens", type=_flag("eval", "max_tokens"), default=None, help="score at most this many tokens")
+    p.add_argument("--device", default="auto", type=_flag("train", "device"), help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out", default=None, help="directory for results.json and perplexity.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=cmd_eval)
@@ -123,13 +134,15 @@ def add_generate(commands) -> None:
                             "Needs nothing but the run directory.")
     p.add_argument("run", help="run directory")
     p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=50, help="0 disables (default: 50)")
-    p.add_argument("--top-p", type=float, default=0.95, help="1 disables (default: 0.95)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--max-new-tokens", type=_flag("sampling", "max_new_tokens"), default=200)
+    p.add_argument("--temperature", type=_flag("sampling", "temperature"), default=0.8,
+                   help="0 is greedy (default: 0.8)")
+    p.add_argument("--top-k", type=_flag("sampling", "top_k"), default=50, help="0 disables (default: 50)")
+    p.add_argument("--top-p", type=_flag("sampling", "top_p"), default=0.95, help="in (0, 1]; 1 disables "
+                   "(default: 0.95)")
+    p.add_argument("--seed", type=_flag("sampling", "seed"), default=0)
+    p.add_argument("--num-samples", type=_flag("sampling", "num_samples"), default=1)
+    p.add_argument("--device", default="auto", type=_flag("train", "device"), help="auto, cpu, cuda or cuda:N")
     p.set_defaults(handler=cmd_generate)
 
 
@@ -181,10 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .data import DataError
+    from .run import RunError
+    for stream in (sys.stdout, sys.stderr):  # a line at a time even into a pipe or a log file
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
     args = build_parser().parse_args(argv)
     try:
         status = args.handler(args)
-    except (DataError, FileExistsError, FileNotFoundError, ValueError) as error:
+    except (DataError, RunError, OSError, ValueError) as error:
         if os.environ.get("LAVO_DEBUG"):
             raise
         print(f"lavo {args.command}: error: {error}", file=sys.stderr)

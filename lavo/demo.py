@@ -17,24 +17,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .config import RunConfig, apply_overrides, deep_merge, read_config_file
+from .evaluate import EvalSettings
 from .files import write_json
 
 RUN_SECTIONS = ("data", "model", "train")
 # every model trains on the same data and number of tokens, so these train settings may not differ between runs
 BUDGET = ("train_length", "batch_size", "grad_accum", "steps")
-
-
-@dataclass
-class EvalSettings:
-    multiples: list[float] | None = field(default_factory=lambda: [1, 2, 4, 8])
-    lengths: list[int] | None = None
-    max_tokens: int | None = None
-    batch_size: int = 8
-    chunk_size: int | None = 512
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,34 @@ import torch.nn.functional as F
 
 from .files import write_json
 from .report import line_plot, text_table
+from .settings import above, at_least, check_settings, setting
+
+
+DEFAULT_MULTIPLES = [1, 2, 4, 8]
+
+
+@dataclass
+class EvalSettings:
+    """The lengths and batching of an evaluation (``lavo eval`` flags, the demo's ``eval`` section)."""
+
+    multiples: list[float] | None = setting(factory=DEFAULT_MULTIPLES.copy, allowed=above(0))
+    lengths: list[int] | None = setting(None, at_least(1))  # given: used instead of multiples
+    max_tokens: int | None = setting(None, at_least(1))
+    batch_size: int = setting(8, at_least(1))
+    chunk_size: int | None = setting(512, at_least(0))  # 0 or None: each segment in one forward pass
+
+    def __post_init__(self):
+        check_settings(self, "eval")
+
+    def lengths_for(self, train_length: int) -> list[int]:
+        """The evaluation lengths: ``lengths``, else ``multiples`` of ``train_length``."""
+        if self.lengths is not None:
+            return self.lengths
+        lengths = [int(round(m * train_length)) for m in self.multiples or DEFAULT_MULTIPLES]
+        if min(lengths) < 1:
+            raise ValueError(f"eval.multiples {self.multiples} of the training length {train_length} give a "
+                             f"length below 1 ({lengths}): use larger multiples")
+        return lengths
 
 
 def shared_length(num_tokens: int, lengths: list[int], max_tokens: int | None = None) -> int:
@@ -57,7 +86,9 @@ def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch
                          chunk_size: int | None = 512, max_tokens: int | None = None, device="cpu",
                          progress: bool = False) -> dict[int, dict]:
     """``{L: {"loss", "ppl", "tokens", "segments"}}`` over the same first ``N`` targets for every ``L``."""
+    EvalSettings(lengths=list(lengths), batch_size=batch_size, chunk_size=chunk_size, max_tokens=max_tokens)
     lengths = sorted(set(int(length) for length in lengths))
+    chunk_size = chunk_size or None
     n = shared_length(len(tokens), lengths, max_tokens)
     stream = torch.from_numpy(np.asarray(tokens[:n + 1], dtype=np.int64))
     was_training = model.training
@@ -111,6 +142,8 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     from .run import load_run
     from .train import resolve_device
 
+    settings = EvalSettings(multiples=multiples, lengths=lengths, max_tokens=max_tokens, batch_size=batch_size,
+                            chunk_size=chunk_size)
     device = resolve_device(device)
     names = [Path(run).name for run in run_dirs]
     if len(set(names)) < len(names):  # same folder name in different places: use the paths
@@ -120,9 +153,7 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     if len(data_keys) > 1:
         log(f"warning: the runs use different data or tokenizers {sorted(data_keys)}: perplexities do not compare")
     train_length = loaded[0][2].train.train_length
-    if lengths is None:
-        multiples = multiples or [1, 2, 4, 8]
-        lengths = [int(round(m * train_length)) for m in multiples]
+    lengths = settings.lengths_for(train_length)
     texts = {}  # runs on the same data with the same tokenizer score the same tokens: tokenise once
     results = {}
     for name, model, config, tokenizer in loaded:

@@ -2,7 +2,26 @@
 (constant size for LAVO, a growing key/value cache for softmax)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from .settings import at_least, between, check_settings, setting
+
+
+@dataclass
+class SamplingSettings:
+    """How :func:`generate` samples (``lavo generate`` flags)."""
+
+    max_new_tokens: int = setting(200, at_least(1))
+    temperature: float = setting(0.8, at_least(0))  # 0: greedy
+    top_k: int | None = setting(50, at_least(0))  # 0 or None: no top-k filter
+    top_p: float | None = setting(0.95, between(0, 1, low_open=True))  # 1 or None: no top-p filter
+    seed: int = setting(0, at_least(0))
+    num_samples: int = setting(1, at_least(1))
+
+    def __post_init__(self):
+        check_settings(self, "sampling")
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -37,8 +56,7 @@ def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: floa
     """``num_samples`` continuations of ``prompt`` (token ids), each at most ``max_new_tokens`` long."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    SamplingSettings(max_new_tokens, temperature, top_k, top_p, seed, num_samples)
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)

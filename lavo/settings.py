@@ -83,7 +83,7 @@ class Kind:
         """``"an integer >= 1"``, ``"one of float32, bfloat16"``, ``"a non-empty list of integers, each > 0"``."""
         names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a table"}
         if self.base is list:
-            text = "a non-empty list" + (f" of {names[self.item][2:]}s" if self.item else "")
+            text = "a non-empty list" + (f" of {names[self.item].split(' ', 1)[1]}s" if self.item else "")
             text += f", each {allowed.words}" if allowed else ""
         elif allowed is not None and self.base is str:
             text = allowed.words
@@ -120,25 +120,22 @@ def _describe(value: Any) -> str:
     return repr(value)
 
 
-def check_value(name: str, value: Any, kind: Kind, allowed: Allowed | None) -> tuple[Any, str | None]:
-    """``(the value converted to its type, None)`` or ``(value, the error message)``."""
-    problem = f"{name} must be {kind.words(allowed)}; got {_describe(value)}"
+def check_value(value: Any, kind: Kind, allowed: Allowed | None) -> tuple[Any, bool]:
+    """``(the value converted to its type, True)``, or ``(value, False)`` when it is not allowed."""
     if value is None:
-        return value, None if kind.optional else problem
+        return value, kind.optional
     ok, converted = _convert(value, kind.base)
     if not ok or (kind.base is list and not converted):
-        return value, problem
+        return value, False
     if kind.base is list:
         items = []
         for item in converted:
             ok, item = _convert(item, kind.item) if kind.item else (True, item)
             if not ok or (allowed is not None and not allowed.test(item)):
-                return value, problem
+                return value, False
             items.append(item)
-        return items, None
-    if allowed is not None and not allowed.test(converted):
-        return value, problem
-    return converted, None
+        return items, True
+    return converted, allowed is None or allowed.test(converted)
 
 
 def check_settings(instance: Any, section: str) -> None:
@@ -147,12 +144,12 @@ def check_settings(instance: Any, section: str) -> None:
     hints = typing.get_type_hints(type(instance))
     problems = []
     for f in fields(instance):
-        value, problem = check_value(f"{section}.{f.name}", getattr(instance, f.name), kind_of(hints[f.name]),
-                                     f.metadata.get("allowed"))
-        if problem:
-            problems.append(problem)
-        else:
+        kind, allowed = kind_of(hints[f.name]), f.metadata.get("allowed")
+        value, ok = check_value(getattr(instance, f.name), kind, allowed)
+        if ok:
             object.__setattr__(instance, f.name, value)
+        else:
+            problems.append(f"{section}.{f.name} must be {kind.words(allowed)}; got {_describe(value)}")
     if problems:
         raise SettingsError("; ".join(problems))
 
@@ -169,10 +166,11 @@ def flag_type(cls: type, name: str) -> Callable[[str], Any]:
             value = [parse(item) for item in text.split(",") if item.strip()] if kind.base is list else parse(text)
         except ValueError:
             value = text
-        value, problem = check_value("the value", value, kind, allowed)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
+        value, ok = check_value(value, kind, allowed)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be {flag_kind.words(allowed)}; got {text!r}")
         return value
 
-    parse_flag.__name__ = kind.words(allowed)  # what argparse calls the type in its own messages
+    flag_kind = Kind(kind.base, kind.item, optional=False)  # a flag cannot be null: leaving it out is
+    parse_flag.__name__ = flag_kind.words(allowed)  # what argparse calls the type in its own messages
     return parse_flag
