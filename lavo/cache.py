@@ -108,6 +108,8 @@ class LavoCache(Cache):
         window_sum: ``[B, H, r]`` float32, sum over the current, unfinished window.
         window_count: ``[B]`` float32, real tokens in it.
         position: tokens seen so far (padding included): fixes window boundaries and relative positions.
+        window: the window of the layer that made it (None: not yet tied to one); a layer with another
+            window cannot continue it.
     """
 
     keys: torch.Tensor
@@ -118,17 +120,29 @@ class LavoCache(Cache):
     window_sum: torch.Tensor
     window_count: torch.Tensor
     position: int
+    window: int | None = None
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, rank: int, *, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None) -> LavoCache:
+              device: torch.device | str | None = None, window: int | None = None) -> LavoCache:
         """The cache before the first token, for inputs of ``dtype``; the sums are float32 (float64 for
         float64 inputs)."""
         dtype = torch.get_default_dtype() if dtype is None else dtype
         keys = torch.zeros(batch, 0, heads, head_dim, dtype=dtype, device=device)
         memory = torch.zeros(batch, heads, rank, dtype=accumulation_dtype(dtype), device=device)
         count = torch.zeros(batch, dtype=memory.dtype, device=device)
-        return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), memory, count, memory, count, 0)
+        return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), memory, count, memory, count, 0,
+                   window)
+
+    def check_fits(self, batch: int, heads: int, head_dim: int, rank: int, window: int) -> None:
+        """Raise ``ValueError`` naming what differs when this cache was not made by a layer of this shape."""
+        self.check_batch_size(batch)
+        made = {"heads": self.keys.shape[2], "head_dim": self.keys.shape[3], "rank": self.memory_sum.shape[2],
+                "window": window if self.window is None else self.window}
+        asked = {"heads": heads, "head_dim": head_dim, "rank": rank, "window": window}
+        differ = [f"{name} {made[name]} (this layer: {asked[name]})" for name in made if made[name] != asked[name]]
+        if differ:
+            raise ValueError(f"the cache was made by another LAVO layer: {', '.join(differ)}")
 
     @staticmethod
     def max_nbytes(batch: int, heads: int, head_dim: int, rank: int, window: int,

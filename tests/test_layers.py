@@ -116,6 +116,17 @@ def test_cross_attention_layer_ignores_padded_source():
     torch.testing.assert_close(layer(y[:1], source[:1, :9]), out[:1])
 
 
+def test_cross_attention_with_an_empty_source_reads_an_empty_memory():
+    torch.manual_seed(0)
+    layer = LavoCrossAttention(32, 4, rank=6)
+    y = torch.randn(2, 7, 32)
+    empty = layer(y, torch.randn(2, 0, 32))
+    assert torch.isfinite(empty).all()
+    padded = layer(y, torch.randn(2, 5, 32), torch.zeros(2, 5, dtype=torch.bool))
+    torch.testing.assert_close(empty, padded)  # an all-padding source is an empty one
+    assert not torch.allclose(empty, layer(y, torch.randn(2, 5, 32)))
+
+
 def test_non_causal_layer_sees_the_future():
     layer = _layer(causal=False, window=4)
     x = torch.randn(1, 12, 32, requires_grad=True)
@@ -134,6 +145,12 @@ ERRORS = [
      r"LavoAttention was built with causal=False; a cache is only for causal decoding"),
     (lambda: _layer()(torch.randn(2, 4, 32), cache=_layer()(torch.randn(1, 4, 32))[1]),
      r"cache was built for batch size 1, got input of batch size 2"),
+    (lambda: _layer(window=8)(torch.randn(1, 4, 32), cache=_layer(window=4)(torch.randn(1, 4, 32))[1]),
+     r"the cache was made by another LAVO layer: window 4 \(this layer: 8\)"),
+    (lambda: _layer(window=8)(torch.randn(1, 4, 32), cache=_layer(window=4).empty_cache(1)),
+     r"the cache was made by another LAVO layer: window 4 \(this layer: 8\)"),
+    (lambda: LavoAttention(32, 4, rank=4)(torch.randn(1, 4, 32), cache=LavoAttention(32, 4)(torch.randn(1, 4, 32))[1]),
+     r"the cache was made by another LAVO layer: rank 8 \(this layer: 4\)"),
     (lambda: _layer()(torch.randn(2, 4, 32), padding_mask=torch.ones(2, 5, dtype=torch.bool)),
      r"padding_mask must have shape \[B, T\] = \(2, 4\), got \(2, 5\)"),
     (lambda: _layer()(torch.randn(2, 4, 32), padding_mask=torch.ones(2, 4)),

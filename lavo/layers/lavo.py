@@ -59,7 +59,8 @@ class LavoAttention(AttentionLayer):
         return lavo_attention(q, k, v, self.basis, causal=False, **options), None
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> LavoCache:
-        return LavoCache.empty(batch_size, self.heads, self.head_dim, self.rank, device=device, dtype=dtype)
+        return LavoCache.empty(batch_size, self.heads, self.head_dim, self.rank, device=device, dtype=dtype,
+                               window=self.window)
 
     def no_weight_decay(self) -> list[nn.Parameter]:
         return learned_basis(self) + ([self.pos_bias] if self.pos_bias is not None else [])

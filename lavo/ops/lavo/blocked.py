@@ -82,6 +82,7 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
     counts = counts.sum((2, 3, 4))  # [n, B]
     cache = LavoCache(keys=keys, values=values, key_mask=key_mask,
                       memory_sum=block_sum[:done].sum(0)[:, :, 0], memory_count=counts[:done].sum(0),
-                      window_sum=block_sum[done:].sum(0)[:, :, 0], window_count=counts[done:].sum(0), position=T)
+                      window_sum=block_sum[done:].sum(0)[:, :, 0], window_count=counts[done:].sum(0), position=T,
+                      window=window)
     return out, cache
 

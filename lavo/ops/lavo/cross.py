@@ -27,9 +27,11 @@ def code_cross_attention(q: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, 
     check_padding_mask(padding_mask, B, S)
     scale = D ** -0.5 if scale is None else scale
     proj = project(x.transpose(1, 2), basis)  # [B, H, S, r]
+    # the mean over real source tokens; an empty source (S = 0, or all padding) is an empty memory: zeros
     if padding_mask is None:
-        coefficients = proj.mean(2, keepdim=True)
+        count = torch.tensor(float(S), dtype=proj.dtype, device=proj.device)
     else:
-        real = padding_mask[:, None, :, None].to(proj.dtype)
-        coefficients = (proj * real).sum(2, keepdim=True) / real.sum(2, keepdim=True).clamp(min=1)
+        proj = proj * padding_mask[:, None, :, None].to(proj.dtype)
+        count = padding_mask.sum(1).to(proj.dtype)[:, None, None, None]
+    coefficients = proj.sum(2, keepdim=True) / count.clamp(min=1)
     return memory_read(q.transpose(1, 2), coefficients, basis, scale).transpose(1, 2)

@@ -26,7 +26,7 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
     """
     check_inputs(q, k, v, basis, window, True, pos_bias, padding_mask)
     B, T, H, D = q.shape
-    cache.check_batch_size(B)
+    cache.check_fits(B, H, D, basis.shape[1], window)
     scale = D ** -0.5 if scale is None else scale
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask
     keys, values, key_mask = cache.keys, cache.values, cache.key_mask
@@ -62,5 +62,5 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
         keys, values, key_mask = keep_visible(position, window, keys, values, key_mask)
         begin = end
     cache = LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=memory_sum, memory_count=memory_count,
-                      window_sum=window_sum, window_count=window_count, position=position)
+                      window_sum=window_sum, window_count=window_count, position=position, window=window)
     return torch.cat(outputs, 1), cache
