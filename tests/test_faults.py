@@ -1,0 +1,256 @@
+"""Faults during training: Ctrl-C, kill -9 (mid-training and mid-checkpoint), a second trainer, a full disk,
+damaged or mismatched run files. After each, ``--resume`` must end exactly like an uninterrupted run: the same
+weights bit for bit and the same per-step losses.
+
+The interrupted trainings are real processes (``python -m lavo.cli train`` or a wrapper that kills itself at
+a chosen point of a checkpoint write); the resumptions run in this process.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lavo import run as R
+from lavo.config import RunConfig
+from lavo.data import prepare
+from lavo.run import RunError, RunLock, load_run
+from lavo.train import train, weights_digest
+from lm_corpus import tiny_run, write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, INTERVAL = 60, 10
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Every training here, in this process and in the others, on one thread: the same float reductions (so
+    the same bits), and far faster for a tiny model on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The corpus, its prepared data, and the uninterrupted run every test compares with."""
+    root = tmp_path_factory.mktemp("faults")
+    corpus = write_corpus(root / "corpus", documents=4, words=1500)
+    config = tiny_run(corpus, root / "data", root / "straight", steps=STEPS, checkpoint_interval=INTERVAL)
+    prepare(str(corpus), "bpe320", root / "data", ["doc3"], log=quiet)
+    summary = train(RunConfig.from_dict(config), log=quiet)
+    return {"root": root, "corpus": corpus, "summary": summary, "digest": run_digest(root / "straight"),
+            "losses": step_losses(root / "straight")}
+
+
+def config_for(setup, tmp_path, name="run", **train_settings) -> dict:
+    settings = {"steps": STEPS, "checkpoint_interval": INTERVAL, **train_settings}
+    return tiny_run(setup["corpus"], setup["root"] / "data", tmp_path / name, **settings)
+
+
+def run_digest(run_dir: Path) -> str:
+    return weights_digest(load_run(run_dir)[0])
+
+
+def step_losses(run_dir: Path) -> list[tuple]:
+    """The per-step records that do not depend on timing: (step, loss, lr, grad_norm)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in records if "lr" in r]
+
+
+def resume_and_compare(setup, config: dict) -> list[str]:
+    """Resume the run of ``config``; check it ends like the uninterrupted run; return the log lines."""
+    lines = []
+    summary = train(RunConfig.from_dict(config), resume=True, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    run_dir = Path(config["train"]["out_dir"])
+    assert summary["step"] == STEPS and summary["loss"] == setup["summary"]["loss"]
+    assert run_digest(run_dir) == setup["digest"]
+    assert step_losses(run_dir) == setup["losses"]
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".")]  # no lock, pending or temporary file
+    return lines
+
+
+def start(config: dict, tmp_path: Path, kill_at: str | None = None) -> subprocess.Popen:
+    """``lavo train`` in a process of its own; ``kill_at`` makes it SIGKILL itself inside a checkpoint write."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    code = ["-m", "lavo.cli"] if kill_at is None else [str(Path(__file__).parent / "kill_during_checkpoint.py"),
+                                                       kill_at]
+    return subprocess.Popen([sys.executable, *code, "train", "--config", str(path)], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(run_dir: Path, process: subprocess.Popen, step: int, timeout: float = 120) -> None:
+    """Wait until the training process has logged ``step``."""
+    deadline = time.time() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.time() < deadline:
+        if metrics.exists() and any(f'"step": {step},' in line for line in metrics.read_text().splitlines()):
+            return
+        if process.poll() is not None:
+            pytest.fail(f"training ended before step {step}:\n{process.stdout.read()[-3000:]}")
+        time.sleep(0.02)
+    process.kill()
+    pytest.fail(f"no step {step} in {timeout}s")
+
+
+def finish(process: subprocess.Popen) -> tuple[int, str]:
+    output, _ = process.communicate(timeout=120)
+    return process.returncode, output
+
+
+def test_ctrl_c_saves_the_exact_position_and_resume_continues_exactly(setup, tmp_path):
+    config = config_for(setup, tmp_path)
+    process = start(config, tmp_path)
+    wait_for_step(tmp_path / "run", process, 15)
+    process.send_signal(signal.SIGINT)
+    code, output = finish(process)
+    assert code == 130, output
+    state = torch.load(tmp_path / "run" / "state.pt", weights_only=True)
+    assert f"interrupted after step {state['step']}; saving a checkpoint" in output
+    assert 15 <= state["step"] < STEPS and state["sampler"]["draws"] == state["step"]  # one draw per step
+    lines = resume_and_compare(setup, config)
+    assert f"resumed {tmp_path / 'run'} at step {state['step']}" in lines
+
+
+def test_kill_9_mid_training_and_a_second_trainer_meanwhile(setup, tmp_path):
+    config = config_for(setup, tmp_path)
+    process = start(config, tmp_path)
+    wait_for_step(tmp_path / "run", process, 15)
+    with pytest.raises(RunError, match=rf"{tmp_path / 'run'} is being trained by another process \(pid "
+                                       rf"{process.pid}, which holds .*\.lock\)"):
+        train(RunConfig.from_dict(config), resume=True, log=quiet)
+    process.kill()  # SIGKILL: no handler runs, the lock goes with the process
+    finish(process)
+    lines = resume_and_compare(setup, config)
+    assert any(line.startswith(f"resumed {tmp_path / 'run'} at step ") for line in lines)
+
+
+@pytest.mark.parametrize("point,resumed_at", [
+    ("weights", 10),  # killed half way through writing the new weights: the step-10 checkpoint stands
+    ("state", 10),  # the new weights written, killed half way through the state: still step 10
+    ("commit", 20),  # killed after state.pt committed step 20, before its weights moved into place
+])
+def test_kill_9_during_a_checkpoint_write(setup, tmp_path, point, resumed_at):
+    config = config_for(setup, tmp_path)
+    code, output = finish(start(config, tmp_path, kill_at=point))
+    assert code == -signal.SIGKILL, output
+    left = [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".")]
+    # what a killed writer leaves: its lock file, uncommitted or unmoved weights, a temporary file
+    assert left and all(re.fullmatch(rf"\.lock|{re.escape(R.PENDING)}|\.({re.escape(R.PENDING)}|state\.pt)\.tmp\d+",
+                                     name) for name in left), left
+    lines = resume_and_compare(setup, config)
+    assert f"resumed {tmp_path / 'run'} at step {resumed_at}" in lines
+
+
+def test_a_full_disk_leaves_the_previous_checkpoint(setup, tmp_path, monkeypatch):
+    config = config_for(setup, tmp_path)
+    real = R.save_file
+
+    def disk_fills_at_step_20(tensors, path, metadata=None):
+        if metadata["step"] == "20":
+            Path(path).write_bytes(b"\0" * 100)
+            raise OSError(28, "No space left on device")
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(R, "save_file", disk_fills_at_step_20)
+    with pytest.raises(RunError, match=r"could not write the checkpoint of step 20 to .* No space left on device"
+                                       r".*previous checkpoint there is intact"):
+        train(RunConfig.from_dict(config), log=quiet)
+    monkeypatch.setattr(R, "save_file", real)
+    assert torch.load(tmp_path / "run" / "state.pt", weights_only=True)["step"] == 10
+    lines = resume_and_compare(setup, config)
+    assert f"resumed {tmp_path / 'run'} at step 10" in lines
+
+
+def test_mismatched_weights_and_state_are_refused(setup, tmp_path):
+    config = RunConfig.from_dict(config_for(setup, tmp_path, steps=4, checkpoint_interval=2))
+    train(config, stop_after=2, log=quiet)
+    older = (tmp_path / "run" / "model.safetensors").read_bytes()
+    train(config, resume=True, stop_after=2, log=quiet)
+    (tmp_path / "run" / "model.safetensors").write_bytes(older)  # step 2's weights beside step 4's state
+    with pytest.raises(RunError, match=r"model.safetensors \(step 2\) and .*state.pt \(step 4\) are not from the "
+                                       "same checkpoint"):
+        train(config, resume=True, log=quiet)
+
+
+def test_a_run_without_its_state_is_neither_overwritten_nor_resumed(setup, tmp_path):
+    config = RunConfig.from_dict(config_for(setup, tmp_path, steps=2))
+    train(config, log=quiet)
+    (tmp_path / "run" / "state.pt").unlink()
+    weights = (tmp_path / "run" / "model.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match=r"already holds a run \(model.safetensors, metrics.jsonl\)"):
+        train(config, log=quiet)
+    with pytest.raises(RunError, match=r"no training state \(state.pt\), so it cannot be resumed exactly"):
+        train(config, resume=True, log=quiet)
+    assert (tmp_path / "run" / "model.safetensors").read_bytes() == weights
+
+
+def test_overwrite_starts_the_metrics_again_and_a_finished_run_has_nothing_to_do(setup, tmp_path):
+    config = RunConfig.from_dict(config_for(setup, tmp_path, steps=3, checkpoint_interval=0))
+    train(config, log=quiet)
+    train(config, overwrite=True, log=quiet)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 3]
+    lines = []
+    summary = train(config, resume=True, log=lines.append)
+    assert summary["step"] == 3 and summary["loss"] == records[-1]["loss"]
+    assert any("already trained to step 3" in line for line in lines)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() == [json.dumps(r) for r in records]
+
+
+def test_resume_refuses_another_tokenizer(setup, tmp_path):
+    values = config_for(setup, tmp_path, steps=4)
+    train(RunConfig.from_dict(values), stop_after=2, log=quiet)
+    values["data"]["holdout"] = ["doc2"]  # another training split: another BPE
+    with pytest.raises(RunError, match=r"was trained with another tokenizer \(tokenizer_sha256 [0-9a-f]{12}\) "
+                                       r"than the one prepared now in"):
+        train(RunConfig.from_dict(values), resume=True, log=quiet)
+
+
+def test_damaged_run_files_are_named(setup, tmp_path):
+    train(RunConfig.from_dict(config_for(setup, tmp_path, steps=1)), log=quiet)
+    run_dir = tmp_path / "run"
+    weights = run_dir / "model.safetensors"
+    original = weights.read_bytes()
+    for damage in (original[:len(original) // 2], os.urandom(2000)):
+        weights.write_bytes(damage)
+        with pytest.raises(RunError, match=rf"{weights} is not a readable safetensors file"):
+            load_run(run_dir)
+    other = config_for(setup, tmp_path, "softmax", steps=1)
+    other["model"] = {**other["model"], "attention": "softmax", "position": "rope", "attention_options": {}}
+    train(RunConfig.from_dict(other), log=quiet)
+    weights.write_bytes((tmp_path / "softmax" / "model.safetensors").read_bytes())
+    with pytest.raises(RunError, match=rf"{weights} does not hold the weights of the model {run_dir / 'config.json'}"
+                                       r" describes \(lavo, dim 32, depth 2\): missing .*pos_bias"):
+        load_run(run_dir)
+    weights.write_bytes(original)
+    (run_dir / "config.json").write_text('{"model": {"dim": 32,')
+    with pytest.raises(RunError, match=rf"{run_dir / 'config.json'} is not a valid run config"):
+        load_run(run_dir)
+    (run_dir / "config.json").write_text(json.dumps({"model": {"dim": -1}}))
+    with pytest.raises(RunError, match=r"config.json is not a valid run config \(model.dim must be an integer >= 1"):
+        load_run(run_dir)
+
+
+def test_a_lock_is_exclusive_until_released(tmp_path):
+    with RunLock(tmp_path):
+        assert (tmp_path / ".lock").read_text() == f"{os.getpid()}\n"
+        with pytest.raises(RunError, match=f"pid {os.getpid()}"):
+            RunLock(tmp_path).acquire()
+    assert not (tmp_path / ".lock").exists()
+    with RunLock(tmp_path):
+        pass
