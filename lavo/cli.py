@@ -39,9 +39,11 @@ def add_data(commands) -> None:
                             description="Download a corpus if needed, split it by document and cache token arrays.")
     p.add_argument("--source", default="austen", help="austen | shakespeare | a directory of .txt files "
                    "(default: austen)")
-    p.add_argument("--tokenizer", default="bpe4096", type=_flag("data", "tokenizer"), help="gpt2 | bpe<vocab size> (default: bpe4096)")
+    p.add_argument("--tokenizer", default="bpe4096", type=_flag("data", "tokenizer"),
+                   help="gpt2 | bpe<vocab size> (default: bpe4096)")
     p.add_argument("--data-dir", default="data", help="where downloads and prepared arrays go (default: data)")
-    p.add_argument("--holdout", type=_flag("data", "holdout"), default=None, help="comma-separated document names to hold out")
+    p.add_argument("--holdout", type=_flag("data", "holdout"), default=None,
+                   help="comma-separated document names to hold out")
     p.add_argument("--rebuild", action="store_true", help="tokenise again even if a cache exists")
     p.set_defaults(handler=cmd_data)
 
@@ -96,16 +98,21 @@ def add_eval(commands) -> None:
                             "prints a table, writes results.json and perplexity.png to --out.")
     p.add_argument("runs", nargs="+", help="run directories (train.out_dir of each)")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--lengths", type=_flag("eval", "lengths"), help="comma-separated lengths, e.g. 256,512,1024,2048")
+    group.add_argument("--lengths", type=_flag("eval", "lengths"),
+                       help="comma-separated lengths, e.g. 256,512,1024,2048")
     group.add_argument("--multiples", type=_flag("eval", "multiples"), default=None,
                        help="multiples of the first run's train_length (default: 1,2,4,8)")
-    p.add_argument("--split", default="valid", choices=("train", "valid"), help="split to score (default: valid, the held-out documents)")
+    p.add_argument("--split", default="valid", choices=("train", "valid"),
+                   help="split to score (default: valid, the held-out documents)")
     p.add_argument("--data-dir", default=None, help="where the runs' data was downloaded (default: the data_dir "
                    "each run trained with)")
-    p.add_argument("--batch-size", type=_flag("eval", "batch_size"), default=8, help="segments per forward pass (default: 8)")
-    p.add_argument("--chunk-size", type=_flag("eval", "chunk_size"), default=512, help="positions per forward pass through the cache; "
+    p.add_argument("--batch-size", type=_flag("eval", "batch_size"), default=8,
+                   help="segments per forward pass (default: 8)")
+    p.add_argument("--chunk-size", type=_flag("eval", "chunk_size"), default=512,
+                   help="positions per forward pass through the cache; "
                    "0 scores each segment in one pass (default: 512)")
-    p.add_argument("--max-tokens", type=_flag("eval", "max_tokens"), default=None, help="score at most this many tokens")
+    p.add_argument("--max-tokens", type=_flag("eval", "max_tokens"), default=None,
+                   help="score at most this many tokens")
     p.add_argument("--device", default="auto", type=_flag("train", "device"), help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out", default=None, help="directory for results.json and perplexity.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
