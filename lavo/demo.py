@@ -6,11 +6,12 @@ Its settings are one file, the bundled ``lavo/configs/demo.json`` unless ``--con
 * ``data``, ``model``, ``train``: the run config every model shares;
 * ``runs``: one entry per model, merged over the shared run config (``runs.lavo.model.attention_options...``);
   each run trains in ``out_dir/<name>``;
-* ``seconds_per_model``: ``train.steps`` is the most steps; fewer when the slowest model would not fit in
-  ``seconds_per_model`` (measured before training; every model gets the same number of steps, i.e. the same
-  token budget). 0 or null trains exactly ``train.steps``. The slowest model trains first; if it is still running
-  at 1.25 x the budget (a much busier machine than measured) it stops there, and the other models stop at the
-  same step, on the same learning-rate schedule;
+* ``seconds_per_model``: the most seconds any model trains, so the demo's training takes at most
+  ``len(runs) x seconds_per_model``. ``train.steps`` is the most steps; fewer when the slowest model would not
+  fit in 90% of the budget (its step time is measured before training; every model gets the same number of
+  steps, i.e. the same token budget). Every model stops at the budget, whatever happens: if the slowest (which
+  trains first) stops early (a busier machine than measured), the others stop at the same step, on the same
+  learning-rate schedule. 0 or null trains exactly ``train.steps`` with no time limit;
 * ``eval``: the lengths (``multiples`` of the training length, or ``lengths``) and batching of the evaluation.
 """
 from __future__ import annotations
@@ -23,8 +24,10 @@ from pathlib import Path
 from .config import RunConfig, apply_overrides, deep_merge, read_config_file
 from .evaluate import EvalSettings
 from .files import write_json
+from .settings import at_least, check_settings, setting
 
 RUN_SECTIONS = ("data", "model", "train")
+PLANNED_SHARE = 0.9  # of seconds_per_model planned for training steps; the rest absorbs logging and checkpoints
 # every model trains on the same data and number of tokens, so these train settings may not differ between runs
 BUDGET = ("train_length", "batch_size", "grad_accum", "steps")
 
@@ -33,9 +36,12 @@ BUDGET = ("train_length", "batch_size", "grad_accum", "steps")
 class DemoConfig:
     runs: dict[str, RunConfig]
     eval: EvalSettings
-    seconds_per_model: float | None
-    out_dir: str
-    settings: dict  # the merged file and overrides, as written to out_dir/demo.json
+    seconds_per_model: float | None = setting(None, at_least(0))
+    out_dir: str = "runs/demo"
+    settings: dict = setting(factory=dict)  # the merged file and overrides, as written to out_dir/demo.json
+
+    def __post_init__(self):
+        check_settings(self, "demo")
 
 
 def demo_config(name: str | None = None, overrides: list[str] = ()) -> DemoConfig:
@@ -125,18 +131,19 @@ def run_demo(name: str | None = None, overrides: list[str] = (), log=print) -> d
     tc = first.train
     steps = tc.steps
     if budget:
+        log(f"measuring the step time of {', '.join(configs)} (a few seconds each)")
         timing = {n: seconds_per_step(c, prepared.tokenizer.vocab_size) for n, c in configs.items()}
         log("measured seconds per step: " + ", ".join(f"{n} {t:.2f}" for n, t in timing.items()))
-        steps = max(10, min(steps, int(budget / max(timing.values()))))
+        steps = max(10, min(steps, int(PLANNED_SHARE * budget / max(timing.values()))))
         configs = dict(sorted(configs.items(), key=lambda item: -timing[item[0]]))  # slowest first
     window_tokens = tc.batch_size * tc.grad_accum * tc.train_length
     log(f"training every model for {steps} steps of {tc.batch_size * tc.grad_accum} x {tc.train_length} tokens "
-        f"({steps * window_tokens:,} tokens each)")
+        f"({steps * window_tokens:,} tokens each)" + (f", at most {budget:g}s each" if budget else ""))
     runs, summaries, cap = [], {}, None
     for run_name, config in configs.items():
         config.train.steps = steps  # the same schedule for every model, even if one is cut short
-        if budget and config.train.time_limit is None and cap is None:
-            config.train.time_limit = 1.25 * budget  # a guard against a machine much busier than measured
+        if budget and config.train.time_limit is None:
+            config.train.time_limit = float(budget)
         log(f"\n== training {run_name} ==")
         summary = train(config, overwrite=True, stop_after=cap, log=log)
         log(f"{run_name}: {summary['step']} steps, {summary['tokens']:,} tokens, final training loss "
@@ -146,8 +153,8 @@ def run_demo(name: str | None = None, overrides: list[str] = (), log=print) -> d
             log(f"{run_name} reached the time limit after {cap} of {steps} steps (the machine is busier than when "
                 f"measured): the other models stop at step {cap} too, on the same learning-rate schedule")
         elif cap is not None and summary["step"] < cap:
-            log(f"warning: {run_name} stopped after {summary['step']} steps, before the others: token budgets "
-                "differ")
+            log(f"warning: {run_name} reached the time limit after {summary['step']} steps, before the others: "
+                "token budgets differ")
         runs.append(config.train.out_dir)
         summaries[run_name] = summary
     log("\n== held-out perplexity by evaluation length ==")

@@ -135,7 +135,8 @@ def check_value(value: Any, kind: Kind, allowed: Allowed | None) -> tuple[Any, b
                 return value, False
             items.append(item)
         return items, True
-    return converted, allowed is None or allowed.test(converted)
+    ok = allowed is None or allowed.test(converted)
+    return (converted if ok else value), ok
 
 
 def check_settings(instance: Any, section: str) -> None:
