@@ -166,6 +166,8 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
             except DataError as error:
                 raise DataError(f"{error} (or, if the run's data is elsewhere: `lavo eval --data-dir FOLDER`)"
                                 ) from error
+        if progress:
+            log(f"scoring {name} at lengths {', '.join(map(str, lengths))}")
         results[name] = perplexity_by_length(model, texts[key], lengths, batch_size=batch_size,
                                              chunk_size=chunk_size, max_tokens=max_tokens, device=device,
                                              progress=progress)
