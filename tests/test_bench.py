@@ -12,7 +12,7 @@ from lavo.bench.measure import Measurement
 from lavo.bench.runner import Runner
 from lavo.layers.local import LocalAttention
 from lavo.ops import lavo_attention, orthogonal_basis
-from lavo.registry import ATTENTIONS, available_attentions, build_attention
+from lavo.registry import ATTENTIONS, attention_class, available_attentions, build_attention
 
 RECORD_FIELDS = {"section", "level", "mechanism", "op", "length", "dtype", "ms", "peak_mib", "ratio", "status",
                  "note"}
@@ -124,6 +124,16 @@ def test_the_first_quadratic_mechanism_is_the_reference_of_decode_and_model(monk
     assert [(r["mechanism"], r["ratio_to"]) for r in runner.records] == [
         ("quadratic_local", "quadratic_local"), ("lavo", "quadratic_local"),
         ("quadratic_local", "quadratic_local"), ("lavo", "quadratic_local")]
+
+
+def test_a_quadratic_mechanism_without_a_cache_is_not_the_reference(monkeypatch):
+    monkeypatch.setattr(Runner, "measure", lambda self, fn, repeats=None: Measurement(1.0, [1.0], None))
+    assert attention_class("longshort").time_complexity == "quadratic"
+    s = quick_settings("--model-attentions", "longshort,softmax", "--model-lengths", "32")
+    runner = Runner(s, None)
+    model.run(runner)
+    assert [(r["mechanism"], r["ratio_to"]) for r in runner.records] == [
+        ("softmax+rope", "softmax+rope"), ("longshort", "softmax+rope")]
 
 
 def test_options_go_to_the_mechanisms_that_have_them():

@@ -13,8 +13,8 @@ OPTION_VALUES = {
     "cosformer": {"max_length": [64], "chunk": [5]},
     "lavo": {"rank": [4], "window": [4], "basis": ["learned"], "position_bias": [False], "dissection": [False]},
     "local": {"window": [4], "position_bias": [False]},
-    "longshort": {"window": [4], "landmarks": [2]},
-    "performer": {"features": [8], "chunk": [5]},
+    "longshort": {"window": [4], "landmarks": [2], "dual_ln": [False]},
+    "performer": {"features": [8], "chunk": [5], "redraw_interval": [1]},
     "s4d": {"state_size": [6], "dt_min": [1e-2], "dt_max": [0.5]},
     "softmax": {"rotary": [True]},
 }
@@ -43,6 +43,7 @@ def test_every_mechanism_and_option_trains_and_decodes_through_the_model(name, o
     # every trainable parameter is reached by the loss
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     if model.supports_decoding:
+        model.eval()  # decoding is inference: no dropout, no random features redrawn
         with torch.no_grad():
             first, cache = model(ids[:, :13])
             rest, cache = model(ids[:, 13:], cache=cache)
