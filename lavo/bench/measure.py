@@ -132,19 +132,19 @@ def measure(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup
 
 
 def source_commit() -> dict:
-    """The git commit of the code being measured and whether tracked files differ from it (``commit`` None
-    outside a git checkout)."""
-    root = Path(__file__).resolve().parents[2]
+    """The git commit of the code being measured and whether the package's files differ from it (``commit``
+    None outside a git checkout)."""
+    package = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str | None:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+            done = subprocess.run(["git", *args], cwd=package, capture_output=True, text=True, timeout=30)
             if done.returncode == 0:
                 return done.stdout.strip()
         return None
 
     commit = git("rev-parse", "HEAD")
-    changes = git("status", "--porcelain", "--untracked-files=no")
+    changes = git("status", "--porcelain", "--untracked-files=no", "--", ".")
     return {"commit": commit, "dirty": None if commit is None or changes is None else bool(changes)}
 
 
