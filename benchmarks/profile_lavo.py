@@ -1,5 +1,5 @@
-"""Where the time of one LAVO op forward + backward goes, by PyTorch operator (the profile behind
-benchmarks/RESULTS.md). Usage: python benchmarks/profile_lavo.py [--length 16384] [--threads 2]"""
+"""Where the time of one LAVO op forward + backward goes, by PyTorch operator.
+Usage: python benchmarks/profile_lavo.py [--length 16384] [--threads 2]"""
 import argparse
 
 import torch

@@ -1,7 +1,7 @@
 """Decoding caches: what a causal layer keeps to continue a sequence, and the protocol every cache follows."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -64,20 +64,42 @@ def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
+class _Buffers:
+    """The preallocated buffers behind a :class:`KVCache`, ``[B, H, capacity, D]`` (the layout
+    ``scaled_dot_product_attention`` reads) and a ``[B, capacity]`` mask, and ``end``: how far they have been
+    written. The caches that view one buffer share this object, so a cache writes after its positions only when
+    nothing was written there since it was made (otherwise it would overwrite what another cache sees)."""
+
+    __slots__ = ("keys", "values", "mask", "end")
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, end: int):
+        self.keys, self.values, self.mask, self.end = keys, values, mask, end
+
+
 @dataclass(frozen=True)
 class KVCache(Cache):
     r"""Keys and values a causal softmax or sliding-window layer keeps to continue a sequence.
+
+    Appending is amortised ``O(T)`` for ``T`` new positions, whatever the cache's length: the fields are views
+    into preallocated buffers, and :meth:`append` writes after them in place when there is room, else moves the
+    cached positions into new buffers with room for as many again (``max(L + T, 2L)`` positions), so a cache
+    that grows one token at a time is copied ``O(log L)`` times and reserves at most twice what it holds. The
+    input cache is never modified: a cache appended to twice (or one made by :meth:`to` or :meth:`select`)
+    copies before it writes, and keys or values that need gradients are never written in place.
 
     Attributes:
         keys, values: ``[B, L, H, D]``, the cached positions ``position - L .. position - 1``.
         key_mask: ``[B, L]`` bool, True for real (non-padding) keys.
         position: tokens seen so far, padding included.
+        padded: whether a padding mask came with any appended position (True: ``key_mask`` may hold False).
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     key_mask: torch.Tensor
     position: int
+    padded: bool = False
+    buffers: _Buffers | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, *, dtype: torch.dtype | None = None,
@@ -86,13 +108,46 @@ class KVCache(Cache):
         keys = torch.zeros(batch, 0, heads, head_dim, dtype=dtype, device=device)
         return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), 0)
 
+    def _writable_end(self, *new: torch.Tensor) -> int | None:
+        """Where this cache's positions end in its buffers when ``new`` may be written after them in place, else
+        None."""
+        buffers = self.buffers
+        if buffers is None or any(t.requires_grad for t in (*new, buffers.keys, buffers.values)):
+            return None  # autograd may have saved the buffers: writing into them would change what it saved
+        if self.keys.untyped_storage().data_ptr() != buffers.keys.untyped_storage().data_ptr():
+            return None  # a copy (to, select): the views are no longer in these buffers
+        end = self.keys.storage_offset() // self.keys.shape[-1] + self.keys.shape[1]
+        return end if end == buffers.end else None
+
     def append(self, k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None) -> KVCache:
         """The cache after ``T`` more positions: ``k, v [B, T, H, D]``, ``padding_mask [B, T]`` or None."""
-        B, T = k.shape[:2]
+        B, T, H, D = k.shape
         self.check_batch_size(B)
-        real = torch.ones(B, T, dtype=torch.bool, device=k.device) if padding_mask is None else padding_mask
-        return KVCache(torch.cat([self.keys, k], 1), torch.cat([self.values, v], 1),
-                       torch.cat([self.key_mask, real], 1), self.position + T)
+        length = self.keys.shape[1]
+        end = self._writable_end(k, v)
+        buffers = self.buffers
+        if end is None or end + T > buffers.keys.shape[2]:
+            capacity = max(length + T, 2 * length)
+            dtype = torch.promote_types(self.keys.dtype, k.dtype)
+            keys = self.keys.new_zeros(B, H, capacity, D, dtype=dtype)
+            values = self.values.new_zeros(B, H, capacity, D, dtype=dtype)
+            mask = self.key_mask.new_zeros(B, capacity)
+            keys[:, :, :length], values[:, :, :length] = self.keys.transpose(1, 2), self.values.transpose(1, 2)
+            mask[:, :length] = self.key_mask
+            buffers, end = _Buffers(keys, values, mask, length), length
+        buffers.keys[:, :, end:end + T] = k.transpose(1, 2)
+        buffers.values[:, :, end:end + T] = v.transpose(1, 2)
+        buffers.mask[:, end:end + T] = True if padding_mask is None else padding_mask
+        buffers.end = end + T
+        start = end - length
+        return KVCache(buffers.keys[:, :, start:end + T].transpose(1, 2),
+                       buffers.values[:, :, start:end + T].transpose(1, 2), buffers.mask[:, start:end + T],
+                       self.position + T, self.padded or padding_mask is not None, buffers)
+
+    def keep_last(self, count: int) -> KVCache:
+        """The cache of the last ``count`` positions only (views: nothing is copied)."""
+        drop = max(0, self.keys.shape[1] - count)
+        return replace(self, keys=self.keys[:, drop:], values=self.values[:, drop:], key_mask=self.key_mask[:, drop:])
 
 
 @dataclass(frozen=True)

@@ -147,14 +147,20 @@ class LanguageModel(nn.Module):
         """Whether every layer can continue a sequence from a cache."""
         return all(b.attention.supports_decoding for b in self.blocks)
 
-    def parameter_groups(self, weight_decay: float) -> list[dict]:
-        """Optimizer groups: weight decay on matrices, none on vectors and on what the mechanisms exclude."""
-        excluded = {id(p) for module in self.modules() if isinstance(module, Mechanism)
-                    for p in module.no_weight_decay()}
-        decay = [p for p in self.parameters() if p.dim() >= 2 and id(p) not in excluded]
-        chosen = {id(p) for p in decay}
-        return [{"params": decay, "weight_decay": weight_decay},
-                {"params": [p for p in self.parameters() if id(p) not in chosen], "weight_decay": 0.0}]
+    def parameter_groups(self, weight_decay: float, lr: float) -> list[dict]:
+        """Optimizer groups: weight decay on matrices, none on vectors and on what the mechanisms exclude, and
+        the peak learning rate ``lr`` except where a mechanism caps it. Each group's ``lr_scale`` is its peak
+        rate over ``lr``: a schedule sets every group's rate to ``lr_scale`` times the scheduled rate."""
+        mechanisms = [module for module in self.modules() if isinstance(module, Mechanism)]
+        excluded = {id(p) for module in mechanisms for p in module.no_weight_decay()}
+        scale = {id(p): min(1.0, cap / lr) for module in mechanisms
+                 for parameters, cap in module.learning_rate_caps() for p in parameters}
+        groups: dict[tuple[float, float], list[nn.Parameter]] = {}
+        for p in self.parameters():
+            decay = weight_decay if p.dim() >= 2 and id(p) not in excluded else 0.0
+            groups.setdefault((decay, scale.get(id(p), 1.0)), []).append(p)
+        return [{"params": params, "weight_decay": decay, "lr": lr * lr_scale, "lr_scale": lr_scale}
+                for (decay, lr_scale), params in groups.items()]
 
     def forward(self, ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 cache: ModelCache | None = None) -> tuple[torch.Tensor, ModelCache | None]:

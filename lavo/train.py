@@ -225,7 +225,7 @@ class Trainer:
         self.model_config = config.model_config(vocab_size=data.tokenizer.vocab_size)
         torch.manual_seed(tc.seed)
         self.model = LanguageModel(self.model_config).to(device)
-        self.optimizer = torch.optim.AdamW(self.model.parameter_groups(tc.weight_decay), lr=tc.lr,
+        self.optimizer = torch.optim.AdamW(self.model.parameter_groups(tc.weight_decay, tc.lr), lr=tc.lr,
                                            betas=(tc.beta1, tc.beta2), fused=device.type == "cuda" or None)
         self.sampler = WindowSampler(len(data.train), tc.train_length, tc.seed)
         self.progress = Progress()
@@ -284,7 +284,7 @@ class Trainer:
         and the gradient norm before clipping (None without clipping)."""
         tc, env = self.tc, self.env
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # an optimiser state saved without scales has none
         total = torch.zeros((), device=self.device)
         for micro in range(tc.grad_accum):
             offsets = self.sampler.next_offsets(tc.batch_size * env.world)

@@ -97,12 +97,40 @@ def test_many_features_approximate_softmax_attention():
     assert (out - exact).abs().max() < 0.1 < (uniform - exact).abs().max()
 
 
-def test_layer_projection_is_a_fixed_buffer():
+def test_layer_projection_is_a_buffer_saved_with_the_model():
+    torch.manual_seed(0)
     layer = build_attention("performer", 16, 2, features=12)
-    assert layer.projection.shape == (12, 8) and "projection" in layer.state_dict()
-    assert "projection" not in dict(layer.named_parameters())
+    assert layer.projection.shape == (12, 8) and "projection" not in dict(layer.named_parameters())
+    torch.manual_seed(1)
+    other = build_attention("performer", 16, 2, features=12)
     x = torch.randn(1, 5, 16)
-    torch.testing.assert_close(layer(x)[0], layer(x)[0])
+    assert not torch.allclose(other(x)[0], layer(x)[0])  # another draw gives other outputs
+    other.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(other(x)[0], layer(x)[0])
+
+
+def test_redrawing_draws_new_features_every_interval_in_training_only():
+    torch.manual_seed(0)
+    layer = build_attention("performer", 16, 2, features=12, redraw_interval=2)
+    fixed = build_attention("performer", 16, 2, features=12)
+    assert "training_calls" in layer.state_dict() and "training_calls" not in fixed.state_dict()
+    x = torch.randn(1, 5, 16)
+    draws = []
+    for _ in range(5):
+        draws.append(layer.projection.clone())
+        layer(x)[0].sum().backward()
+    # new features before calls 2 and 4 (counting from 0): draws[3] is the first new one
+    assert [torch.equal(a, b) for a, b in zip(draws, draws[1:])] == [True, True, False, True]
+    assert int(layer.training_calls) == 5
+    directions = layer.projection / layer.projection.norm(dim=1, keepdim=True)
+    torch.testing.assert_close(directions[:8] @ directions[:8].T, torch.eye(8), atol=1e-5, rtol=0)
+    layer.eval()
+    before = layer.projection.clone()
+    for _ in range(4):
+        layer(x)
+    assert torch.equal(layer.projection, before) and int(layer.training_calls) == 5
+    with pytest.raises(ValueError, match="redraw_interval must be a positive integer"):
+        build_attention("performer", 16, 2, redraw_interval=0)
 
 
 def test_layer_cache_has_constant_size():

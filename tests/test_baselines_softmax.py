@@ -81,3 +81,26 @@ def test_impossible_requests_are_named():
     causal = build_attention("softmax", 8, 2)
     with pytest.raises(ValueError, match="cache was built for batch size 1"):
         causal(torch.randn(2, 3, 8), cache=causal.empty_cache(1))
+
+
+def test_one_token_steps_without_padding_call_sdpa_without_a_mask(monkeypatch):
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **options):
+        calls.append((q.shape[2], k.shape[2], options.get("attn_mask"), options.get("is_causal", False)))
+        return real(q, k, v, **options)
+
+    torch.manual_seed(0)
+    layer = build_attention("softmax", 24, 3, rotary=True).double()
+    x = torch.randn(2, 9, 24, dtype=torch.float64)
+    full, _ = layer(x)
+    monkeypatch.setattr("lavo.ops.softmax.sdpa.scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        _, cache = layer(x[:, :6])
+        steps = []
+        for t in range(6, 9):
+            y, cache = layer(x[:, t:t + 1], cache=cache)
+            steps.append(y)
+    assert calls == [(6, 6, None, True), (1, 7, None, False), (1, 8, None, False), (1, 9, None, False)]
+    torch.testing.assert_close(torch.cat(steps, 1), full[:, 6:])

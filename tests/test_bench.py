@@ -1,6 +1,9 @@
 """The efficiency benchmark harness (``python -m lavo.bench``): output formats, helpers, FLOP formula. No timing
 is asserted."""
 import json
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from lavo.bench.measure import Measurement
 from lavo.bench.runner import Runner
 from lavo.layers.local import LocalAttention
 from lavo.ops import lavo_attention, orthogonal_basis
-from lavo.registry import ATTENTIONS, available_attentions, build_attention
+from lavo.registry import ATTENTIONS, attention_class, available_attentions, build_attention
 
 RECORD_FIELDS = {"section", "level", "mechanism", "op", "length", "dtype", "ms", "peak_mib", "ratio", "status",
                  "note"}
@@ -124,6 +127,16 @@ def test_the_first_quadratic_mechanism_is_the_reference_of_decode_and_model(monk
     assert [(r["mechanism"], r["ratio_to"]) for r in runner.records] == [
         ("quadratic_local", "quadratic_local"), ("lavo", "quadratic_local"),
         ("quadratic_local", "quadratic_local"), ("lavo", "quadratic_local")]
+
+
+def test_a_quadratic_mechanism_without_a_cache_is_not_the_reference(monkeypatch):
+    monkeypatch.setattr(Runner, "measure", lambda self, fn, repeats=None: Measurement(1.0, [1.0], None))
+    assert attention_class("longshort").time_complexity == "quadratic"
+    s = quick_settings("--model-attentions", "longshort,softmax", "--model-lengths", "32")
+    runner = Runner(s, None)
+    model.run(runner)
+    assert [(r["mechanism"], r["ratio_to"]) for r in runner.records] == [
+        ("softmax+rope", "softmax+rope"), ("longshort", "softmax+rope")]
 
 
 def test_options_go_to_the_mechanisms_that_have_them():
@@ -278,3 +291,25 @@ def test_wide_table_marks_skipped_cells_and_lists_their_reasons_once():
                                  "| b | 2.00 | — [2] |", "", "[1] a at 4K: too slow", "[2] b at 4K: failed before"]
     unnoted = output.wide_table(records, lambda r: r["mechanism"], lambda r: "x", "mechanism", notes=False)
     assert "[1]" not in unnoted and "| a | x | — |" in unnoted
+
+
+def test_the_results_document_cites_only_clean_runs_of_this_history():
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout: the recorded commits cannot be checked")
+    cited = sorted(set(re.findall(r"results/([\w.-]+\.json)", (root / "benchmarks" / "RESULTS.md").read_text())))
+    assert cited
+    for name in cited:
+        machine = json.loads((root / "benchmarks" / "results" / name).read_text())["machine"]
+        assert machine.get("commit") and machine.get("dirty") is False, f"{name} records no clean commit"
+        ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", machine["commit"], "HEAD"], cwd=root)
+        assert ancestor.returncode == 0, f"{name} was measured at {machine['commit']}, not in this history"
+
+
+def test_the_json_records_the_measured_commit():
+    info = measure.machine_info("cpu")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert info["commit"] == head.stdout.strip() and isinstance(info["dirty"], bool)

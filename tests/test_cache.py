@@ -146,3 +146,49 @@ def test_a_cache_of_caches_applies_the_protocol_to_every_part():
         assert type(got) is KVCache and got.position == part.position
         assert torch.equal(got.keys, part.keys[1:]) and torch.equal(got.key_mask, part.key_mask[1:])
     assert all(t.device.type == "meta" for t in pair.to("meta").tensors())
+
+
+def _token(batch=2, heads=3, head_dim=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 1, heads, head_dim, generator=g), torch.randn(batch, 1, heads, head_dim, generator=g)
+
+
+def test_key_value_cache_appends_in_place_and_copies_only_when_it_doubles():
+    cache, keys, copies = KVCache.empty(2, 3, 4), [], 0
+    with torch.no_grad():
+        for t in range(300):
+            k, v = _token(seed=t)
+            keys.append(k)
+            appended = cache.append(k, v, None)
+            copies += appended.keys.untyped_storage().data_ptr() != cache.keys.untyped_storage().data_ptr()
+            cache = appended
+    assert copies <= 10  # capacities 1, 2, 4, ..., 512: a copy of the whole cache per token would be 300
+    assert torch.equal(cache.keys, torch.cat(keys, 1)) and cache.position == 300 and cache.key_mask.all()
+
+
+def test_a_key_value_cache_appended_to_twice_keeps_both_continuations():
+    with torch.no_grad():
+        base = KVCache.empty(2, 3, 4).append(*_token(seed=0), None).append(*_token(seed=1), None)  # room for more
+        before = base.keys.clone()
+        (k_a, v_a), (k_b, v_b) = _token(seed=2), _token(seed=3)
+        first = base.append(k_a, v_a, None)
+        second = base.append(k_b, v_b, None)
+        moved = first.to("cpu").append(k_b, v_b, None)
+    assert torch.equal(base.keys, before) and base.keys.shape[1] == 2
+    assert torch.equal(first.keys, torch.cat([before, k_a], 1)) and torch.equal(first.values[:, -1:], v_a)
+    assert torch.equal(second.keys, torch.cat([before, k_b], 1)) and torch.equal(second.values[:, -1:], v_b)
+    assert torch.equal(moved.keys, torch.cat([before, k_a, k_b], 1))
+
+
+def test_a_sliding_window_cache_stays_bounded_and_is_rarely_copied():
+    window = 4
+    layer = build_attention("local", DIM, HEADS, window=window).eval()
+    with torch.no_grad():
+        _, cache = layer(torch.randn(1, 9, DIM))
+        copies = 0
+        for _ in range(200):
+            _, later = layer(torch.randn(1, 1, DIM), cache=cache)
+            copies += later.keys.untyped_storage().data_ptr() != cache.keys.untyped_storage().data_ptr()
+            assert later.keys.shape[1] <= 2 * window - 1
+            cache = later
+    assert copies <= 200 // window  # a copy of the window per token would be 200

@@ -13,8 +13,8 @@ OPTION_VALUES = {
     "cosformer": {"max_length": [64], "chunk": [5]},
     "lavo": {"rank": [4], "window": [4], "basis": ["learned"], "position_bias": [False], "dissection": [False]},
     "local": {"window": [4], "position_bias": [False]},
-    "longshort": {"window": [4], "landmarks": [2]},
-    "performer": {"features": [8], "chunk": [5]},
+    "longshort": {"window": [4], "landmarks": [2], "dual_ln": [False]},
+    "performer": {"features": [8], "chunk": [5], "redraw_interval": [1]},
     "s4d": {"state_size": [6], "dt_min": [1e-2], "dt_max": [0.5]},
     "softmax": {"rotary": [True]},
 }
@@ -43,6 +43,7 @@ def test_every_mechanism_and_option_trains_and_decodes_through_the_model(name, o
     # every trainable parameter is reached by the loss
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     if model.supports_decoding:
+        model.eval()  # decoding is inference: no dropout, no random features redrawn
         with torch.no_grad():
             first, cache = model(ids[:, :13])
             rest, cache = model(ids[:, 13:], cache=cache)
@@ -68,7 +69,7 @@ def test_rope_with_an_attention_that_cannot_rotate_fails_when_configured(name):
 def test_weight_decay_groups_come_from_the_mechanisms():
     model = build_model(dict(vocab_size=50, dim=16, depth=1, heads=2, attention="lavo",
                              attention_options={"window": 4, "basis": "learned"}))
-    decay, no_decay = (group["params"] for group in model.parameter_groups(0.1))
+    decay, no_decay = (group["params"] for group in model.parameter_groups(0.1, 1e-3))
     assert {id(p) for p in decay}.isdisjoint(id(p) for p in no_decay)
     assert len(decay) + len(no_decay) == len(list(model.parameters()))
     attention = model.blocks[0].attention
@@ -76,6 +77,22 @@ def test_weight_decay_groups_come_from_the_mechanisms():
     assert excluded <= {id(p) for p in no_decay}
     assert {id(model.embed.weight), id(attention.to_qkv.weight)} <= {id(p) for p in decay}
     assert all(p.dim() >= 2 for p in decay)
+
+
+def test_s4d_system_is_not_decayed_and_its_learning_rate_is_capped_as_in_the_reference():
+    model = build_model(dict(vocab_size=50, dim=16, depth=2, heads=2, attention="s4d"))
+    groups = model.parameter_groups(0.1, 4e-3)
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    system = {id(p) for block in model.blocks for p in (block.attention.log_dt, block.attention.log_a_real,
+                                                         block.attention.a_imag)}
+    (capped,) = [g for g in groups if g["lr_scale"] != 1]
+    assert {id(p) for p in capped["params"]} == system
+    assert (capped["lr"], capped["lr_scale"], capped["weight_decay"]) == (1e-3, 0.25, 0.0)
+    decayed = {id(p) for g in groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    s4d = model.blocks[0].attention
+    assert id(s4d.c) in decayed and id(s4d.to_glu.weight) in decayed and id(s4d.skip) not in decayed
+    assert all(g["lr"] == 4e-3 and g["lr_scale"] == 1 for g in groups if g is not capped)
+    assert {g["lr_scale"] for g in model.parameter_groups(0.1, 5e-4)} == {1.0}  # below the cap: unchanged
 
 
 def test_residual_projections_get_the_scaled_init():

@@ -172,3 +172,13 @@ def test_bfloat16_autocast_and_time_limit(corpus, tmp_path):
     assert stopped["step"] == 1
     state = torch.load(tmp_path / "limited" / "state.pt", weights_only=True)
     assert state["step"] == 1
+
+
+def test_each_parameter_group_follows_the_schedule_at_its_own_scale(corpus, tmp_path):
+    config = run(corpus, tmp_path, "s4d", steps=2, lr=4e-3)
+    config.model.update(attention="s4d", attention_options={})
+    train(config, log=quiet)
+    groups = torch.load(tmp_path / "s4d" / "state.pt", weights_only=True)["optimizer"]["param_groups"]
+    last = learning_rate(1, config.train)
+    assert sorted(round(g["lr"] / last, 6) for g in groups) == sorted(round(g["lr_scale"], 6) for g in groups)
+    assert {g["lr_scale"] for g in groups} == {1.0, 0.25}

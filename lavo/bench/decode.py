@@ -12,7 +12,7 @@ from ..ops.softmax import apply_rotary
 from ..registry import build_attention
 from .measure import MIB, Skipped, available_mib, sync
 from .runner import Ratios, Runner, fill, record
-from .settings import Settings, mechanism_options, quadratic
+from .settings import Settings, full_attention, mechanism_options
 
 
 def prefill(layer, x: torch.Tensor, settings: Settings):
@@ -40,8 +40,8 @@ def planned(settings: Settings) -> int:
 
 def run(runner: Runner) -> None:
     s, device = runner.settings, runner.device
-    names = sorted(s.decode_attentions, key=lambda name: not quadratic(name))
-    ratios = Ratios(names[0] if names and quadratic(names[0]) else None)
+    names = sorted(s.decode_attentions, key=lambda name: not full_attention(name))
+    ratios = Ratios(names[0] if names and full_attention(names[0]) else None)
     for name in names:
         for length in s.decode_lengths:
             entry = record("decode", "layer", name, "decode_step", length, s, steps=s.decode_steps,

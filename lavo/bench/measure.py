@@ -13,8 +13,10 @@ import gc
 import os
 import platform
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -129,8 +131,25 @@ def measure(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup
     return Measurement(statistics.median(times), times, peak.mib)
 
 
+def source_commit() -> dict:
+    """The git commit of the code being measured and whether the package's files differ from it (``commit``
+    None outside a git checkout)."""
+    package = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            done = subprocess.run(["git", *args], cwd=package, capture_output=True, text=True, timeout=30)
+            if done.returncode == 0:
+                return done.stdout.strip()
+        return None
+
+    commit = git("rev-parse", "HEAD")
+    changes = git("status", "--porcelain", "--untracked-files=no", "--", ".")
+    return {"commit": commit, "dirty": None if commit is None or changes is None else bool(changes)}
+
+
 def machine_info(device: str) -> dict:
-    """What the numbers were measured on: versions, CPU, threads, affinity, GPU and date."""
+    """What the numbers were measured on: versions, CPU, threads, affinity, GPU, date, and the code's commit."""
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as info:
@@ -140,7 +159,7 @@ def machine_info(device: str) -> dict:
                     break
     info = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "device": device, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "device": device, "date": time.strftime("%Y-%m-%d %H:%M:%S"), **source_commit()}
     with contextlib.suppress(AttributeError):
         info["affinity"] = sorted(os.sched_getaffinity(0))
     if device.startswith("cuda") and torch.cuda.is_available():

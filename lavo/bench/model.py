@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ..model import PRESETS, build_model, model_config
 from ..registry import attention_class
 from .runner import Ratios, Runner, fill, record
-from .settings import Settings, mechanism_options, quadratic
+from .settings import Settings, full_attention, mechanism_options, quadratic
 
 
 def position(name: str) -> str:
@@ -32,9 +32,9 @@ def model_for(name: str, settings: Settings, max_length: int):
 
 
 def plan(settings: Settings) -> list[tuple[str, int]]:
-    """(attention, length) in run order: quadratic attentions first (the first is the reference of the ratios),
-    and only up to ``--max-quadratic-length``."""
-    names = sorted(settings.model_attentions, key=lambda name: not quadratic(name))
+    """(attention, length) in run order: full attention first (the reference of the ratios); quadratic ones only
+    up to ``--max-quadratic-length``."""
+    names = sorted(settings.model_attentions, key=lambda name: not full_attention(name))
     return [(name, length) for name in names for length in settings.model_lengths
             if not quadratic(name) or length <= settings.max_quadratic_length]
 
@@ -46,7 +46,7 @@ def planned(settings: Settings) -> int:
 def run(runner: Runner) -> None:
     s, device = runner.settings, runner.device
     steps = plan(s)
-    ratios = Ratios(label(steps[0][0]) if steps and quadratic(steps[0][0]) else None)
+    ratios = Ratios(label(steps[0][0]) if steps and full_attention(steps[0][0]) else None)
     for name, length in steps:
         entry = record("model", "model", label(name), "train_step", length, s, batch=s.model_batch,
                        preset=s.model_preset, model_overrides=s.model_overrides, tokens_per_s=None,

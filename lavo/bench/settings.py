@@ -81,3 +81,11 @@ def having_option(option: str, names: list[str]) -> list[str]:
 def quadratic(name: str) -> bool:
     """Whether the time of the registered mechanism ``name`` grows with the square of the sequence length."""
     return attention_class(name).time_complexity == "quadratic"
+
+
+def full_attention(name: str) -> bool:
+    """Whether ``name`` is quadratic and keeps every key and value to decode (softmax): what the decode and model
+    sections compare the others with. A quadratic mechanism without a decoding form (long-short's landmarks)
+    is not."""
+    cls = attention_class(name)
+    return cls.time_complexity == "quadratic" and cls.supports_decoding

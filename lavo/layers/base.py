@@ -68,6 +68,11 @@ class Mechanism(nn.Module):
         """Parameters to keep out of weight decay besides those with fewer than two dimensions."""
         return []
 
+    def learning_rate_caps(self) -> list[tuple[list[nn.Parameter], float]]:
+        """``[(parameters, cap)]``: parameters whose peak learning rate is ``min(lr, cap)`` instead of ``lr``
+        (the schedule scales them as it scales the others)."""
+        return []
+
     def residual_weights(self) -> list[nn.Parameter]:
         """Weights whose output is added to the residual stream (a model scales their initialisation)."""
         return []

@@ -6,7 +6,7 @@ from torch import nn
 
 from ..cache import KVCache
 from ..ops.common import check_window, pos_bias_size
-from ..ops.local import keep_visible, local_attention, local_attention_chunk
+from ..ops.local import keep_visible, local_attention, local_attention_chunk, visible_length
 from .base import AttentionLayer
 
 
@@ -32,16 +32,16 @@ class LocalAttention(AttentionLayer):
             out = local_attention(q, k, v, causal=self.causal, padding_mask=padding_mask, **options)
             if not self.causal:
                 return out, None
-            cache = self.empty_cache(q.shape[0], device=q.device).append(k, v, padding_mask)
-        else:
-            start = cache.position
-            cache = cache.append(k, v, padding_mask)
-            out = local_attention_chunk(q, cache.keys, cache.values, start=start, key_mask=cache.key_mask, **options)
-            if padding_mask is not None:
-                out = out * padding_mask[:, :, None, None].to(out.dtype)
-        # Copies, so the cache does not pin the whole chunk's keys in memory.
-        kept = keep_visible(cache.position, self.window, cache.keys, cache.values, cache.key_mask)
-        return out, KVCache(*(x.clone() for x in kept), cache.position)
+            real = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if padding_mask is None else padding_mask
+            # Copies, so the cache does not pin the whole chunk's keys in memory.
+            kept = keep_visible(k.shape[1], self.window, k, v, real)
+            return out, KVCache(*(x.clone() for x in kept), k.shape[1], padding_mask is not None)
+        start = cache.position
+        cache = cache.append(k, v, padding_mask)
+        out = local_attention_chunk(q, cache.keys, cache.values, start=start, key_mask=cache.key_mask, **options)
+        if padding_mask is not None:
+            out = out * padding_mask[:, :, None, None].to(out.dtype)
+        return out, cache.keep_last(visible_length(cache.position, self.window))
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> KVCache:
         return KVCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype)

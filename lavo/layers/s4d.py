@@ -10,6 +10,8 @@ from torch import nn
 from ..ops.s4d import S4DCache, discretize, fft_convolution, s4d_kernel, s4d_scan
 from .base import Mechanism, element_size
 
+SYSTEM_LR_CAP = 1e-3  # the S4D reference's peak learning rate for A and dt
+
 
 class S4DLayer(Mechanism):
     r"""The S4D block: a complex diagonal SSM on every channel of ``x``, a ``D`` skip, GELU, then a linear map to
@@ -18,7 +20,8 @@ class S4DLayer(Mechanism):
 
     Each channel has ``state_size / 2`` complex modes (the other half are their conjugates), initialised S4D-Lin
     (``A_n = -1/2 + i pi n``), discretised by zero-order hold with a learned step ``dt`` (log-uniform in
-    ``[dt_min, dt_max]`` at init). Causal: the exact blocked scan of :func:`~lavo.ops.s4d.s4d_scan`, whose
+    ``[dt_min, dt_max]`` at init); as in the reference, ``A`` and ``dt`` are not weight-decayed and train at a
+    peak learning rate of at most ``1e-3``. Causal: the exact blocked scan of :func:`~lavo.ops.s4d.s4d_scan`, whose
     complex state ``[B, dim, state_size / 2]`` is the cache, so decoding equals the full forward. Non-causal: one
     FFT convolution with a forward and a backward kernel (shared ``A`` and ``dt``, separate ``C``).
 
@@ -63,6 +66,17 @@ class S4DLayer(Mechanism):
             y = fft_convolution(u, s4d_kernel(log_a, c[0], length), s4d_kernel(log_a, c[1], length))
         y = F.gelu(y + self.skip * u)
         return F.glu(self.to_glu(y), dim=-1), cache
+
+    def no_weight_decay(self) -> list[nn.Parameter]:
+        # As in the S4D reference: the system's A and dt are neither decayed nor trained faster than 1e-3.
+        return self.system_parameters()
+
+    def learning_rate_caps(self) -> list[tuple[list[nn.Parameter], float]]:
+        return [(self.system_parameters(), SYSTEM_LR_CAP)]
+
+    def system_parameters(self) -> list[nn.Parameter]:
+        """What sets the state matrix and the step: ``log_dt``, ``log_a_real`` and ``a_imag``."""
+        return [self.log_dt, self.log_a_real, self.a_imag]
 
     def residual_weights(self) -> list[nn.Parameter]:
         # The GLU's output is what this layer adds to the residual stream; its scale follows this projection.

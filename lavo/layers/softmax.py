@@ -35,10 +35,15 @@ class SoftmaxAttention(AttentionLayer):
             q, k = apply_rotary(q, start), apply_rotary(k, start)
         if not self.causal:
             return softmax_attention(q, k, v, causal=False, key_mask=padding_mask, query_mask=padding_mask), None
-        fresh = cache is None
-        cache = (self.empty_cache(q.shape[0], device=q.device) if fresh else cache).append(k, v, padding_mask)
-        key_mask = padding_mask if fresh else cache.key_mask  # None keeps the fast is_causal path
-        out = softmax_attention(q, cache.keys, cache.values, causal=True, key_mask=key_mask, query_mask=padding_mask)
+        if cache is None:  # every key is in this call: None as the mask keeps the fused is_causal path
+            out = softmax_attention(q, k, v, causal=True, key_mask=padding_mask, query_mask=padding_mask)
+            return out, self.empty_cache(q.shape[0], device=q.device).append(k, v, padding_mask)
+        cache = cache.append(k, v, padding_mask)
+        if q.shape[1] == 1 and not cache.padded:
+            # one query, at the last position, sees every cached key: no mask, so SDPA takes its fused path
+            return softmax_attention(q, cache.keys, cache.values, causal=False), cache
+        out = softmax_attention(q, cache.keys, cache.values, causal=True, key_mask=cache.key_mask,
+                                query_mask=padding_mask)
         return out, cache
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> KVCache:

@@ -16,8 +16,14 @@ def keep_visible(position: int, window: int, *tensors: torch.Tensor) -> tuple[to
     Returns:
         each tensor from the start of the previous window on: its last ``<= 2w - 1`` positions.
     """
-    keep = position - max(0, (position // window - 1) * window)
+    keep = visible_length(position, window)
     return tuple(t[:, t.shape[1] - keep:] for t in tensors)
+
+
+def visible_length(position: int, window: int) -> int:
+    """How many of the last positions a causal query at ``position`` or later can still see: those from the
+    start of the previous window on, at most ``2w - 1``."""
+    return position - max(0, (position // window - 1) * window)
 
 
 def local_attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int, window: int,

@@ -8,8 +8,9 @@ Long range: keys and values are compressed into ``r`` landmarks with a dynamic p
 ``W_p [H, D, r]``, the softmax running over positions: ``K_bar = P^T K``, ``V_bar = P^T V``. Non-causal, ``P``
 covers the whole sequence; causal, each completed segment of ``w`` positions has its own ``r`` landmarks, and a
 query in window ``c`` sees the landmarks of segments ``0 .. c - 1``. Each query takes one softmax over its window
-keys and its landmarks together. The paper's DualLN (separate layer norms of the local and projected keys and
-values) is omitted.
+keys and its landmarks together. With the paper's DualLN, the window keys and values go through one layer norm
+and the landmark keys and values through another (each over the ``H D`` features of a position), which the paper
+finds keeps the two sets of scores on one scale.
 
 The landmark scores cost ``O(T (T / w) r D)`` causal (``O(T r D)`` non-causal); the window ``O(T w D)``.
 """
@@ -17,10 +18,12 @@ from __future__ import annotations
 
 import torch
 from einops import rearrange
-from torch.nn.functional import pad
+from torch.nn.functional import layer_norm, pad
 
 from ..common import check_window_inputs, neg_inf
 from ..local.blocked import block_bias
+
+DualNorm = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _windows(x: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
@@ -55,9 +58,17 @@ def _landmarks(k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, real:
     return keys, values, real.view(real.shape[0], -1, size).any(-1)
 
 
+def _norm(x: torch.Tensor, weight_and_bias: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Layer norm over the last two axes (heads and features) of ``x [..., H, D]``; None: ``x`` unchanged."""
+    if weight_and_bias is None:
+        return x
+    weight, bias = weight_and_bias
+    return layer_norm(x.flatten(-2), weight.shape, weight, bias).view_as(x)
+
+
 def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
                         window: int, causal: bool = True, padding_mask: torch.Tensor | None = None,
-                        scale: float | None = None) -> torch.Tensor:
+                        scale: float | None = None, dual_norm: DualNorm | None = None) -> torch.Tensor:
     r"""Transformer-LS attention, blocked.
 
     Args:
@@ -66,6 +77,8 @@ def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
         window: ``w``, the window and (causal) segment length.
         padding_mask: ``[B, T]`` bool, True for real tokens; padding is never attended to and returns zeros.
         scale: defaults to ``D ** -0.5``.
+        dual_norm: DualLN, ``((weight, bias), (weight, bias))`` ``[H D]`` each: the layer norm of the window keys
+            and values, then that of the landmark keys and values. None: no normalisation.
     Returns:
         ``[B, T, H, D]``.
     """
@@ -79,12 +92,14 @@ def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     fill = neg_inf(q.dtype)
 
     queries = rearrange(pad(q * scale, (0, 0, 0, 0, 0, n * w - T)), "b (n w) h d -> b h n w d", w=w)
-    local_keys, local_values = (rearrange(_windows(x, w, causal), "b n h d k -> b h n k d") for x in (k, v))
+    short_norm, long_norm = (None, None) if dual_norm is None else dual_norm
+    local_keys, local_values = (rearrange(_windows(_norm(x, short_norm), w, causal), "b n h d k -> b h n k d")
+                                for x in (k, v))
     local = queries @ local_keys.transpose(-1, -2) + block_bias(None, H, w, causal, q.dtype, q.device)
     local = local.masked_fill(~_windows(real, w, causal)[:, None, :, None, :], fill)  # [B, H, n, w, K]
 
     keys, values, valid = _landmarks(k, v, projection, real, w if causal else None)
-    keys, values = (rearrange(x, "b s h r d -> b h (s r) d") for x in (keys, values))
+    keys, values = (rearrange(_norm(x.transpose(2, 3), long_norm), "b s r h d -> b h (s r) d") for x in (keys, values))
     seen = valid[:, None, :]  # [B, 1 or n, S]: which landmark segments each block of queries may see
     if causal:
         block = torch.arange(n, device=q.device)

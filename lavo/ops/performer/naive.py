@@ -1,15 +1,28 @@
-r"""FAVOR+ with the explicit ``[T, S]`` weights of the unstabilised features: the reference of :mod:`.features`.
-Quadratic; small inputs only."""
+r"""FAVOR+ with the explicit ``[T, S]`` weights of the unstabilised features, written from the paper: the reference
+of :mod:`.features`, sharing none of its helpers. Quadratic; small inputs only."""
 from __future__ import annotations
 
 import torch
 
-from ..feature_attention import feature_attention_naive
-from .features import favor_exponents, key_exponents, tiny
+
+def positive_random_features(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    r"""The paper's positive features ``phi(x)_f = exp(w_f . x' - |x'|^2 / 2)`` with ``x' = x / D^(1/4)``, one
+    feature at a time: ``x [B, T, H, D]``, ``projection [F, D]`` -> ``[B, T, H, F]``."""
+    scaled = x / x.shape[-1] ** 0.25
+    half_norm = (scaled * scaled).sum(-1) / 2
+    return torch.stack([torch.exp((scaled * w).sum(-1) - half_norm) for w in projection.to(x.dtype)], -1)
 
 
 def performer_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
                               causal: bool, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: explicit weights ``phi(q) phi(k)^T`` from the unstabilised features."""
-    k_feat = key_exponents(k, projection, padding_mask).exp()
-    return feature_attention_naive(favor_exponents(q, projection).exp(), k_feat, v, causal=causal, eps=tiny(v))
+    """Reference: weights ``phi(q_t) . phi(k_s)`` over the real keys (up to ``t`` when causal), normalised by
+    their sum, clamped at the smallest positive normal number."""
+    T, S = q.shape[1], k.shape[1]
+    weights = torch.einsum("bthf,bshf->bhts", positive_random_features(q, projection),
+                           positive_random_features(k, projection))
+    if padding_mask is not None:
+        weights = weights * padding_mask[:, None, None, :].to(weights.dtype)
+    if causal:
+        weights = weights * torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+    total = weights.sum(-1).clamp(min=torch.finfo(v.dtype).tiny)
+    return torch.einsum("bhts,bshd->bthd", weights, v) / total.transpose(1, 2)[..., None]

@@ -1,0 +1,39 @@
+"""The committed experiments compare like with like: every model an experiment's run.sh trains has, within 2%,
+the parameters of the others."""
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lavo.config import load_config
+from lavo.model import build_model, count_parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted(p.parent.name for p in (ROOT / "experiments").glob("*/run.sh"))
+# Runs the script with its training and evaluation replaced by printing what would be trained.
+LIST_RUNS = ('source() { :; }; python() { :; }; eval_runs() { :; }; '
+             'train_run() { printf "%s\\t" "$@"; printf "\\n"; }; . "$0"')
+
+
+def planned_runs(experiment: str) -> dict[str, list[str]]:
+    """``{run name: [--set overrides]}`` of the ``train_run`` calls in ``experiments/NAME/run.sh``, each with its
+    experiment's base config first."""
+    script = ROOT / "experiments" / experiment / "run.sh"
+    listing = subprocess.run(["bash", "--norc", "-c", LIST_RUNS, str(script)], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout
+    runs = {}
+    for line in listing.splitlines():
+        directory, name, *options = line.rstrip("\t").split("\t")
+        overrides = [value for flag, value in zip(options[::2], options[1::2]) if flag == "--set"]
+        runs[name] = [str(ROOT / directory / "base.json"), *overrides]
+    return runs
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_model_of_an_experiment_has_the_same_parameters_within_two_percent(experiment):
+    counts = {}
+    for name, (base, *overrides) in planned_runs(experiment).items():
+        config = load_config(base, overrides)
+        counts[name] = count_parameters(build_model(config.model_config(vocab_size=4096)))
+    assert len(counts) >= 3
+    assert max(counts.values()) <= 1.02 * min(counts.values()), counts
