@@ -26,6 +26,7 @@ from .model import LanguageModel, ModelConfig
 
 CONFIG, TOKENIZER, WEIGHTS, STATE, METRICS = (
     "config.json", "tokenizer.json", "model.safetensors", "state.pt", "metrics.jsonl")
+EXPORTED_MODEL_TYPE = "lavo_lm"  # `model_type` in the config.json of a directory written by `lavo export`
 
 
 def save_run_config(run_dir: str | os.PathLike, config: RunConfig, model_config: ModelConfig,
@@ -43,10 +44,14 @@ def save_run_config(run_dir: str | os.PathLike, config: RunConfig, model_config:
     tokenizer.save(Path(run_dir) / TOKENIZER)
 
 
+def run_config_at(values: dict, run_dir: str | os.PathLike) -> RunConfig:
+    """The run config ``values`` (as ``config.json`` holds them) with ``train.out_dir`` set to ``run_dir``."""
+    return RunConfig.from_dict(deep_merge(values, {"train": {"out_dir": str(run_dir)}}))
+
+
 def read_run_config(run_dir: str | os.PathLike) -> RunConfig:
     """The run config of a run directory, with ``train.out_dir`` set to where the directory is now."""
-    values = json.loads((Path(run_dir) / CONFIG).read_text())
-    return RunConfig.from_dict(deep_merge(values, {"train": {"out_dir": str(run_dir)}}))
+    return run_config_at(json.loads((Path(run_dir) / CONFIG).read_text()), run_dir)
 
 
 def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu"
@@ -62,6 +67,27 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu"
     model.load_state_dict(load_file(str(run_dir / WEIGHTS)))
     tokenizer = load_tokenizer_file(run_dir / TOKENIZER, config.data.tokenizer)
     return model.to(device).eval(), config, tokenizer
+
+
+def is_exported(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` was written by ``lavo export`` (a Hugging Face model directory) rather than being a
+    run directory: its ``config.json`` names the model type ``lavo_lm``."""
+    path = Path(directory) / CONFIG
+    return path.is_file() and json.loads(path.read_text()).get("model_type") == EXPORTED_MODEL_TYPE
+
+
+def load_model_dir(directory: str | os.PathLike, device: str | torch.device = "cpu"
+                   ) -> tuple[LanguageModel, RunConfig | None, Tokenizer]:
+    """:func:`load_run` for a run directory or one written by ``lavo export`` (which needs the extra ``hf``); the
+    run config is None for an exported model that does not record the run it came from."""
+    if not is_exported(directory):
+        return load_run(directory, device)
+    try:
+        from .hf import load_exported
+    except ImportError as error:
+        raise ValueError(f"{directory} is a Hugging Face model directory: reading it needs transformers "
+                         "(`pip install 'lavo[hf]'`)") from error
+    return load_exported(directory, device)
 
 
 def save_checkpoint(run_dir: str | os.PathLike, model: LanguageModel, state: dict) -> None:
