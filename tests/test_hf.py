@@ -292,3 +292,25 @@ def test_an_export_without_its_run_config_needs_a_text_and_lengths(trained, tmp_
     assert "do not record their training length: give --lengths" in capsys.readouterr().err
     assert main(["eval", str(tmp_path), *text, "--lengths", "32"]) == 0
     assert "tokens of" in capsys.readouterr().out
+
+
+def test_the_stream_example_scores_a_long_text_with_a_constant_state(saved, tokenizer, tmp_path):
+    """examples/stream_perplexity.py: the same tokens and perplexity as one pass over the whole text."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("stream_perplexity", ROOT / "examples" / "stream_perplexity.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    directory, model = saved
+    words = (WORDS * 40)[::7]
+    text = tmp_path / "long.txt"
+    text.write_text(" ".join(words[i] + ("\n\n" if i % 50 == 49 else "") for i in range(len(words))))
+    reports = list(example.running_perplexity(AutoModelForCausalLM.from_pretrained(directory).eval(),
+                                              AutoTokenizer.from_pretrained(directory), str(text),
+                                              chunk_tokens=64, block_chars=300))
+    tokens = tokenizer.encode(text.read_text())
+    assert len(reports) > 5 and reports[-1]["tokens"] == len(tokens) - 1
+    assert len({r["state_bytes"] for r in reports[:-1]}) == 1  # chunks of 64: the same place in every window
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([tokens[:-1]]))
+    nll = torch.nn.functional.cross_entropy(logits[0], torch.tensor(tokens[1:]))
+    assert reports[-1]["ppl"] == pytest.approx(nll.exp().item(), rel=1e-4)
