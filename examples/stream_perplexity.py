@@ -25,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers.utils import logging  # noqa: E402
 
 import lavo.hf  # noqa: E402,F401  (registers the lavo_lm model type)
 
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--report-every", type=int, default=100_000, help="tokens between reports")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(args.model).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     start, next_report, report = time.perf_counter(), args.report_every, None

@@ -63,6 +63,15 @@ def saved(tmp_path_factory, tokenizer):
     return directory, model
 
 
+def test_the_config_has_the_model_config_fields_and_defaults():
+    from lavo.model import ModelConfig
+    assert H.LavoLMConfig().model_config() == ModelConfig()
+    config = H.LavoLMConfig(attention="local", attention_options={"window": 8}, dim=64, heads=8, depth=3)
+    assert (config.hidden_size, config.num_attention_heads, config.num_hidden_layers) == (64, 8, 3)
+    with pytest.raises(ValueError, match="attention 'local' has no option 'rank'"):
+        H.LavoLMConfig(attention="local", attention_options={"rank": 8})
+
+
 @pytest.mark.parametrize("name", SETTINGS)
 def test_logits_and_loss_equal_the_native_model(name):
     model = native(**SETTINGS[name])

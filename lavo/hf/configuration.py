@@ -24,6 +24,8 @@ class LavoLMConfig(PreTrainedConfig):
     model_type = MODEL_TYPE
     attribute_map = {"hidden_size": "dim", "num_hidden_layers": "depth", "num_attention_heads": "heads"}
 
+    # ModelConfig's fields again: transformers reads a config's fields from its own dataclass declaration
+    # (tests check that the names and defaults agree)
     vocab_size: int = 4096
     dim: int = 256
     depth: int = 4
