@@ -1,4 +1,4 @@
-"""``lavo`` command line: data, train, eval, generate, demo (``lavo COMMAND --help`` for each).
+"""``lavo`` command line: data, train, eval, generate, export, demo, bench (``lavo COMMAND --help`` for each).
 
 Each command is a handler ``cmd_NAME(args)`` and a function ``add_NAME(commands)`` that adds its parser; a new
 command is those two and an entry in :data:`COMMANDS`."""
@@ -86,7 +86,7 @@ def add_train(commands) -> None:
 
 def cmd_eval(args) -> None:
     from .evaluate import evaluate_runs
-    evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split,
+    evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split, text=args.text,
                   batch_size=args.batch_size, chunk_size=args.chunk_size or None, max_tokens=args.max_tokens,
                   data_dir=args.data_dir, device=args.device, out_dir=args.out, progress=not args.quiet)
 
@@ -94,9 +94,10 @@ def cmd_eval(args) -> None:
 def add_eval(commands) -> None:
     p = commands.add_parser("eval", help="perplexity at several lengths on held-out text",
                             description="Perplexity of trained runs at several lengths over the same held-out "
-                            "tokens (each run's held-out documents, tokenised with the run's own tokenizer); "
-                            "prints a table, writes results.json and perplexity.png to --out.")
-    p.add_argument("runs", nargs="+", help="run directories (train.out_dir of each)")
+                            "tokens (each run's held-out documents, or the plain text --text, tokenised with the "
+                            "run's own tokenizer); prints a table, writes results.json and perplexity.png to --out.")
+    p.add_argument("runs", nargs="+", help="run directories (train.out_dir of each) or directories written by "
+                   "`lavo export`")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--lengths", type=_flag("eval", "lengths"),
                        help="comma-separated lengths, e.g. 256,512,1024,2048")
@@ -104,6 +105,8 @@ def add_eval(commands) -> None:
                        help="multiples of the first run's train_length (default: 1,2,4,8)")
     p.add_argument("--split", default="valid", choices=("train", "valid"),
                    help="split to score (default: valid, the held-out documents)")
+    p.add_argument("--text", default=None, help="score this plain-text file, or every .txt file of this folder, "
+                   "instead of a split")
     p.add_argument("--data-dir", default=None, help="where the runs' data was downloaded (default: the data_dir "
                    "each run trained with)")
     p.add_argument("--batch-size", type=_flag("eval", "batch_size"), default=8,
@@ -121,10 +124,10 @@ def add_eval(commands) -> None:
 
 def cmd_generate(args) -> None:
     from .generate import generate
-    from .run import load_run
+    from .run import load_model_dir
     from .train import resolve_device
     device = resolve_device(args.device)
-    model, _, tokenizer = load_run(args.run, device)
+    model, _, tokenizer = load_model_dir(args.run, device)
     prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_id]
     samples = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                        top_p=args.top_p, seed=args.seed, stop_id=tokenizer.eot_id, num_samples=args.num_samples,
@@ -139,7 +142,7 @@ def add_generate(commands) -> None:
     p = commands.add_parser("generate", help="sample text from a trained run",
                             description="Sample a continuation of --prompt (temperature, top-k, top-p, seeded). "
                             "Needs nothing but the run directory.")
-    p.add_argument("run", help="run directory")
+    p.add_argument("run", help="run directory, or a directory written by `lavo export`")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--max-new-tokens", type=_flag("sampling", "max_new_tokens"), default=200)
     p.add_argument("--temperature", type=_flag("sampling", "temperature"), default=0.8,
@@ -151,6 +154,27 @@ def add_generate(commands) -> None:
     p.add_argument("--num-samples", type=_flag("sampling", "num_samples"), default=1)
     p.add_argument("--device", default="auto", type=_flag("train", "device"), help="auto, cpu, cuda or cuda:N")
     p.set_defaults(handler=cmd_generate)
+
+
+def cmd_export(args) -> None:
+    try:
+        from .hf import export_run
+    except ImportError as error:
+        raise ValueError(str(error)) from error
+    print(f"wrote {export_run(args.run, args.out, overwrite=args.overwrite)}")
+
+
+def add_export(commands) -> None:
+    p = commands.add_parser("export", help="write a trained run as a Hugging Face model directory",
+                            description="Write RUN_DIR's model, config and tokenizer to OUT_DIR in the Hugging Face "
+                            "format (safetensors): after `import lavo.hf`, "
+                            "AutoModelForCausalLM.from_pretrained(OUT_DIR) and pipeline('text-generation', "
+                            "model=OUT_DIR) load it offline; `lavo generate` and `lavo eval` take OUT_DIR too. Needs "
+                            "the extra hf (`pip install 'lavo[hf]'`).")
+    p.add_argument("run", help="run directory")
+    p.add_argument("out", help="output directory (new or empty)")
+    p.add_argument("--overwrite", action="store_true", help="write into OUT_DIR even if it is not empty")
+    p.set_defaults(handler=cmd_export)
 
 
 def cmd_demo(args) -> None:
@@ -187,12 +211,13 @@ def add_bench(commands) -> None:
 
 
 # the commands, in the order `lavo --help` lists them
-COMMANDS = (add_data, add_train, add_eval, add_generate, add_demo, add_bench)
+COMMANDS = (add_data, add_train, add_eval, add_generate, add_export, add_demo, add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lavo", description="LAVO language modelling: prepare data, train, "
-                                     "evaluate perplexity at many lengths, generate, run the demo, benchmark.")
+                                     "evaluate perplexity at many lengths, generate, export to Hugging Face, run "
+                                     "the demo, benchmark.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in COMMANDS:
         add_command(commands)

@@ -112,14 +112,14 @@ def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch
     return results
 
 
-def format_table(results: dict[str, dict[int, dict]]) -> str:
-    """Perplexity table: one row per model, one column per length."""
+def format_table(results: dict[str, dict[int, dict]], scored: str = "held-out tokens") -> str:
+    """Perplexity table: one row per model, one column per length; ``scored`` says which tokens."""
     lengths = sorted({length for per_model in results.values() for length in per_model})
     rows = [[name] + [f"{per_model[length]['ppl']:.2f}" if length in per_model else "-" for length in lengths]
             for name, per_model in results.items()]
     tokens = {p["tokens"] for per_model in results.values() for p in per_model.values()}
     return (text_table(["model"] + [f"L={length}" for length in lengths], rows) +
-            f"\n(perplexity on the same {', '.join(str(t) for t in sorted(tokens))} held-out tokens at every "
+            f"\n(perplexity on the same {', '.join(str(t) for t in sorted(tokens))} {scored} at every "
             "length; segments scored from an empty context)")
 
 
@@ -132,14 +132,44 @@ def save_plot(results: dict[str, dict[int, dict]], path: str | os.PathLike, titl
                      vline=(train_length, "training length") if train_length else None)
 
 
+def text_tokens(path: str | os.PathLike, tokenizer) -> np.ndarray:
+    """A plain-text file, or every ``.txt`` file of a folder (sorted by name), tokenised with ``tokenizer``;
+    each document is followed by ``<|endoftext|>``, as in prepared data."""
+    from .data import DataError, Document, encode_documents, read_documents, token_dtype
+    path = Path(path)
+    if path.is_dir():
+        documents = read_documents(path)
+    elif path.is_file():
+        try:
+            documents = [Document(path.stem, path.read_text(encoding="utf-8"))]
+        except UnicodeDecodeError as error:
+            raise DataError(f"{path} is not UTF-8 text ({error})") from error
+    else:
+        raise DataError(f"--text {path}: no such file or folder")
+    return encode_documents(tokenizer, documents, token_dtype(tokenizer.vocab_size))[0]
+
+
+def held_out_tokens(config, tokenizer, split: str, data_dir: str | None) -> np.ndarray:
+    """The split ``split`` of a run's data (from ``data_dir``, default the run's own), tokenised with
+    ``tokenizer``."""
+    from .data import DataError, split_tokens
+    data = config.data
+    try:
+        return split_tokens(data.source, data_dir or data.data_dir, data.holdout, split, tokenizer)
+    except DataError as error:
+        raise DataError(f"{error} (or, if the run's data is elsewhere: `lavo eval --data-dir FOLDER`)") from error
+
+
 def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, multiples: list[float] | None = None,
-                  split: str = "valid", batch_size: int = 8, chunk_size: int | None = 512,
+                  split: str = "valid", text: str | None = None, batch_size: int = 8, chunk_size: int | None = 512,
                   max_tokens: int | None = None, data_dir: str | None = None, device: str = "auto",
                   out_dir: str | None = None, progress: bool = True, log=print) -> dict[str, dict[int, dict]]:
-    """Score trained runs on the split ``split`` of each run's data (read from ``data_dir``, default the run's
-    own, and tokenised with the run's tokenizer); print the table, write ``results.json`` and ``perplexity.png``."""
-    from .data import DataError, split_tokens
-    from .run import load_run
+    """Score trained runs (run directories or directories written by ``lavo export``) on the split ``split`` of
+    each run's data (read from ``data_dir``, default the run's own), or on the plain text ``text`` (a file or a
+    folder of ``.txt`` files), tokenised with each run's tokenizer; print the table, write ``results.json`` and
+    ``perplexity.png``."""
+    from .data import DataError
+    from .run import load_model_dir
     from .train import resolve_device
 
     settings = EvalSettings(multiples=multiples, lengths=lengths, max_tokens=max_tokens, batch_size=batch_size,
@@ -148,34 +178,42 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     names = [Path(run).name for run in run_dirs]
     if len(set(names)) < len(names):  # same folder name in different places: use the paths
         names = [str(run) for run in run_dirs]
-    loaded = [(name, *load_run(run, device)) for name, run in zip(names, run_dirs)]
-    data_keys = {(c.data.source, c.data.tokenizer) for _, _, c, _ in loaded}
-    if len(data_keys) > 1:
-        log(f"warning: the runs use different data or tokenizers {sorted(data_keys)}: perplexities do not compare")
-    train_length = loaded[0][2].train.train_length
+    loaded = [(name, *load_model_dir(run, device)) for name, run in zip(names, run_dirs)]
+    missing_config = [run for (_, _, config, _), run in zip(loaded, run_dirs) if config is None]
+    if missing_config and text is None:
+        raise DataError(f"{', '.join(map(str, missing_config))} do not record the data they trained on: score a "
+                        "text with --text FILE")
+    if text is None:
+        differ = {(c.data.source, c.data.tokenizer) for _, _, c, _ in loaded}
+    else:  # on a given text only the tokenizers matter
+        differ = {t.inner.to_str() for _, _, _, t in loaded}
+    if len(differ) > 1:
+        log("warning: the runs use different data or tokenizers: perplexities do not compare")
+    train_length = next((c.train.train_length for _, _, c, _ in loaded if c is not None), None)
+    if settings.lengths is None and train_length is None:
+        raise ValueError("the models do not record their training length: give --lengths")
     lengths = settings.lengths_for(train_length)
     texts = {}  # runs on the same data with the same tokenizer score the same tokens: tokenise once
     results = {}
     for name, model, config, tokenizer in loaded:
-        data = config.data
-        where = data_dir or data.data_dir
-        key = (data.source, where, json.dumps(data.holdout), tokenizer.inner.to_str())
+        if text is None:
+            data = config.data
+            key = (data.source, data_dir or data.data_dir, json.dumps(data.holdout), tokenizer.inner.to_str())
+        else:
+            key = (text, tokenizer.inner.to_str())
         if key not in texts:
-            try:
-                texts[key] = split_tokens(data.source, where, data.holdout, split, tokenizer)
-            except DataError as error:
-                raise DataError(f"{error} (or, if the run's data is elsewhere: `lavo eval --data-dir FOLDER`)"
-                                ) from error
+            texts[key] = text_tokens(text, tokenizer) if text else held_out_tokens(config, tokenizer, split, data_dir)
         if progress:
             log(f"scoring {name} at lengths {', '.join(map(str, lengths))}")
         results[name] = perplexity_by_length(model, texts[key], lengths, batch_size=batch_size,
                                              chunk_size=chunk_size, max_tokens=max_tokens, device=device,
                                              progress=progress)
-    log(format_table(results))
+    log(format_table(results, "held-out tokens" if text is None else f"tokens of {text}"))
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        payload = {"split": split, "runs": {name: str(run) for (name, *_), run in zip(loaded, run_dirs)},
+        payload = {"split": split if text is None else None, "text": text,
+                   "runs": {name: str(run) for (name, *_), run in zip(loaded, run_dirs)},
                    "results": {name: {str(k): v for k, v in r.items()} for name, r in results.items()}}
         write_json(out / "results.json", payload)
         plot = save_plot(results, out / "perplexity.png", train_length=train_length)

@@ -39,6 +39,7 @@ RUN_FILES = (WEIGHTS, STATE, METRICS)  # what a run directory that has trained h
 
 class RunError(RuntimeError):
     """A run directory that cannot be used as asked; the message names the file and what to do."""
+EXPORTED_MODEL_TYPE = "lavo_lm"  # `model_type` in the config.json of a directory written by `lavo export`
 
 
 def save_run_config(run_dir: str | os.PathLike, config: RunConfig, model_config: ModelConfig,
@@ -56,12 +57,17 @@ def save_run_config(run_dir: str | os.PathLike, config: RunConfig, model_config:
     tokenizer.save(Path(run_dir) / TOKENIZER)
 
 
+def run_config_at(values: dict, run_dir: str | os.PathLike) -> RunConfig:
+    """The run config ``values`` (as ``config.json`` holds them) with ``train.out_dir`` set to ``run_dir``."""
+    return RunConfig.from_dict(deep_merge(values, {"train": {"out_dir": str(run_dir)}}))
+
+
 def read_run_config(run_dir: str | os.PathLike) -> RunConfig:
     """The run config of a run directory, with ``train.out_dir`` set to where the directory is now."""
     path = Path(run_dir) / CONFIG
     try:
         values = json.loads(path.read_text())
-        return RunConfig.from_dict(deep_merge(values, {"train": {"out_dir": str(run_dir)}}))
+        return run_config_at(values, run_dir)
     except (ValueError, TypeError, AttributeError) as error:
         raise RunError(f"{path} is not a valid run config ({error}): restore it, or train the run again "
                        "with --overwrite") from error
@@ -119,6 +125,27 @@ def checkpoint_id(path: Path) -> tuple[str | None, str | None]:
     except Exception as error:
         raise RunError(f"{path} is not a readable safetensors file ({error}): it is damaged") from error
     return metadata.get("step"), metadata.get("checkpoint")
+
+
+def is_exported(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` was written by ``lavo export`` (a Hugging Face model directory) rather than being a
+    run directory: its ``config.json`` names the model type ``lavo_lm``."""
+    path = Path(directory) / CONFIG
+    return path.is_file() and json.loads(path.read_text()).get("model_type") == EXPORTED_MODEL_TYPE
+
+
+def load_model_dir(directory: str | os.PathLike, device: str | torch.device = "cpu"
+                   ) -> tuple[LanguageModel, RunConfig | None, Tokenizer]:
+    """:func:`load_run` for a run directory or one written by ``lavo export`` (which needs the extra ``hf``); the
+    run config is None for an exported model that does not record the run it came from."""
+    if not is_exported(directory):
+        return load_run(directory, device)
+    try:
+        from .hf import load_exported
+    except ImportError as error:
+        raise ValueError(f"{directory} is a Hugging Face model directory: reading it needs transformers "
+                         "(`pip install 'lavo[hf]'`)") from error
+    return load_exported(directory, device)
 
 
 def save_checkpoint(run_dir: str | os.PathLike, model: LanguageModel, state: dict) -> None:

@@ -71,3 +71,33 @@ def test_table_and_plot(tmp_path):
     assert "L=256" in table and "80.50" in table and "same 2048 held-out tokens" in table
     path = save_plot(results, tmp_path / "p.png", train_length=256)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_any_text_is_scored_with_the_runs_tokenizer(tmp_path, capsys):
+    from lavo.cli import main
+    from lavo.config import RunConfig
+    from lavo.data import EOT
+    from lavo.evaluate import text_tokens
+    from lavo.run import load_run
+    from lavo.train import train
+    from lm_corpus import tiny_run, write_corpus
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
+    train(RunConfig.from_dict(tiny_run(corpus, tmp_path / "data", tmp_path / "run", steps=2)), log=lambda *_: None)
+    model, _, tokenizer = load_run(tmp_path / "run")
+    texts = write_corpus(tmp_path / "texts", documents=2, words=400, seed=5)
+
+    folder = text_tokens(texts, tokenizer)
+    one = text_tokens(texts / "doc1.txt", tokenizer)
+    assert folder.tolist() == tokenizer.encode((texts / "doc0.txt").read_text() + EOT) + one.tolist()
+    assert one[-1] == tokenizer.eot_id
+
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--text", str(texts), "--lengths", "16,32", "--chunk-size", "12",
+                 "--quiet", "--out", str(tmp_path / "eval")]) == 0
+    assert f"tokens of {texts} at every length" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "eval" / "results.json").read_text())
+    expected = perplexity_by_length(model, folder, [16, 32], chunk_size=12)
+    assert saved["text"] == str(texts) and saved["split"] is None
+    assert saved["results"]["run"] == {str(length): result for length, result in expected.items()}
+    assert main(["eval", str(tmp_path / "run"), "--text", str(tmp_path / "nothing.txt"), "--lengths", "16"]) == 2
+    assert "no such file or folder" in capsys.readouterr().err

@@ -1,0 +1,56 @@
+"""The model settings as a ``transformers`` config: the fields of :class:`lavo.model.ModelConfig`, so every
+registered mechanism and its options load through ``AutoConfig``."""
+from __future__ import annotations
+
+from dataclasses import field
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+from ..model import ModelConfig
+from ..run import EXPORTED_MODEL_TYPE as MODEL_TYPE
+
+
+@strict
+class LavoLMConfig(PreTrainedConfig):
+    r"""A LAVO language model's config (``model_type = "lavo_lm"``).
+
+    ``vocab_size`` ... ``init_std`` are :class:`lavo.model.ModelConfig`'s fields and mean the same; the standard
+    names ``hidden_size``, ``num_hidden_layers`` and ``num_attention_heads`` read ``dim``, ``depth`` and ``heads``.
+    ``lavo_run`` is the run config (sections data, model, train) of the run it was exported from, or None: it
+    lets ``lavo eval`` score the run's held-out split and default to multiples of its training length.
+    """
+
+    model_type = MODEL_TYPE
+    attribute_map = {"hidden_size": "dim", "num_hidden_layers": "depth", "num_attention_heads": "heads"}
+
+    # ModelConfig's fields again: transformers reads a config's fields from its own dataclass declaration
+    # (tests check that the names and defaults agree)
+    vocab_size: int = 4096
+    dim: int = 256
+    depth: int = 4
+    heads: int = 4
+    attention: str = "lavo"
+    attention_options: dict = field(default_factory=dict)
+    position: str = "none"
+    mlp_ratio: int = 4
+    dropout: float | int = 0.0
+    init_std: float = 0.02
+    use_cache: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    tie_word_embeddings: bool = True  # the logits read the token embedding matrix
+    lavo_run: dict | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.model_config()  # a bad mechanism, option or position fails here, with ModelConfig's message
+
+    def model_config(self) -> ModelConfig:
+        """The native model's settings."""
+        return ModelConfig.from_dict({name: getattr(self, name) for name in ModelConfig.__dataclass_fields__})
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, **extra) -> LavoLMConfig:
+        return cls(**config.to_dict(), **extra)

@@ -1,0 +1,48 @@
+"""A trained run as a Hugging Face model directory, and back.
+
+``lavo export RUN_DIR OUT_DIR`` writes ``config.json`` (:class:`~lavo.hf.configuration.LavoLMConfig`, with the
+run config under ``lavo_run``), ``model.safetensors``, ``generation_config.json``, and the run's tokenizer as a
+``PreTrainedTokenizerFast`` (``tokenizer.json``, ``tokenizer_config.json``): what ``AutoModelForCausalLM`` and
+``pipeline("text-generation")`` read, offline.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from ..config import RunConfig
+from ..data import Tokenizer, load_tokenizer_file
+from ..model import LanguageModel
+from ..run import TOKENIZER, load_run, run_config_at
+from .modeling import LavoLMForCausalLM
+from .tokenization import hub_tokenizer
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write the trained run ``run_dir`` to ``out_dir`` as a Hugging Face model directory; return ``out_dir``."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} is not empty: choose another directory or pass --overwrite")
+    model, config, tokenizer = load_run(run_dir)
+    run = config.to_dict()
+    del run["train"]["out_dir"]
+    ids = dict(bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id, pad_token_id=tokenizer.eot_id)
+    LavoLMForCausalLM.from_native(model, lavo_run=run, **ids).save_pretrained(out)
+    hub_tokenizer(tokenizer).save_pretrained(out)
+    return out
+
+
+def load_exported(directory: str | os.PathLike, device: str | torch.device = "cpu"
+                  ) -> tuple[LanguageModel, RunConfig | None, Tokenizer]:
+    """The native model (eval mode, on ``device``), the recorded run config (or None) and the tokenizer of a
+    directory written by :func:`export_run`."""
+    directory = Path(directory)
+    if not (directory / TOKENIZER).is_file():
+        raise FileNotFoundError(f"{directory} has no {TOKENIZER}: export the run again (`lavo export RUN_DIR "
+                                f"{directory} --overwrite`) or copy the run's {TOKENIZER} there")
+    wrapped = LavoLMForCausalLM.from_pretrained(directory)
+    run = wrapped.config.lavo_run
+    config = None if run is None else run_config_at(run, directory)
+    tokenizer = load_tokenizer_file(directory / TOKENIZER, "exported" if run is None else run["data"]["tokenizer"])
+    return wrapped.lavo.to(device).eval(), config, tokenizer

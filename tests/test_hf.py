@@ -1,0 +1,325 @@
+"""lavo.hf: the native model under transformers' AutoModelForCausalLM, generate(), save/load and pipelines."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # no hub access from the tests, before transformers reads it
+pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, pipeline  # noqa: E402
+
+import lavo.hf as H  # noqa: E402
+from lavo.cache import LavoCache  # noqa: E402
+from lavo.data import train_bpe  # noqa: E402
+from lavo.generate import generate  # noqa: E402
+from lavo.model import build_model  # noqa: E402
+from lavo.registry import available_attentions, attention_class  # noqa: E402
+from lm_corpus import WORDS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# the model settings the equivalence tests run on: LAVO, a sliding window and softmax with rotary positions
+SETTINGS = {
+    "lavo": dict(attention="lavo", attention_options={"window": 4}),
+    "local": dict(attention="local", attention_options={"window": 4}),
+    "softmax-rope": dict(attention="softmax", attention_options={}, position="rope"),
+}
+
+
+def native(vocab_size=61, **settings):
+    torch.manual_seed(0)
+    # a large init_std so that an untrained model's greedy continuations vary instead of repeating one token
+    values = dict(vocab_size=vocab_size, dim=32, depth=2, heads=2, init_std=0.3, **SETTINGS["lavo"])
+    return build_model({**values, **settings}).eval()
+
+
+def wrapped(model, **config):
+    return H.LavoLMForCausalLM.from_native(model, **config).eval()
+
+
+def hub_generate(model, prompt, max_new_tokens, **options):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, eos_token_id=None,
+                         pad_token_id=0, **options)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_bpe([" ".join(WORDS * 20)], 300)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tokenizer):
+    """A LAVO model with its tokenizer saved as a Hugging Face directory, and the native model."""
+    model = native(tokenizer.vocab_size)
+    directory = tmp_path_factory.mktemp("hub")
+    ids = dict(bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id, pad_token_id=tokenizer.eot_id)
+    wrapped(model, **ids).save_pretrained(directory)
+    H.hub_tokenizer(tokenizer).save_pretrained(directory)
+    return directory, model
+
+
+def test_the_config_has_the_model_config_fields_and_defaults():
+    from lavo.model import ModelConfig
+    assert H.LavoLMConfig().model_config() == ModelConfig()
+    config = H.LavoLMConfig(attention="local", attention_options={"window": 8}, dim=64, heads=8, depth=3)
+    assert (config.hidden_size, config.num_attention_heads, config.num_hidden_layers) == (64, 8, 3)
+    with pytest.raises(ValueError, match="attention 'local' has no option 'rank'"):
+        H.LavoLMConfig(attention="local", attention_options={"rank": 8})
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_logits_and_loss_equal_the_native_model(name):
+    model = native(**SETTINGS[name])
+    ids = torch.randint(0, 61, (2, 23))
+    with torch.no_grad():
+        expected, _ = model(ids)
+        out = wrapped(model)(ids, labels=ids)
+    torch.testing.assert_close(out.logits, expected, rtol=0, atol=1e-5)
+    loss = torch.nn.functional.cross_entropy(expected[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(out.loss, loss)
+
+
+@pytest.mark.parametrize("name", available_attentions())
+def test_every_mechanism_saves_loads_and_generates_like_the_native_loop(name, tmp_path):
+    settings = dict(attention=name, attention_options={}, position="none")
+    if "window" in attention_class(name).option_names():
+        settings["attention_options"] = {"window": 4}
+    model = native(**settings)
+    wrapped(model).save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).attention == name
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, H.LavoLMForCausalLM)
+    ids = torch.randint(0, 61, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids)[0], rtol=0, atol=1e-5)
+    prompt = ids[0].tolist()
+    assert hub_generate(loaded, prompt, 6, do_sample=False) == generate(model, prompt, 6, temperature=0)[0]
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_greedy_generate_equals_the_native_decoding_loop(name):
+    model = native(**SETTINGS[name])
+    prompt = [5, 6, 7, 8, 9]
+    ours = generate(model, prompt, 30, temperature=0)[0]
+    assert len(set(ours)) > 3  # a continuation that varies, so that agreement means something
+    assert hub_generate(wrapped(model), prompt, 30, do_sample=False) == ours
+
+
+def test_sampling_with_temperature_top_k_top_p():
+    model = wrapped(native())
+    prompt = [5, 6, 7]
+    greedy = hub_generate(model, prompt, 20, do_sample=False)
+    options = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    torch.manual_seed(1)
+    first = hub_generate(model, prompt, 20, **options)
+    torch.manual_seed(1)
+    assert hub_generate(model, prompt, 20, **options) == first
+    assert first != greedy  # this seed draws something other than the most likely token
+    assert hub_generate(model, prompt, 20, do_sample=True, top_k=1) == greedy  # one candidate left: greedy
+    assert hub_generate(model, prompt, 20, do_sample=True, top_p=1e-6) == greedy
+
+
+@pytest.mark.parametrize("name", ["lavo", "softmax-rope"])
+def test_beam_search_reorders_the_state(name):
+    """The score beam search accumulated through the reordered state equals a fresh pass over each returned
+    sequence: with a state reordered wrongly, a beam would continue another beam's context."""
+    model = native(**SETTINGS[name])
+    prompt = [5, 6, 7, 8]
+    out = wrapped(model).generate(torch.tensor([prompt]), max_new_tokens=12, num_beams=3, num_return_sequences=3,
+                                  do_sample=False, length_penalty=0.0, eos_token_id=None, pad_token_id=0,
+                                  return_dict_in_generate=True, output_scores=True)
+    sequences = out.sequences
+    assert sequences.shape == (3, 16) and len({tuple(s) for s in sequences.tolist()}) == 3
+    assert (sequences[:, :4] == torch.tensor(prompt)).all() and 0 <= sequences.min() and sequences.max() < 61
+    with torch.no_grad():
+        logits, _ = model(sequences[:, :-1])
+    log_probs = logits.log_softmax(-1).gather(-1, sequences[:, 1:, None])[:, 3:, 0].sum(1)
+    torch.testing.assert_close(out.sequences_scores, log_probs, rtol=0, atol=1e-4)
+    assert out.sequences_scores[0] >= out.sequences_scores[1] >= out.sequences_scores[2]
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_left_padded_batch_continues_each_prompt_as_alone(name):
+    """Prompts of 7, 2 and 5 tokens (left-padded by 0, 5 and 2, not multiples of the window of 4)."""
+    model = native(**SETTINGS[name])
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [20, 21, 22, 23, 24]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = wrapped(model).generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)
+    alone = [generate(model, p, 15, temperature=0)[0] for p in prompts]
+    assert out[:, width:].tolist() == alone
+
+
+def test_padding_inside_a_row_is_refused():
+    model = wrapped(native())
+    with pytest.raises(ValueError, match=r"rows \[1\] have padding between real tokens"):
+        model(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]]))
+
+
+def test_the_lavo_state_stays_the_same_size_however_long_the_generation():
+    """Within a window the local branch keeps w to 2w - 1 keys, so the size is compared at the same place in
+    the window: 15, 43 and 83 tokens consumed (the last generated token is never fed)."""
+    def state_bytes(model, new_tokens):
+        out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
+        assert out.sequences.shape[1] == 3 + new_tokens
+        assert isinstance(out.cache, H.LavoState)
+        return out.cache.nbytes()
+
+    lavo = wrapped(native())
+    sizes = [state_bytes(lavo, n) for n in (13, 41, 81)]
+    # 2 layers, B=1, H=2, D=16, rank 16, window 4
+    assert sizes[0] == sizes[1] == sizes[2] == 2 * LavoCache.max_nbytes(1, 2, 16, 16, 4)
+    softmax = wrapped(native(**SETTINGS["softmax-rope"]))
+    assert state_bytes(softmax, 40) < state_bytes(softmax, 80)  # the key/value cache grows with the context
+
+
+def test_save_then_load_in_a_fresh_process_gives_the_same_logits(saved):
+    directory, model = saved
+    assert (directory / "model.safetensors").is_file() and (directory / "tokenizer.json").is_file()
+    ids = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+    script = ("import json, sys, torch, lavo.hf\n"
+              "from transformers import AutoModelForCausalLM\n"
+              "model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+              "print(json.dumps(model(torch.tensor(json.loads(sys.argv[2]))).logits.tolist()))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", script, str(directory), json.dumps(ids)], capture_output=True,
+                            text=True, env=env, check=True)
+    with torch.no_grad():
+        expected, _ = model(torch.tensor(ids))
+    torch.testing.assert_close(torch.tensor(json.loads(result.stdout)), expected, rtol=0, atol=1e-5)
+
+
+def test_pipeline_generates_text_offline_from_the_directory(saved, tokenizer):
+    directory, model = saved
+    generator = pipeline("text-generation", model=str(directory))
+    assert isinstance(generator.model, H.LavoLMForCausalLM)
+    prompt = "the sister said"
+    text = generator(prompt, max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    expected = generate(model, tokenizer.encode(prompt), 8, temperature=0, stop_id=tokenizer.eot_id)[0]
+    assert text == prompt + tokenizer.decode(expected) and len(text) > len(prompt)
+    batched = generator([prompt, "mr"], max_new_tokens=8, do_sample=False, batch_size=2)
+    assert batched[0][0]["generated_text"] == text
+
+
+def test_the_tokenizer_round_trips_and_a_missing_file_is_an_error(saved, tokenizer):
+    directory, _ = saved
+    loaded = AutoTokenizer.from_pretrained(directory)
+    assert isinstance(loaded, H.LavoTokenizer)
+    text = "miss emma walked to the garden"
+    assert loaded(text)["input_ids"] == tokenizer.encode(text)
+    assert loaded.eos_token_id == loaded.pad_token_id == tokenizer.eot_id and loaded.padding_side == "left"
+    (directory / "tokenizer.json").rename(directory / "moved.json")
+    try:
+        with pytest.raises(ValueError, match="has no tokenizer.json: a LAVO model's tokenizer is that file"):
+            AutoTokenizer.from_pretrained(directory)
+        with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
+            H.load_exported(directory)
+    finally:
+        (directory / "moved.json").rename(directory / "tokenizer.json")
+
+
+def test_transformers_is_offline():
+    from huggingface_hub import constants
+    assert constants.HF_HUB_OFFLINE
+
+
+def test_lavo_does_not_import_transformers():
+    script = ("import sys, lavo, lavo.model, lavo.cli, lavo.run, lavo.evaluate, lavo.generate\n"
+              "lavo.cli.build_parser()\n"
+              "print('transformers' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.stdout.strip() == "False"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny trained run and its export."""
+    from lavo.cli import main
+    from lavo.config import RunConfig
+    from lavo.train import train
+    from lm_corpus import tiny_run, write_corpus
+    root = tmp_path_factory.mktemp("trained")
+    corpus = write_corpus(root / "corpus", documents=4, words=1500)
+    train(RunConfig.from_dict(tiny_run(corpus, root / "data", root / "run", steps=3)), log=lambda *_: None)
+    assert main(["export", str(root / "run"), str(root / "exported")]) == 0
+    return root
+
+
+def test_export_writes_a_directory_pipelines_and_the_cli_read(trained, capsys):
+    from lavo.cli import main
+    from lavo.run import is_exported, load_run
+    run, exported = trained / "run", trained / "exported"
+    assert is_exported(exported) and not is_exported(run)
+    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "generation_config.json",
+                                                          "model.safetensors", "tokenizer.json",
+                                                          "tokenizer_config.json"]
+    model, config, tokenizer = load_run(run)
+    hub = AutoModelForCausalLM.from_pretrained(exported).eval()
+    assert hub.config.lavo_run["data"]["holdout"] == ["doc3"] and hub.generation_config.eos_token_id == 0
+    ids = torch.tensor([tokenizer.encode("the sister said to her mother")])
+    with torch.no_grad():
+        torch.testing.assert_close(hub(ids).logits, model(ids)[0], rtol=0, atol=1e-5)
+
+    capsys.readouterr()
+    args = ["--prompt", "the sister", "--max-new-tokens", "12", "--seed", "3"]
+    assert main(["generate", str(run), *args]) == 0
+    from_run = capsys.readouterr().out
+    assert main(["generate", str(exported), *args]) == 0
+    assert capsys.readouterr().out == from_run
+    evaluate = ["--lengths", "32,64", "--chunk-size", "24", "--quiet"]
+    assert main(["eval", str(run), *evaluate, "--out", str(trained / "eval-run")]) == 0
+    assert main(["eval", str(exported), *evaluate, "--out", str(trained / "eval-exported")]) == 0
+    results = [json.loads((trained / name / "results.json").read_text())["results"]
+               for name in ("eval-run", "eval-exported")]
+    assert results[0]["run"] == results[1]["exported"]
+
+    assert main(["export", str(run), str(exported)]) == 2
+    assert "is not empty: choose another directory or pass --overwrite" in capsys.readouterr().err
+
+
+def test_an_export_without_its_run_config_needs_a_text_and_lengths(trained, tmp_path, capsys):
+    from lavo.cli import main
+    config = json.loads((trained / "exported" / "config.json").read_text())
+    config["lavo_run"] = None
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (tmp_path / name).write_bytes((trained / "exported" / name).read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path), "--quiet"]) == 2
+    assert "do not record the data they trained on: score a text with --text FILE" in capsys.readouterr().err
+    text = ["--text", str(trained / "corpus" / "doc3.txt"), "--quiet"]
+    assert main(["eval", str(tmp_path), *text]) == 2
+    assert "do not record their training length: give --lengths" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path), *text, "--lengths", "32"]) == 0
+    assert "tokens of" in capsys.readouterr().out
+
+
+def test_the_stream_example_scores_a_long_text_with_a_constant_state(saved, tokenizer, tmp_path):
+    """examples/stream_perplexity.py: the same tokens and perplexity as one pass over the whole text."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("stream_perplexity", ROOT / "examples" / "stream_perplexity.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    directory, model = saved
+    words = (WORDS * 40)[::7]
+    text = tmp_path / "long.txt"
+    text.write_text(" ".join(words[i] + ("\n\n" if i % 50 == 49 else "") for i in range(len(words))))
+    reports = list(example.running_perplexity(AutoModelForCausalLM.from_pretrained(directory).eval(),
+                                              AutoTokenizer.from_pretrained(directory), str(text),
+                                              chunk_tokens=64, block_chars=300))
+    tokens = tokenizer.encode(text.read_text())
+    assert len(reports) > 5 and reports[-1]["tokens"] == len(tokens) - 1
+    assert len({r["state_bytes"] for r in reports[:-1]}) == 1  # chunks of 64: the same place in every window
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([tokens[:-1]]))
+    nll = torch.nn.functional.cross_entropy(logits[0], torch.tensor(tokens[1:]))
+    assert reports[-1]["ppl"] == pytest.approx(nll.exp().item(), rel=1e-4)
