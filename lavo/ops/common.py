@@ -101,14 +101,18 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+
+
 def uses_triton(backend: str, q: torch.Tensor) -> bool:
     r"""Whether an op with ``backend`` (``"auto"``, ``"triton"`` or ``"torch"``) runs its Triton kernels on ``q``.
 
     ``auto`` takes them for CUDA tensors of a dtype they handle when ``triton`` is importable, the torch path
     otherwise; ``triton`` insists, and says why it cannot where it cannot.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    check_backend(backend)
     if backend == "torch":
         return False
     if backend == "auto":
