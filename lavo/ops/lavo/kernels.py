@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..local.kernels import _shared_strides
+from ..local.kernels import _shared_strides, dot_options
 
 # Programs per (batch, head) row at most: enough to fill a GPU, few enough that the basis gradient's atomic adds
 # (one [r, D] tile per program) stay cheap.
@@ -33,7 +33,7 @@ def _rows(block, group, length, BLOCK: tl.constexpr):
 @triton.jit
 def _read(Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
           PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-          PRECISION: tl.constexpr):
+          PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
     """Recompute one block's read: positions, validity, ``q``, ``B q``, coefficients and softmax weights."""
     b, h = bh // heads, bh % heads
     c, t, valid = _rows(block, group, length, BLOCK)
@@ -41,6 +41,8 @@ def _read(Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group,
     slot = tl.arange(0, BLOCK_R)
     q = tl.load(Q + b * stride_b + h * stride_h + t[:, None] * stride_t + d[None, :],
                 mask=valid[:, None] & (d[None, :] < head_dim), other=0.0)
+    if FLOAT32_DOTS:
+        q = q.to(tl.float32)
     basis = tl.load(BASIS + (h * rank + slot[:, None]) * head_dim + d[None, :],
                     mask=(slot[:, None] < rank) & (d[None, :] < head_dim), other=0.0)
     proj = tl.dot(q, tl.trans(basis.to(q.dtype)), input_precision=PRECISION)  # [BLOCK, BLOCK_R] float32
@@ -58,12 +60,12 @@ def _read(Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group,
 @triton.jit
 def _forward(Q, COEF, BASIS, O, stride_b, stride_t, stride_h, heads, group, length, head_dim, rank, blocks, scale,
              PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-             PRECISION: tl.constexpr):
+             PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
     bh = tl.program_id(1)
     for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
         b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(
             Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
-            PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION)
+            PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION, FLOAT32_DOTS)
         out = tl.dot(weights * coef, basis, input_precision=PRECISION)
         tl.store(O + ((b * length + t[:, None]) * heads + h) * head_dim + d[None, :], out.to(O.dtype.element_ty),
                  mask=valid[:, None] & (d[None, :] < head_dim))
@@ -72,7 +74,8 @@ def _forward(Q, COEF, BASIS, O, stride_b, stride_t, stride_h, heads, group, leng
 @triton.jit
 def _backward(Q, COEF, BASIS, DO, DQ, DCOEF, DBASIS, stride_b, stride_t, stride_h, heads, group, length, head_dim,
               rank, blocks, scale, PER_TOKEN: tl.constexpr, BASIS_GRAD: tl.constexpr, BLOCK: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+              BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+              FLOAT32_DOTS: tl.constexpr):
     """``DO``, ``DQ`` contiguous ``[B, T, H, D]``; ``DCOEF`` float32 ``[B * H, T, r]`` per token, else one row per
     block ``[B * H, blocks, r]``; ``DBASIS`` float32 ``[H, r, D]``, added to atomically."""
     bh = tl.program_id(1)
@@ -80,7 +83,7 @@ def _backward(Q, COEF, BASIS, DO, DQ, DCOEF, DBASIS, stride_b, stride_t, stride_
     for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
         b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(
             Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
-            PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION)
+            PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION, FLOAT32_DOTS)
         place = ((b * length + t[:, None]) * heads + h) * head_dim + d[None, :]
         inside = valid[:, None] & (d[None, :] < head_dim)
         grad = tl.load(DO + place, mask=inside, other=0.0).to(tl.float32)
@@ -110,7 +113,7 @@ def _backward(Q, COEF, BASIS, DO, DQ, DCOEF, DBASIS, stride_b, stride_t, stride_
 def _config(head_dim: int, rank: int, group: int, dtype: torch.dtype) -> dict:
     block_d, block_r = (max(16, triton.next_power_of_2(n)) for n in (head_dim, rank))
     return dict(BLOCK=max(16, min(64, triton.next_power_of_2(group))), BLOCK_D=block_d, BLOCK_R=block_r,
-                PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=4 if block_d * block_r <= 4096 else 8)
+                num_warps=4 if block_d * block_r <= 4096 else 8, **dot_options(dtype))
 
 
 class MemoryRead(torch.autograd.Function):

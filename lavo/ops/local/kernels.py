@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import triton_interpreting
+
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x log2(e))
 
 
@@ -77,10 +79,13 @@ def _query_range(first, last, window, length, BLOCK: tl.constexpr, CAUSAL: tl.co
 
 
 @triton.jit
-def _tile(ptr, rows, d, row_stride, length, head_dim):
-    """A ``[rows, D]`` tile of a ``[T, D]`` slice, zeros outside."""
-    return tl.load(ptr + rows[:, None] * row_stride + d[None, :],
-                   mask=(rows[:, None] < length) & (d[None, :] < head_dim), other=0.0)
+def _tile(ptr, rows, d, row_stride, length, head_dim, FLOAT32_DOTS: tl.constexpr):
+    """A ``[rows, D]`` tile of a ``[T, D]`` slice, zeros outside; float32 when ``FLOAT32_DOTS``."""
+    x = tl.load(ptr + rows[:, None] * row_stride + d[None, :],
+                mask=(rows[:, None] < length) & (d[None, :] < head_dim), other=0.0)
+    if FLOAT32_DOTS:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -94,27 +99,27 @@ def _store(X, x, b, h, rows, d, heads, length, head_dim):
 def _forward(Q, K, V, BIAS, KEEP, O, LSE, stride_b, stride_t, stride_h, bias_stride, keep_stride, heads, length,
              window, head_dim, scale_log2,
              CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr,
-             BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+             BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
     b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
     first = tl.program_id(0) * BLOCK
     t = first + tl.arange(0, BLOCK)
     d = tl.arange(0, BLOCK_D)
     offset = b * stride_b + h * stride_h
-    q = _tile(Q + offset, t, d, stride_t, length, head_dim)
+    q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
     peak = tl.full([BLOCK], -1.0e30, tl.float32)  # finite: a row with nothing seen yet gives exp2(-inf) = 0
     total = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     lo, hi = _key_range(first, tl.minimum(first + BLOCK, length) - 1, window, length, BLOCK, CAUSAL)
     for start in range(lo, hi, BLOCK):
         j = start + tl.arange(0, BLOCK)
-        k = _tile(K + offset, j, d, stride_t, length, head_dim)
+        k = _tile(K + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
         s, _ = _scores(q, k, t, j, b, h, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
                        CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
         new_peak = tl.maximum(peak, tl.max(s, 1))
         decay = tl.exp2(peak - new_peak)
         p = tl.exp2(s - new_peak[:, None])
         total = total * decay + tl.sum(p, 1)
-        v = _tile(V + offset, j, d, stride_t, length, head_dim)
+        v = _tile(V + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
         acc = acc * decay[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         peak = new_peak
     total = tl.where(total > 0, total, 1.0)  # no key at all (a padded query): output zeros
@@ -124,14 +129,15 @@ def _forward(Q, K, V, BIAS, KEEP, O, LSE, stride_b, stride_t, stride_h, bias_str
 
 
 @triton.jit
-def _row_dot(O, DO, DELTA, heads, length, head_dim, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _row_dot(O, DO, DELTA, heads, length, head_dim, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+             FLOAT32_DOTS: tl.constexpr):
     """``delta_t = dO_t . O_t`` in float32, ``[B * H, T]``; ``O``, ``DO`` contiguous."""
     b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, BLOCK_D)
     offset = (b * length * heads + h) * head_dim
-    o = _tile(O + offset, t, d, heads * head_dim, length, head_dim).to(tl.float32)
-    do = _tile(DO + offset, t, d, heads * head_dim, length, head_dim).to(tl.float32)
+    o = _tile(O + offset, t, d, heads * head_dim, length, head_dim, FLOAT32_DOTS).to(tl.float32)
+    do = _tile(DO + offset, t, d, heads * head_dim, length, head_dim, FLOAT32_DOTS).to(tl.float32)
     tl.store(DELTA + tl.program_id(1) * length + t, tl.sum(o * do, 1), mask=t < length)
 
 
@@ -139,26 +145,27 @@ def _row_dot(O, DO, DELTA, heads, length, head_dim, BLOCK: tl.constexpr, BLOCK_D
 def _backward_keys(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DK, DV, stride_b, stride_t, stride_h, bias_stride,
                    keep_stride, heads, length, window, head_dim, scale, scale_log2, CAUSAL: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
     """``dK`` and ``dV`` of one key block, over the query blocks that see it. DO, DK, DV are contiguous."""
     b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
     first = tl.program_id(0) * BLOCK
     j = first + tl.arange(0, BLOCK)
     d = tl.arange(0, BLOCK_D)
     offset = b * stride_b + h * stride_h
-    k = _tile(K + offset, j, d, stride_t, length, head_dim)
-    v = _tile(V + offset, j, d, stride_t, length, head_dim)
+    k = _tile(K + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
+    v = _tile(V + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
     dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     lo, hi = _query_range(first, tl.minimum(first + BLOCK, length) - 1, window, length, BLOCK, CAUSAL)
     for start in range(lo, hi, BLOCK):
         t = start + tl.arange(0, BLOCK)
-        q = _tile(Q + offset, t, d, stride_t, length, head_dim)
+        q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
         s, seen = _scores(q, k, t, j, b, h, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
                           CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
         lse = tl.load(LSE + tl.program_id(1) * length + t, mask=t < length, other=0.0)
         p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
-        do = _tile(DO + (b * length * heads + h) * head_dim, t, d, heads * head_dim, length, head_dim)
+        do = _tile(DO + (b * length * heads + h) * head_dim, t, d, heads * head_dim, length, head_dim,
+                   FLOAT32_DOTS)
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
         delta = tl.load(DELTA + tl.program_id(1) * length + t, mask=t < length, other=0.0)
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
@@ -194,7 +201,8 @@ def _add_diagonal_sums(ds, first, start, h, DBIAS, bias_size, window, CAUSAL: tl
 def _backward_queries(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DQ, DBIAS, stride_b, stride_t, stride_h, bias_stride,
                       keep_stride, bias_size, heads, length, window, head_dim, scale, scale_log2,
                       CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_KEEP: tl.constexpr,
-                      BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                      BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                      FLOAT32_DOTS: tl.constexpr):
     """``dQ`` of one query block over the key blocks it sees, and its part of the bias gradient (``DBIAS``,
     float32 ``[H, bias_size]``, atomically). DO and DQ are contiguous."""
     b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
@@ -202,19 +210,19 @@ def _backward_queries(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DQ, DBIAS, stride_b, 
     t = first + tl.arange(0, BLOCK)
     d = tl.arange(0, BLOCK_D)
     offset = b * stride_b + h * stride_h
-    q = _tile(Q + offset, t, d, stride_t, length, head_dim)
-    do = _tile(DO + (b * length * heads + h) * head_dim, t, d, heads * head_dim, length, head_dim)
+    q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
+    do = _tile(DO + (b * length * heads + h) * head_dim, t, d, heads * head_dim, length, head_dim, FLOAT32_DOTS)
     lse = tl.load(LSE + tl.program_id(1) * length + t, mask=t < length, other=0.0)
     delta = tl.load(DELTA + tl.program_id(1) * length + t, mask=t < length, other=0.0)
     dq = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     lo, hi = _key_range(first, tl.minimum(first + BLOCK, length) - 1, window, length, BLOCK, CAUSAL)
     for start in range(lo, hi, BLOCK):
         j = start + tl.arange(0, BLOCK)
-        k = _tile(K + offset, j, d, stride_t, length, head_dim)
+        k = _tile(K + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
         s, seen = _scores(q, k, t, j, b, h, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
                           CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
         p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
-        v = _tile(V + offset, j, d, stride_t, length, head_dim)
+        v = _tile(V + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if BIAS_GRAD:
@@ -226,8 +234,14 @@ def _config(head_dim: int, dtype: torch.dtype) -> dict:
     """Tile sizes and launch options: ``BLOCK`` queries and keys per tile, ``D`` padded to a power of two (at least
     16, what a Triton matmul needs); float32 inputs multiply in full float32, not TF32."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    return dict(BLOCK=64 if block_d <= 64 else 32, BLOCK_D=block_d,
-                PRECISION="ieee" if dtype == torch.float32 else "tf32")
+    return dict(BLOCK=64 if block_d <= 64 else 32, BLOCK_D=block_d, **dot_options(dtype))
+
+
+def dot_options(dtype: torch.dtype) -> dict:
+    """How the kernels multiply tiles of ``dtype``: float32 in full precision (not TF32). Triton's CPU interpreter
+    multiplies 16-bit float tiles wrongly (3.9), so there they are widened to float32 first."""
+    return dict(PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                FLOAT32_DOTS=dtype != torch.float32 and triton_interpreting())
 
 
 def _shared_strides(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -251,9 +265,8 @@ class WindowAttention(torch.autograd.Function):
         lse = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
         config = _config(D, q.dtype)
         grid = (triton.cdiv(T, config["BLOCK"]), B * H)
-        _forward[grid](q, k, v, pos_bias, keep, out, lse, *q.stride()[:3], 0 if pos_bias is None else pos_bias.stride(0),
-                       0 if keep is None else keep.stride(0),
-                       H, T, window, D, scale * LOG2E.value, CAUSAL=causal, HAS_BIAS=pos_bias is not None,
+        _forward[grid](q, k, v, pos_bias, keep, out, lse, *q.stride()[:3],
+                       0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0), H, T, window, D, scale * LOG2E.value, CAUSAL=causal, HAS_BIAS=pos_bias is not None,
                        HAS_KEEP=keep is not None, **config)
         ctx.save_for_backward(q, k, v, pos_bias, keep, out, lse)
         ctx.causal, ctx.window, ctx.scale = causal, window, scale
@@ -267,7 +280,8 @@ class WindowAttention(torch.autograd.Function):
         grid = (triton.cdiv(T, config["BLOCK"]), B * H)
         grad_out = grad_out.to(q.dtype).contiguous()
         delta = torch.empty_like(lse)
-        _row_dot[grid](out, grad_out, delta, H, T, D, BLOCK=config["BLOCK"], BLOCK_D=config["BLOCK_D"])
+        _row_dot[grid](out, grad_out, delta, H, T, D, BLOCK=config["BLOCK"], BLOCK_D=config["BLOCK_D"],
+                       FLOAT32_DOTS=config["FLOAT32_DOTS"])
         grad_q, grad_k, grad_v = (torch.empty(B, T, H, D, dtype=q.dtype, device=q.device) for _ in range(3))
         bias_size = 0 if pos_bias is None else pos_bias.shape[1]
         bias_grad = pos_bias is not None and ctx.needs_input_grad[3]
