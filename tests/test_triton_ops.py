@@ -15,8 +15,9 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOAT32 = dict(atol=2e-5, rtol=1e-4)
 
-# (T, window, D, rank): T not a multiple of w with r < D, T < w, T = 1, D = 128, D not a power of two.
-SHAPES = [(63, 16, 32, 12), (5, 16, 64, 64), (1, 4, 32, 8), (37, 8, 128, 40), (40, 16, 48, 48)]
+# (T, window, D, rank): T not a multiple of w with r < D, T < w, T = 1, D = 128, D not a power of two. Small: the
+# token-by-token reference dominates the time.
+SHAPES = [(63, 16, 32, 12), (5, 16, 64, 64), (1, 4, 32, 8), (21, 8, 128, 40), (24, 16, 48, 48)]
 
 
 def _inputs(T, window, D, rank, causal, padding, B=2, H=2, seed=0):
@@ -38,8 +39,7 @@ def _on(mask, device):
     return None if mask is None else mask.to(device)
 
 
-@pytest.mark.parametrize("padding", [False, True])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("bias,padding", [(False, False), (True, True)])
 @pytest.mark.parametrize("dissection", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T,window,D,rank", SHAPES)

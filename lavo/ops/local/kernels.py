@@ -266,7 +266,8 @@ class WindowAttention(torch.autograd.Function):
         config = _config(D, q.dtype)
         grid = (triton.cdiv(T, config["BLOCK"]), B * H)
         _forward[grid](q, k, v, pos_bias, keep, out, lse, *q.stride()[:3],
-                       0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0), H, T, window, D, scale * LOG2E.value, CAUSAL=causal, HAS_BIAS=pos_bias is not None,
+                       0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0), H, T,
+                       window, D, scale * LOG2E.value, CAUSAL=causal, HAS_BIAS=pos_bias is not None,
                        HAS_KEEP=keep is not None, **config)
         ctx.save_for_backward(q, k, v, pos_bias, keep, out, lse)
         ctx.causal, ctx.window, ctx.scale = causal, window, scale
