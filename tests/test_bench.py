@@ -278,3 +278,23 @@ def test_wide_table_marks_skipped_cells_and_lists_their_reasons_once():
                                  "| b | 2.00 | — [2] |", "", "[1] a at 4K: too slow", "[2] b at 4K: failed before"]
     unnoted = output.wide_table(records, lambda r: r["mechanism"], lambda r: "x", "mechanism", notes=False)
     assert "[1]" not in unnoted and "| a | x | — |" in unnoted
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_writes_its_summary(tmp_path):
+    """scripts/gpu_check.sh --dry-run: every step of the GPU check on the CPU, kernels in Triton's interpreter."""
+    pytest.importorskip("triton")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(["bash", str(root / "scripts/gpu_check.sh"), str(tmp_path), "--dry-run"], check=True,
+                   env=dict(os.environ, PYTHON=sys.executable), capture_output=True)
+    summary = json.loads((tmp_path / "cpu_dry_run_bf16.json").read_text())
+    assert [s["name"] for s in summary["steps"]] == ["tests", "ops", "decode", "model"]
+    assert all(s["status"] == "ok" for s in summary["steps"]), summary["steps"]
+    assert {r["step"] for r in summary["records"] if r["status"] == "ok"} == {"ops", "decode", "model"}
+    assert "## Targets" in (tmp_path / "cpu_dry_run_bf16.md").read_text()

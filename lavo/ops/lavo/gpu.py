@@ -61,9 +61,11 @@ def lavo_attention_triton(q, k, v, basis, *, window, causal, pos_bias, dissectio
     r""":func:`.blocked.lavo_attention` (arguments checked there) on the Triton kernels."""
     local = window_attention(q, k, v, window=window, causal=causal, pos_bias=pos_bias, padding_mask=padding_mask,
                              scale=scale)
-    sums, counts = window_sums(local if dissection else v, padding_mask, window)
-    window_proj = sums @ basis.to(sums.dtype).transpose(-1, -2)  # [B, H, n, r]: projection is linear
-    coefficients, group = _coefficients(q, v, basis, window_proj, counts, padding_mask, window, causal, dissection)
+    with torch.autocast(q.device.type, enabled=False):  # sums and prefixes stay float32 under autocast too
+        sums, counts = window_sums(local if dissection else v, padding_mask, window)
+        window_proj = sums @ basis.to(sums.dtype).transpose(-1, -2)  # [B, H, n, r]: projection is linear
+        coefficients, group = _coefficients(q, v, basis, window_proj, counts, padding_mask, window, causal,
+                                            dissection)
     out = (local + read_memory(q, coefficients, basis, scale, group)) * 0.5
     if padding_mask is not None:
         out = out * padding_mask[:, :, None, None].to(out.dtype)
@@ -75,6 +77,7 @@ def lavo_attention_triton(q, k, v, basis, *, window, causal, pos_bias, dissectio
 def code_cross_attention_triton(q, x, basis, *, padding_mask, scale):
     r""":func:`.cross.code_cross_attention` (arguments checked there) with the Triton read: one coefficient row,
     the projection of the mean of the real source features."""
-    sums, counts = window_sums(x, padding_mask, x.shape[1])  # one window: the whole source
-    coefficients = sums @ basis.to(sums.dtype).transpose(-1, -2) / counts.clamp(min=1)[:, None, :, None]
+    with torch.autocast(q.device.type, enabled=False):
+        sums, counts = window_sums(x, padding_mask, x.shape[1])  # one window: the whole source
+        coefficients = sums @ basis.to(sums.dtype).transpose(-1, -2) / counts.clamp(min=1)[:, None, :, None]
     return read_memory(q, coefficients, basis, scale, q.shape[1])
