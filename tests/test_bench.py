@@ -1,6 +1,10 @@
 """The efficiency benchmark harness (``python -m lavo.bench``): output formats, helpers, FLOP formula. No timing
 is asserted."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,9 +131,10 @@ def test_the_first_quadratic_mechanism_is_the_reference_of_decode_and_model(monk
 
 
 def test_options_go_to_the_mechanisms_that_have_them():
-    s = quick_settings("--window", "8", "--rank", "4", "--attention-options", '{"performer": {"features": 16}}')
-    assert settings.mechanism_options("lavo", s, 100) == {"window": 8, "rank": 4}
-    assert settings.mechanism_options("local", s, 100) == {"window": 8}
+    s = quick_settings("--window", "8", "--rank", "4", "--attention-options", '{"performer": {"features": 16}}',
+                       "--backend", "torch")
+    assert settings.mechanism_options("lavo", s, 100) == {"window": 8, "rank": 4, "backend": "torch"}
+    assert settings.mechanism_options("local", s, 100) == {"window": 8, "backend": "torch"}
     assert settings.mechanism_options("cosformer", s, 100) == {"max_length": 100}
     assert settings.mechanism_options("performer", s, 100) == {"features": 16}
     assert settings.mechanism_options("softmax", s, 100) == {}
@@ -284,12 +289,6 @@ def test_wide_table_marks_skipped_cells_and_lists_their_reasons_once():
 def test_gpu_check_dry_run_writes_its_summary(tmp_path):
     """scripts/gpu_check.sh --dry-run: every step of the GPU check on the CPU, kernels in Triton's interpreter."""
     pytest.importorskip("triton")
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     subprocess.run(["bash", str(root / "scripts/gpu_check.sh"), str(tmp_path), "--dry-run"], check=True,
                    env=dict(os.environ, PYTHON=sys.executable), capture_output=True)
