@@ -3,7 +3,7 @@ references: outputs and gradients of q, k, v, basis and pos_bias. On CUDA when a
 Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
 import pytest
 import torch
-from reference_checks import assert_matches_reference
+from reference_checks import assert_matches_reference, random_inputs
 
 from lavo import LavoAttention, LavoCrossAttention
 from lavo.layers.local import LocalAttention
@@ -20,19 +20,8 @@ FLOAT32 = dict(atol=2e-5, rtol=1e-4)
 SHAPES = [(63, 16, 32, 12), (5, 16, 64, 64), (1, 4, 32, 8), (21, 8, 128, 40), (24, 16, 48, 48)]
 
 
-def _inputs(T, window, D, rank, causal, padding, B=2, H=2, seed=0):
-    """CPU float64 q, k, v, basis, pos_bias and a padding mask (middle, both ends) or None."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, T, H, D, generator=g, dtype=torch.float64) for _ in range(3))
-    basis = orthogonal_basis(H, rank, D, generator=g, dtype=torch.float64)
-    pos_bias = torch.randn(H, 2 * window if causal else 4 * window - 1, generator=g, dtype=torch.float64)
-    mask = None
-    if padding:
-        mask = torch.ones(B, T, dtype=torch.bool)
-        mask[0, : T // 4] = False  # left end
-        mask[0, T // 2: T // 2 + 3] = False  # middle
-        mask[1, T - T // 5:] = False  # right end
-    return q, k, v, basis, pos_bias, mask
+def _triton_inputs(T, window, D, rank, causal, padding, B=2, H=2, seed=0):
+    return random_inputs(T, window, D, rank, causal, True, padding, B=B, H=H, seed=seed)
 
 
 def _on(mask, device):
@@ -44,7 +33,7 @@ def _on(mask, device):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T,window,D,rank", SHAPES)
 def test_lavo_kernels_match_naive(T, window, D, rank, causal, dissection, bias, padding):
-    q, k, v, basis, pos_bias, mask = _inputs(T, window, D, rank, causal, padding)
+    q, k, v, basis, pos_bias, mask = _triton_inputs(T, window, D, rank, causal, padding)
     options = dict(window=window, causal=causal, dissection=dissection)
 
     def fast(q, k, v, basis, *pos_bias):
@@ -61,7 +50,7 @@ def test_lavo_kernels_match_naive(T, window, D, rank, causal, dissection, bias, 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T,window,D", [(1, 4, 32), (7, 16, 64), (63, 16, 32), (70, 32, 64)])
 def test_window_kernel_matches_naive(T, window, D, causal, padding):
-    q, k, v, _, pos_bias, mask = _inputs(T, window, D, 4, causal, padding)
+    q, k, v, _, pos_bias, mask = _triton_inputs(T, window, D, 4, causal, padding)
     options = dict(window=window, causal=causal)
     assert_matches_reference(
         lambda *x: local_attention(*x[:3], pos_bias=x[3], padding_mask=_on(mask, DEVICE), backend="triton",
@@ -72,8 +61,8 @@ def test_window_kernel_matches_naive(T, window, D, causal, padding):
 
 @pytest.mark.parametrize("padding", [False, True])
 def test_cross_attention_kernel_matches_naive(padding):
-    q, _, _, basis, _, _ = _inputs(9, 4, 48, 20, True, False)
-    _, x, _, _, _, mask = _inputs(37, 4, 48, 20, True, padding, seed=1)
+    q, _, _, basis, _, _ = _triton_inputs(9, 4, 48, 20, True, False)
+    _, x, _, _, _, mask = _triton_inputs(37, 4, 48, 20, True, padding, seed=1)
     assert_matches_reference(
         lambda q, x, basis: code_cross_attention(q, x, basis, padding_mask=_on(mask, DEVICE), backend="triton"),
         lambda q, x, basis: code_cross_attention_naive(q, x, basis, padding_mask=mask),
@@ -82,7 +71,7 @@ def test_cross_attention_kernel_matches_naive(padding):
 
 @pytest.mark.parametrize("dissection", [True, False])
 def test_bfloat16_kernels_are_close_to_the_float32_reference(dissection):
-    q, k, v, basis, pos_bias, mask = _inputs(100, 16, 64, 32, True, True)
+    q, k, v, basis, pos_bias, mask = _triton_inputs(100, 16, 64, 32, True, True)
     inputs = [q, k, v, basis, pos_bias]
     options = dict(window=16, dissection=dissection)
     fast = [x.to(DEVICE, torch.bfloat16).requires_grad_() for x in inputs]
@@ -155,7 +144,7 @@ def test_backend_choice_and_its_errors(monkeypatch):
 @pytest.mark.parametrize("dissection", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
 def test_lavo_kernels_match_naive_over_many_windows(causal, dissection):
-    q, k, v, basis, pos_bias, mask = _inputs(300, 64, 64, 64, causal, True, B=1, H=2)
+    q, k, v, basis, pos_bias, mask = _triton_inputs(300, 64, 64, 64, causal, True, B=1, H=2)
     options = dict(window=64, causal=causal, dissection=dissection)
     assert_matches_reference(
         lambda *x: lavo_attention(*x[:4], pos_bias=x[4], padding_mask=_on(mask, DEVICE), backend="triton", **options),

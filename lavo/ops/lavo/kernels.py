@@ -61,7 +61,7 @@ def _read(Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group,
 def _forward(Q, COEF, BASIS, O, stride_b, stride_t, stride_h, heads, group, length, head_dim, rank, blocks, scale,
              PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
              PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets into tensors past 2^31 elements must not overflow
     for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
         b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(
             Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
@@ -78,7 +78,7 @@ def _backward(Q, COEF, BASIS, DO, DQ, DCOEF, DBASIS, stride_b, stride_t, stride_
               FLOAT32_DOTS: tl.constexpr):
     """``DO``, ``DQ`` contiguous ``[B, T, H, D]``; ``DCOEF`` float32 ``[B * H, T, r]`` per token, else one row per
     block ``[B * H, blocks, r]``; ``DBASIS`` float32 ``[H, r, D]``, added to atomically."""
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)
     grad_basis = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
         b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(

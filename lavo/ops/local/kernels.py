@@ -89,6 +89,36 @@ def _tile(ptr, rows, d, row_stride, length, head_dim, FLOAT32_DOTS: tl.constexpr
 
 
 @triton.jit
+def _program(heads, stride_b, stride_h, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's batch ``b``, head ``h``, its block's positions, the ``D`` lanes and the input offset
+    (``b`` in int64, so offsets into tensors past 2^31 elements do not overflow)."""
+    b, h = (tl.program_id(1) // heads).to(tl.int64), tl.program_id(1) % heads
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return b, h, rows, tl.arange(0, BLOCK_D), b * stride_b + h * stride_h
+
+
+@triton.jit
+def _contiguous_tile(X, b, h, rows, d, heads, length, head_dim, FLOAT32_DOTS: tl.constexpr):
+    """A ``[rows, D]`` tile of batch ``b``, head ``h`` of a contiguous ``[B, T, H, D]`` tensor."""
+    return _tile(X + (b * length * heads + h) * head_dim, rows, d, heads * head_dim, length, head_dim, FLOAT32_DOTS)
+
+
+@triton.jit
+def _per_query(X, rows, length):
+    """Entries ``rows`` of this program's ``[T]`` row of a float32 ``[B * H, T]`` tensor (the lse, the deltas)."""
+    return tl.load(X + tl.program_id(1) * length + rows, mask=rows < length, other=0.0)
+
+
+@triton.jit
+def _weights(q, k, t, j, b, h, LSE, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
+             CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
+    """The softmax weights of a tile, recomputed from the saved log-sum-exp; zero where a key is not seen."""
+    s, seen = _scores(q, k, t, j, b, h, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2, CAUSAL,
+                      HAS_BIAS, HAS_KEEP, PRECISION)
+    return tl.where(seen, tl.exp2(s - _per_query(LSE, t, length)[:, None]), 0.0)
+
+
+@triton.jit
 def _store(X, x, b, h, rows, d, heads, length, head_dim):
     """Store a float32 tile ``[rows, D]`` of batch ``b``, head ``h`` into a contiguous ``[B, T, H, D]`` tensor."""
     place = X + ((b * length + rows[:, None]) * heads + h) * head_dim + d[None, :]
@@ -100,11 +130,8 @@ def _forward(Q, K, V, BIAS, KEEP, O, LSE, stride_b, stride_t, stride_h, bias_str
              window, head_dim, scale_log2,
              CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr,
              BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
-    b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
+    b, h, t, d, offset = _program(heads, stride_b, stride_h, BLOCK, BLOCK_D)
     first = tl.program_id(0) * BLOCK
-    t = first + tl.arange(0, BLOCK)
-    d = tl.arange(0, BLOCK_D)
-    offset = b * stride_b + h * stride_h
     q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
     peak = tl.full([BLOCK], -1.0e30, tl.float32)  # finite: a row with nothing seen yet gives exp2(-inf) = 0
     total = tl.zeros([BLOCK], tl.float32)
@@ -113,8 +140,8 @@ def _forward(Q, K, V, BIAS, KEEP, O, LSE, stride_b, stride_t, stride_h, bias_str
     for start in range(lo, hi, BLOCK):
         j = start + tl.arange(0, BLOCK)
         k = _tile(K + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
-        s, _ = _scores(q, k, t, j, b, h, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
-                       CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
+        s, _ = _scores(q, k, t, j, b, h, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2, CAUSAL,
+                       HAS_BIAS, HAS_KEEP, PRECISION)
         new_peak = tl.maximum(peak, tl.max(s, 1))
         decay = tl.exp2(peak - new_peak)
         p = tl.exp2(s - new_peak[:, None])
@@ -132,12 +159,9 @@ def _forward(Q, K, V, BIAS, KEEP, O, LSE, stride_b, stride_t, stride_h, bias_str
 def _row_dot(O, DO, DELTA, heads, length, head_dim, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
              FLOAT32_DOTS: tl.constexpr):
     """``delta_t = dO_t . O_t`` in float32, ``[B * H, T]``; ``O``, ``DO`` contiguous."""
-    b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    d = tl.arange(0, BLOCK_D)
-    offset = (b * length * heads + h) * head_dim
-    o = _tile(O + offset, t, d, heads * head_dim, length, head_dim, FLOAT32_DOTS).to(tl.float32)
-    do = _tile(DO + offset, t, d, heads * head_dim, length, head_dim, FLOAT32_DOTS).to(tl.float32)
+    b, h, t, d, _ = _program(heads, 0, 0, BLOCK, BLOCK_D)
+    o = _contiguous_tile(O, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS).to(tl.float32)
+    do = _contiguous_tile(DO, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS).to(tl.float32)
     tl.store(DELTA + tl.program_id(1) * length + t, tl.sum(o * do, 1), mask=t < length)
 
 
@@ -147,11 +171,8 @@ def _backward_keys(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DK, DV, stride_b, stride
                    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
                    PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
     """``dK`` and ``dV`` of one key block, over the query blocks that see it. DO, DK, DV are contiguous."""
-    b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
+    b, h, j, d, offset = _program(heads, stride_b, stride_h, BLOCK, BLOCK_D)
     first = tl.program_id(0) * BLOCK
-    j = first + tl.arange(0, BLOCK)
-    d = tl.arange(0, BLOCK_D)
-    offset = b * stride_b + h * stride_h
     k = _tile(K + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
     v = _tile(V + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
     dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
@@ -160,15 +181,11 @@ def _backward_keys(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DK, DV, stride_b, stride
     for start in range(lo, hi, BLOCK):
         t = start + tl.arange(0, BLOCK)
         q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
-        s, seen = _scores(q, k, t, j, b, h, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
-                          CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
-        lse = tl.load(LSE + tl.program_id(1) * length + t, mask=t < length, other=0.0)
-        p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
-        do = _tile(DO + (b * length * heads + h) * head_dim, t, d, heads * head_dim, length, head_dim,
-                   FLOAT32_DOTS)
+        p = _weights(q, k, t, j, b, h, LSE, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
+                     CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
+        do = _contiguous_tile(DO, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS)
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-        delta = tl.load(DELTA + tl.program_id(1) * length + t, mask=t < length, other=0.0)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - _per_query(DELTA, t, length)[:, None])
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
     _store(DK, dk * scale, b, h, j, d, heads, length, head_dim)
     _store(DV, dv, b, h, j, d, heads, length, head_dim)
@@ -205,23 +222,18 @@ def _backward_queries(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DQ, DBIAS, stride_b, 
                       FLOAT32_DOTS: tl.constexpr):
     """``dQ`` of one query block over the key blocks it sees, and its part of the bias gradient (``DBIAS``,
     float32 ``[H, bias_size]``, atomically). DO and DQ are contiguous."""
-    b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
+    b, h, t, d, offset = _program(heads, stride_b, stride_h, BLOCK, BLOCK_D)
     first = tl.program_id(0) * BLOCK
-    t = first + tl.arange(0, BLOCK)
-    d = tl.arange(0, BLOCK_D)
-    offset = b * stride_b + h * stride_h
     q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
-    do = _tile(DO + (b * length * heads + h) * head_dim, t, d, heads * head_dim, length, head_dim, FLOAT32_DOTS)
-    lse = tl.load(LSE + tl.program_id(1) * length + t, mask=t < length, other=0.0)
-    delta = tl.load(DELTA + tl.program_id(1) * length + t, mask=t < length, other=0.0)
+    do = _contiguous_tile(DO, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS)
+    delta = _per_query(DELTA, t, length)
     dq = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     lo, hi = _key_range(first, tl.minimum(first + BLOCK, length) - 1, window, length, BLOCK, CAUSAL)
     for start in range(lo, hi, BLOCK):
         j = start + tl.arange(0, BLOCK)
         k = _tile(K + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
-        s, seen = _scores(q, k, t, j, b, h, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
-                          CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
-        p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
+        p = _weights(q, k, t, j, b, h, LSE, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
+                     CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
         v = _tile(V + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
