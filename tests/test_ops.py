@@ -114,3 +114,14 @@ def test_memory_read_backward_matches_autograd(monkeypatch, shared):
     _assert_same_outputs_and_grads(memory_ops.memory_read(q, coefficients, basis, 0.3),
                                    memory_read_naive(q, coefficients, basis, 0.3),
                                    [q, coefficients, basis])
+
+
+def test_unknown_backend_names_the_valid_ones():
+    from lavo import LavoAttention
+
+    q = torch.zeros(1, 4, 1, 8)
+    message = r"backend must be one of 'auto', 'triton', 'torch', got 'cuda'"
+    with pytest.raises(ValueError, match=message):
+        lavo_attention(q, q, q, torch.eye(8)[None], window=4, backend="cuda")
+    with pytest.raises(ValueError, match=message):
+        LavoAttention(16, 2, backend="cuda")

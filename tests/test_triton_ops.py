@@ -130,7 +130,8 @@ def test_backend_choice_and_its_errors(monkeypatch):
     assert not uses_triton("auto", cpu) and not uses_triton("torch", cpu)
     if torch.cuda.is_available():
         assert uses_triton("auto", cpu.cuda()) and not uses_triton("auto", cpu.cuda().double())
-    assert uses_triton("triton", cpu) == triton_interpreting()
+    if triton_interpreting():
+        assert uses_triton("triton", cpu)
     with pytest.raises(ValueError, match=r"backend='triton' takes float16, bfloat16 or float32 inputs, got "
                                          r"torch.float64"):
         uses_triton("triton", cpu.to(DEVICE, torch.float64))
