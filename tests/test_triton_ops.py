@@ -145,7 +145,7 @@ def test_backend_choice_and_its_errors(monkeypatch):
 @pytest.mark.parametrize("dissection", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
 def test_lavo_kernels_match_naive_over_many_windows(causal, dissection):
-    q, k, v, basis, pos_bias, mask = _triton_inputs(300, 64, 64, 64, causal, True, B=1, H=2)
+    q, k, v, basis, pos_bias, mask = _triton_inputs(300, 64, 64, 64, causal, True, B=2, H=1)
     options = dict(window=64, causal=causal, dissection=dissection)
     assert_matches_reference(
         lambda *x: lavo_attention(*x[:4], pos_bias=x[4], padding_mask=_on(mask, DEVICE), backend="triton", **options),
