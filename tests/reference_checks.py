@@ -1,5 +1,7 @@
-"""Comparing a fast form with its reference, outputs and gradients, as every op test here does."""
+"""The random inputs of the op tests, and comparing a fast form with its reference on outputs and gradients."""
 import torch
+
+from lavo.ops import orthogonal_basis
 
 
 def assert_same_outputs_and_grads(fast, naive, inputs, mask=None, **tolerance):
@@ -15,3 +17,37 @@ def assert_same_outputs_and_grads(fast, naive, inputs, mask=None, **tolerance):
     grads_naive = torch.autograd.grad((naive * weights).sum(), inputs, retain_graph=True, materialize_grads=True)
     for a, b in zip(grads_fast, grads_naive):
         torch.testing.assert_close(a, b, **tolerance)
+
+
+def assert_matches_reference(fast, naive, inputs, *, device, dtype=torch.float32, **tolerance):
+    """``fast(*inputs)`` on ``device`` in ``dtype`` against ``naive(*inputs)`` in float64 on the CPU, on outputs
+    and on the gradients of every input (``inputs``: CPU tensors); ``tolerance`` as in ``assert_close``."""
+    fast_inputs = [x.detach().to(device, dtype).requires_grad_() for x in inputs]
+    naive_inputs = [x.detach().double().requires_grad_() for x in inputs]
+    out, reference = fast(*fast_inputs), naive(*naive_inputs)
+    torch.testing.assert_close(out.detach().double().cpu(), reference.detach(), **tolerance)
+    weights = torch.randn(reference.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    grads = torch.autograd.grad((out * weights.to(device, out.dtype)).sum(), fast_inputs, materialize_grads=True)
+    references = torch.autograd.grad((reference * weights).sum(), naive_inputs, materialize_grads=True)
+    for grad, expected in zip(grads, references):
+        torch.testing.assert_close(grad.double().cpu(), expected, **tolerance)
+
+
+def random_inputs(T, window, D, rank, causal, bias, padding, B=2, H=3, seed=0):
+    """float64 ``q, k, v [B, T, H, D]`` (requiring grad), an orthonormal basis ``[H, rank, D]``, a position-bias
+    table (or None) and a padding mask with gaps at the left end, in the middle and at the right end (or None)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    basis = orthogonal_basis(H, rank, D, generator=g, dtype=torch.float64).requires_grad_()
+    pos_bias = None
+    if bias:
+        pos_bias = torch.randn(H, 2 * window if causal else 4 * window - 1, generator=g, dtype=torch.float64,
+                               requires_grad=True)
+    mask = None
+    if padding:
+        mask = torch.ones(B, T, dtype=torch.bool)
+        mask[0, : T // 4] = False  # left end
+        mask[0, T // 2: T // 2 + 3] = False  # middle
+        mask[1, T - T // 5:] = False  # right end
+        mask[1, 0] = T == 1 or bool(mask[1, 0])  # keep at least one real token in T = 1
+    return q, k, v, basis, pos_bias, mask

@@ -1,8 +1,10 @@
 """The efficiency benchmark harness (``python -m lavo.bench``): output formats, helpers, FLOP formula. No timing
 is asserted."""
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,9 +142,10 @@ def test_a_quadratic_mechanism_without_a_cache_is_not_the_reference(monkeypatch)
 
 
 def test_options_go_to_the_mechanisms_that_have_them():
-    s = quick_settings("--window", "8", "--rank", "4", "--attention-options", '{"performer": {"features": 16}}')
-    assert settings.mechanism_options("lavo", s, 100) == {"window": 8, "rank": 4}
-    assert settings.mechanism_options("local", s, 100) == {"window": 8}
+    s = quick_settings("--window", "8", "--rank", "4", "--attention-options", '{"performer": {"features": 16}}',
+                       "--backend", "torch")
+    assert settings.mechanism_options("lavo", s, 100) == {"window": 8, "rank": 4, "backend": "torch"}
+    assert settings.mechanism_options("local", s, 100) == {"window": 8, "backend": "torch"}
     assert settings.mechanism_options("cosformer", s, 100) == {"max_length": 100}
     assert settings.mechanism_options("performer", s, 100) == {"features": 16}
     assert settings.mechanism_options("softmax", s, 100) == {}
@@ -313,3 +316,17 @@ def test_the_json_records_the_measured_commit():
     if head.returncode != 0:
         pytest.skip("not a git checkout")
     assert info["commit"] == head.stdout.strip() and isinstance(info["dirty"], bool)
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_writes_its_summary(tmp_path):
+    """scripts/gpu_check.sh --dry-run: every step of the GPU check on the CPU, kernels in Triton's interpreter."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(["bash", str(root / "scripts/gpu_check.sh"), str(tmp_path), "--dry-run"], check=True,
+                   env=dict(os.environ, PYTHON=sys.executable), capture_output=True)
+    summary = json.loads((tmp_path / "cpu_dry_run_bf16.json").read_text())
+    assert [s["name"] for s in summary["steps"]] == ["tests", "ops", "decode", "model"]
+    assert all(s["status"] == "ok" for s in summary["steps"]), summary["steps"]
+    assert {r["step"] for r in summary["records"] if r["status"] == "ok"} == {"ops", "decode", "model"}
+    assert "## Targets" in (tmp_path / "cpu_dry_run_bf16.md").read_text()

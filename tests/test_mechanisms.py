@@ -11,8 +11,9 @@ from lavo.registry import ATTENTIONS, attention_class
 OPTION_VALUES = {
     "abc": {"slots": [3]},
     "cosformer": {"max_length": [64], "chunk": [5]},
-    "lavo": {"rank": [4], "window": [4], "basis": ["learned"], "position_bias": [False], "dissection": [False]},
-    "local": {"window": [4], "position_bias": [False]},
+    "lavo": {"rank": [4], "window": [4], "basis": ["learned"], "position_bias": [False], "dissection": [False],
+             "backend": ["torch"]},
+    "local": {"window": [4], "position_bias": [False], "backend": ["torch"]},
     "longshort": {"window": [4], "landmarks": [2], "dual_ln": [False]},
     "performer": {"features": [8], "chunk": [5], "redraw_interval": [1]},
     "s4d": {"state_size": [6], "dt_min": [1e-2], "dt_max": [0.5]},
@@ -54,7 +55,7 @@ def test_every_mechanism_and_option_trains_and_decodes_through_the_model(name, o
 
 def test_unknown_option_names_the_valid_ones():
     with pytest.raises(ValueError, match=r"attention 'lavo' has no option 'windw'; its options: rank, window, "
-                                         r"basis, position_bias, dissection"):
+                                         r"basis, position_bias, dissection, backend"):
         ModelConfig(attention="lavo", attention_options={"windw": 8})
     with pytest.raises(ValueError, match=r"attention 'abc' has no option 'window'"):
         build_attention("abc", 16, 2, window=8)

@@ -1,31 +1,13 @@
 """The blocked LAVO ops against the token-by-token references: outputs and gradients, float64."""
 import pytest
 import torch
-from reference_checks import assert_same_outputs_and_grads
+from reference_checks import assert_same_outputs_and_grads, random_inputs
 
 from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_attention, lavo_attention_naive,
                       local_attention, local_attention_naive, orthogonal_basis)
 
 # (T, window, D, rank): T = 1, T < w, T = w, awkward T with D = 60 and r < D.
 SHAPES = [(1, 16, 8, 8), (5, 16, 8, 4), (16, 16, 12, 12), (63, 16, 60, 24)]
-
-
-def _inputs(T, window, D, rank, causal, bias, padding, B=2, H=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, T, H, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    basis = orthogonal_basis(H, rank, D, generator=g, dtype=torch.float64).requires_grad_()
-    pos_bias = None
-    if bias:
-        pos_bias = torch.randn(H, 2 * window if causal else 4 * window - 1, generator=g, dtype=torch.float64,
-                               requires_grad=True)
-    mask = None
-    if padding:
-        mask = torch.ones(B, T, dtype=torch.bool)
-        mask[0, : T // 4] = False  # left end
-        mask[0, T // 2: T // 2 + 3] = False  # middle
-        mask[1, T - T // 5:] = False  # right end
-        mask[1, 0] = T == 1 or bool(mask[1, 0])  # keep at least one real token in T = 1
-    return q, k, v, basis, pos_bias, mask
 
 
 def _assert_same_outputs_and_grads(fast, naive, tensors):
@@ -38,7 +20,7 @@ def _assert_same_outputs_and_grads(fast, naive, tensors):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T,window,D,rank", SHAPES)
 def test_lavo_matches_naive(T, window, D, rank, causal, dissection, bias, padding):
-    q, k, v, basis, pos_bias, mask = _inputs(T, window, D, rank, causal, bias, padding)
+    q, k, v, basis, pos_bias, mask = random_inputs(T, window, D, rank, causal, bias, padding)
     options = dict(window=window, causal=causal, pos_bias=pos_bias, dissection=dissection, padding_mask=mask)
     tensors = [t for t in (q, k, v, basis, pos_bias) if t is not None]
     _assert_same_outputs_and_grads(lavo_attention(q, k, v, basis, **options),
@@ -49,7 +31,7 @@ def test_lavo_matches_naive(T, window, D, rank, causal, dissection, bias, paddin
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T,window", [(1, 4), (7, 4), (33, 8), (63, 16)])
 def test_local_matches_naive(T, window, causal, padding):
-    q, k, v, _, pos_bias, mask = _inputs(T, window, 6, 6, causal, True, padding)
+    q, k, v, _, pos_bias, mask = random_inputs(T, window, 6, 6, causal, True, padding)
     options = dict(window=window, causal=causal, pos_bias=pos_bias, padding_mask=mask)
     _assert_same_outputs_and_grads(local_attention(q, k, v, **options), local_attention_naive(q, k, v, **options),
                                    [q, k, v, pos_bias])
@@ -57,14 +39,14 @@ def test_local_matches_naive(T, window, causal, padding):
 
 @pytest.mark.parametrize("padding", [False, True])
 def test_cross_attention_matches_naive(padding):
-    q, _, _, basis, _, _ = _inputs(9, 4, 60, 20, True, False, False)
-    _, x, _, _, _, mask = _inputs(37, 4, 60, 20, True, False, padding, seed=1)
+    q, _, _, basis, _, _ = random_inputs(9, 4, 60, 20, True, False, False)
+    _, x, _, _, _, mask = random_inputs(37, 4, 60, 20, True, False, padding, seed=1)
     _assert_same_outputs_and_grads(code_cross_attention(q, x, basis, padding_mask=mask),
                                    code_cross_attention_naive(q, x, basis, padding_mask=mask), [q, x, basis])
 
 
 def test_causal_output_is_independent_of_the_future():
-    q, k, v, basis, pos_bias, _ = _inputs(40, 8, 8, 8, True, True, False)
+    q, k, v, basis, pos_bias, _ = random_inputs(40, 8, 8, 8, True, True, False)
     for dissection in (True, False):
         out = lavo_attention(q, k, v, basis, window=8, pos_bias=pos_bias, dissection=dissection)
         for t in (0, 8, 23):
@@ -74,7 +56,7 @@ def test_causal_output_is_independent_of_the_future():
 
 
 def test_all_padding_rows_give_zeros_not_nan():
-    q, k, v, basis, pos_bias, _ = _inputs(20, 8, 8, 8, True, True, False)
+    q, k, v, basis, pos_bias, _ = random_inputs(20, 8, 8, 8, True, True, False)
     mask = torch.ones(2, 20, dtype=torch.bool)
     mask[1] = False
     for causal in (True, False):
@@ -91,7 +73,7 @@ def test_orthogonal_basis_is_orthonormal():
 
 
 def test_bfloat16_forward_is_close_to_float32():
-    q, k, v, basis, pos_bias, mask = _inputs(100, 16, 32, 32, True, True, True)
+    q, k, v, basis, pos_bias, mask = random_inputs(100, 16, 32, 32, True, True, True)
     q, k, v, basis, pos_bias = (t.detach().float() for t in (q, k, v, basis, pos_bias))
     reference = lavo_attention(q, k, v, basis, window=16, pos_bias=pos_bias, padding_mask=mask)
     low = lavo_attention(*(t.bfloat16() for t in (q, k, v, basis)), window=16, pos_bias=pos_bias.bfloat16(),
@@ -112,7 +94,7 @@ def test_chunked_and_recomputed_local_kernel_matches_naive(monkeypatch, causal, 
     monkeypatch.setattr(memory_ops, "READ_ELEMENTS_PER_CHUNK", 1)
     if not keep_weights:
         monkeypatch.setattr(local_ops, "SAVED_WEIGHTS_LIMIT", 0)
-    q, k, v, basis, pos_bias, mask = _inputs(63, 8, 10, 6, causal, True, True)
+    q, k, v, basis, pos_bias, mask = random_inputs(63, 8, 10, 6, causal, True, True)
     options = dict(window=8, causal=causal, pos_bias=pos_bias, padding_mask=mask)
     _assert_same_outputs_and_grads(lavo_attention(q, k, v, basis, **options),
                                    lavo_attention_naive(q, k, v, basis, **options), [q, k, v, basis, pos_bias])
@@ -132,3 +114,14 @@ def test_memory_read_backward_matches_autograd(monkeypatch, shared):
     _assert_same_outputs_and_grads(memory_ops.memory_read(q, coefficients, basis, 0.3),
                                    memory_read_naive(q, coefficients, basis, 0.3),
                                    [q, coefficients, basis])
+
+
+def test_unknown_backend_names_the_valid_ones():
+    from lavo import LavoAttention
+
+    q = torch.zeros(1, 4, 1, 8)
+    message = r"backend must be one of 'auto', 'triton', 'torch', got 'cuda'"
+    with pytest.raises(ValueError, match=message):
+        lavo_attention(q, q, q, torch.eye(8)[None], window=4, backend="cuda")
+    with pytest.raises(ValueError, match=message):
+        LavoAttention(16, 2, backend="cuda")

@@ -1,7 +1,8 @@
-"""The ``attention`` section: every registered layer and two raw ops, forward and forward + backward, time and
-peak memory against the sequence length, each as a ratio to the SDPA op at the same length and pass."""
+"""The ``attention`` section: every registered layer and raw ops (LAVO's, SDPA, and fla's when asked for), forward
+and forward + backward, time and peak memory against the sequence length, each as a ratio to the SDPA op at the same length and pass."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from ..ops import lavo_attention, orthogonal_basis
 from ..registry import attention_class, build_attention
+from .measure import Skipped
 from .runner import Ratios, Runner, fill, record
 from .settings import Settings, mechanism_options
 
@@ -26,8 +28,32 @@ def _lavo(settings: Settings, length: int, device: torch.device, grad: bool):
     q, k, v = _qkv(s, (s.batch, length, s.heads, s.head_dim), device, grad)
     basis = orthogonal_basis(s.heads, s.rank, s.head_dim, device=device)
     pos_bias = torch.zeros(s.heads, 2 * s.window, device=device, requires_grad=grad)
-    return (lambda: lavo_attention(q, k, v, basis, window=s.window, causal=True, pos_bias=pos_bias),
+    return (lambda: lavo_attention(q, k, v, basis, window=s.window, causal=True, pos_bias=pos_bias,
+                                   backend=s.backend),
             [q, k, v, pos_bias])
+
+
+def _fla_op(module: str, name: str):
+    """The op ``name`` of the ``fla`` package (flash-linear-attention, ``fla-core``); Skipped without it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise Skipped(f"{module}.{name} is not importable ({type(error).__name__}: {error})") from None
+
+
+def _fla_window(settings: Settings, length: int, device: torch.device, grad: bool):
+    """fla's causal sliding-window softmax attention over the last ``--window`` keys (Triton): an anchor for
+    LAVO's local branch."""
+    attend = _fla_op("fla.ops.attn", "parallel_attn")
+    q, k, v = _qkv(settings, (settings.batch, length, settings.heads, settings.head_dim), device, grad)
+    return lambda: attend(q, k, v, window_size=settings.window), [q, k, v]
+
+
+def _fla_linear(settings: Settings, length: int, device: torch.device, grad: bool):
+    """fla's chunked causal linear attention (no normaliser): an anchor for a memory read of linear cost."""
+    attend = _fla_op("fla.ops.linear_attn", "chunk_linear_attn")
+    q, k, v = _qkv(settings, (settings.batch, length, settings.heads, settings.head_dim), device, grad)
+    return lambda: attend(q, k, v, normalize=False)[0], [q, k, v]
 
 
 def _qkv(settings: Settings, shape: tuple, device: torch.device, grad: bool) -> list[torch.Tensor]:
@@ -43,7 +69,10 @@ class RawOp:
 
 
 OPS = {"lavo_attention": RawOp("lavo_attention (op)", "linear", _lavo),
-       "sdpa": RawOp("sdpa (op)", "quadratic", _sdpa)}
+       "sdpa": RawOp("sdpa (op)", "quadratic", _sdpa),
+       "fla_window": RawOp("fla sliding window (op)", "linear", _fla_window),
+       "fla_linear": RawOp("fla chunk linear (op)", "linear", _fla_linear)}
+DEFAULT_OPS = ["lavo_attention", "sdpa"]  # the fla anchors need a GPU and the fla package
 BY_LABEL = {op.label: op for op in OPS.values()}
 SDPA = OPS["sdpa"].label  # the reference: the softmax attention PyTorch makes as fast as it can
 

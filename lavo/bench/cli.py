@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..model import PRESETS
+from ..ops.common import BACKENDS
 from ..registry import attention_class, available_attentions
 from . import attention, decode, flops, model
 from .measure import machine_info
@@ -50,9 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help=f"comma-separated sections to run, of {','.join(SECTIONS)} [all]")
     a("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run of every section in seconds")
     a("--attentions", type=_list(str), default=None,
-      help="attention section: registered mechanisms to measure as layers [all registered]")
-    a("--ops", type=_list(str), default=list(attention.OPS),
-      help=f"raw ops to measure, of {','.join(attention.OPS)} [both]")
+      help="attention section: registered mechanisms to measure as layers ('' for none) [all registered]")
+    a("--ops", type=_list(str), default=list(attention.DEFAULT_OPS),
+      help=f"raw ops to measure, of {','.join(attention.OPS)} (the fla ones need its package and a GPU) "
+           f"[{','.join(attention.DEFAULT_OPS)}]")
     a("--passes", type=_list(str), default=list(PASSES), help="fwd, fwd+bwd or both [both]")
     a("--lengths", type=_list(_length_value), default=None, help="sequence lengths [1K,2K,...,64K]")
     a("--max-quadratic-length", type=_length_value, default=None,
@@ -88,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--attention-options", type=json.loads, default={},
       help='JSON options per mechanism on top of the defaults, e.g. \'{"performer": {"features": 128}}\'')
     a("--device", default="cpu", help="cpu or cuda[:N] [cpu]")
+    a("--backend", choices=BACKENDS, default="auto",
+      help=f"LAVO's op and the mechanisms with a backend option ({','.join(having_option('backend', registered))}): "
+           f"triton kernels, the torch path, or auto (triton on CUDA when importable) [auto]")
     a("--threads", type=int, default=None, help="torch intra-op threads [torch's default]")
     a("--seed", type=int, default=0, help="random seed [0]")
     a("--json", type=Path, default=None, help="write the records and machine info to this JSON file")
@@ -123,10 +128,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise SystemExit(f"--model-preset: unknown {values['model_preset']!r}; choose from {', '.join(PRESETS)}")
     if not isinstance(args.attention_options, dict):
         raise SystemExit("--attention-options must be a JSON object of {mechanism: {option: value}}")
-    return Settings(sections=args.sections, attentions=args.attentions or registered, ops=args.ops,
+    return Settings(sections=args.sections, attentions=registered if args.attentions is None else args.attentions,
+                    ops=args.ops,
                     passes=args.passes, batch=args.batch, dtype=args.dtype, decode_attentions=args.decode_attentions,
                     model_attentions=args.model_attentions or registered, model_batch=args.model_batch,
-                    attention_options=args.attention_options, device=args.device, threads=args.threads,
+                    attention_options=args.attention_options, device=args.device, backend=args.backend,
+                    threads=args.threads,
                     seed=args.seed, quick=args.quick, **values)
 
 

@@ -51,6 +51,7 @@ class Settings:
     matmul_size: int
     attention_options: dict
     device: str
+    backend: str
     threads: int | None
     seed: int
     quick: bool
@@ -65,10 +66,10 @@ class Settings:
 
 
 def mechanism_options(name: str, settings: Settings, max_length: int) -> dict:
-    """Options a mechanism is built with: of the run's ``window`` and ``rank`` (the paper's) and ``max_length``
-    (a horizon long enough for the longest sequence), those the mechanism has an option of that name for, then
-    its ``--attention-options`` on top."""
-    shared = dict(window=settings.window, rank=settings.rank, max_length=max_length)
+    """Options a mechanism is built with: of the run's ``window`` and ``rank`` (the paper's), ``max_length``
+    (a horizon long enough for the longest sequence) and ``backend``, those the mechanism has an option of that
+    name for, then its ``--attention-options`` on top."""
+    shared = dict(window=settings.window, rank=settings.rank, max_length=max_length, backend=settings.backend)
     defaults = {option: shared[option] for option in attention_class(name).option_names() if option in shared}
     return {**defaults, **settings.attention_options.get(name, {})}
 

@@ -8,7 +8,7 @@ from torch.nn.utils.parametrizations import orthogonal
 
 from ..cache import LavoCache
 from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, orthogonal_basis
-from ..ops.common import check_padding_mask, check_window, pos_bias_size
+from ..ops.common import check_backend, check_padding_mask, check_window, pos_bias_size
 from .base import AttentionLayer, check_heads
 
 
@@ -41,9 +41,11 @@ class LavoAttention(AttentionLayer):
     """
 
     def __init__(self, dim: int, heads: int, *, rank: int | None = None, window: int = 64, causal: bool = True,
-                 basis: str = "fixed", position_bias: bool = True, dissection: bool = True):
+                 basis: str = "fixed", position_bias: bool = True, dissection: bool = True, backend: str = "auto"):
         super().__init__(dim, heads, causal=causal)
         check_window(window)
+        check_backend(backend)
+        self.backend = backend
         self.rank = self.head_dim if rank is None else rank
         self.window, self.dissection = window, dissection
         add_basis(self, heads, self.rank, self.head_dim, basis)
@@ -55,8 +57,9 @@ class LavoAttention(AttentionLayer):
         if cache is not None:
             return lavo_attention_cached(q, k, v, self.basis, cache, **options)
         if self.causal:
-            return lavo_attention(q, k, v, self.basis, causal=True, return_cache=True, **options)
-        return lavo_attention(q, k, v, self.basis, causal=False, **options), None
+            return lavo_attention(q, k, v, self.basis, causal=True, return_cache=True, backend=self.backend,
+                                  **options)
+        return lavo_attention(q, k, v, self.basis, causal=False, backend=self.backend, **options), None
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> LavoCache:
         return LavoCache.empty(batch_size, self.heads, self.head_dim, self.rank, device=device, dtype=dtype,
@@ -70,7 +73,7 @@ class LavoAttention(AttentionLayer):
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, rank={self.rank}, window={self.window}, causal={self.causal}, "
-                f"position_bias={self.pos_bias is not None}, dissection={self.dissection}")
+                f"position_bias={self.pos_bias is not None}, dissection={self.dissection}, backend={self.backend!r}")
 
 
 class LavoCrossAttention(nn.Module):
@@ -79,8 +82,11 @@ class LavoCrossAttention(nn.Module):
     ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
     """
 
-    def __init__(self, dim: int, heads: int, *, rank: int | None = None, basis: str = "fixed"):
+    def __init__(self, dim: int, heads: int, *, rank: int | None = None, basis: str = "fixed",
+                 backend: str = "auto"):
         super().__init__()
+        check_backend(backend)
+        self.backend = backend
         self.head_dim = check_heads(dim, heads)
         self.dim, self.heads = dim, heads
         self.rank = self.head_dim if rank is None else rank
@@ -99,5 +105,5 @@ class LavoCrossAttention(nn.Module):
         check_padding_mask(source_padding_mask, source.shape[0], source.shape[1], "source_padding_mask")
         q = rearrange(self.to_q(y), "b t (h d) -> b t h d", h=self.heads)
         x = rearrange(self.to_features(source), "b s (h d) -> b s h d", h=self.heads)
-        out = code_cross_attention(q, x, self.basis, padding_mask=source_padding_mask)
+        out = code_cross_attention(q, x, self.basis, padding_mask=source_padding_mask, backend=self.backend)
         return self.to_out(rearrange(out, "b t h d -> b t (h d)"))

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache
-from ..ops.common import check_window, pos_bias_size
+from ..ops.common import check_backend, check_window, pos_bias_size
 from ..ops.local import keep_visible, local_attention, local_attention_chunk, visible_length
 from .base import AttentionLayer
 
@@ -20,16 +20,19 @@ class LocalAttention(AttentionLayer):
     A chunk decoded from a cache costs ``O(T (2w + T) D)``: start long prompts without a cache.
     """
 
-    def __init__(self, dim: int, heads: int, *, causal: bool = True, window: int = 64, position_bias: bool = True):
+    def __init__(self, dim: int, heads: int, *, causal: bool = True, window: int = 64, position_bias: bool = True,
+                 backend: str = "auto"):
         super().__init__(dim, heads, causal=causal)
         check_window(window)
-        self.window = window
+        check_backend(backend)
+        self.window, self.backend = window, backend
         self.pos_bias = nn.Parameter(torch.zeros(heads, pos_bias_size(window, causal))) if position_bias else None
 
     def attend(self, q, k, v, padding_mask, cache):
         options = dict(window=self.window, pos_bias=self.pos_bias)
         if cache is None:
-            out = local_attention(q, k, v, causal=self.causal, padding_mask=padding_mask, **options)
+            out = local_attention(q, k, v, causal=self.causal, padding_mask=padding_mask, backend=self.backend,
+                                  **options)
             if not self.causal:
                 return out, None
             real = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if padding_mask is None else padding_mask
@@ -54,4 +57,4 @@ class LocalAttention(AttentionLayer):
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, window={self.window}, causal={self.causal}, "
-                f"position_bias={self.pos_bias is not None}")
+                f"position_bias={self.pos_bias is not None}, backend={self.backend!r}")

@@ -2,6 +2,9 @@
 expected), the masking constant, the accumulation dtype and small tensor helpers."""
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 
@@ -81,3 +84,44 @@ def check_window_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windo
     check_window(window)
     check_same_shape(q=q, k=k, v=v)
     check_padding_mask(padding_mask, q.shape[0], q.shape[1])
+
+
+BACKENDS = ("auto", "triton", "torch")
+# Input dtypes the Triton kernels take (they accumulate in float32, so float64 stays on the torch path).
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package can be imported (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, read when a kernel is defined)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+
+
+def uses_triton(backend: str, q: torch.Tensor) -> bool:
+    r"""Whether an op with ``backend`` (``"auto"``, ``"triton"`` or ``"torch"``) runs its Triton kernels on ``q``.
+
+    ``auto`` takes them for CUDA tensors of a dtype they handle when ``triton`` is importable, the torch path
+    otherwise; ``triton`` insists, and says why it cannot where it cannot.
+    """
+    check_backend(backend)
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return q.is_cuda and q.dtype in TRITON_DTYPES and triton_available()
+    if not triton_available():
+        raise ValueError("backend='triton' needs the triton package (pip install 'lavo[gpu]')")
+    if not q.is_cuda and not triton_interpreting():
+        raise ValueError(f"backend='triton' runs on CUDA tensors, got a tensor on {q.device}; set TRITON_INTERPRET=1 "
+                         f"before importing lavo to run the kernels in Triton's CPU interpreter")
+    if q.dtype not in TRITON_DTYPES:
+        raise ValueError(f"backend='triton' takes float16, bfloat16 or float32 inputs, got {q.dtype}")
+    return True

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ...cache import LavoCache
-from ..common import accumulation_dtype, check_basis, check_pos_bias, check_window_inputs, exclusive_cumsum
+from ..common import (accumulation_dtype, check_basis, check_pos_bias, check_window_inputs, exclusive_cumsum,
+                      uses_triton)
 from ..local.blocked import blocked_local_attention, from_blocks, real_tokens, to_blocks
 from ..local.decoding import keep_visible
 from .memory import memory_read, project
@@ -43,7 +44,8 @@ def _memory_branch(q, features, counts, basis, scale, causal, dissection, skip_c
 def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor, *, window: int,
                    causal: bool = True, pos_bias: torch.Tensor | None = None, dissection: bool = True,
                    padding_mask: torch.Tensor | None = None, scale: float | None = None,
-                   return_cache: bool = False) -> torch.Tensor | tuple[torch.Tensor, LavoCache]:
+                   return_cache: bool = False,
+                   backend: str = "auto") -> torch.Tensor | tuple[torch.Tensor, LavoCache]:
     r"""LAVO attention, blocked: ``O(T (w + r) D)`` time, ``O(T w)`` memory.
 
     Args:
@@ -55,6 +57,8 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         padding_mask: ``[B, T]`` bool, True for real tokens; padded positions return zeros.
         scale: defaults to ``D ** -0.5``.
         return_cache: also return the :class:`LavoCache` that continues this sequence (causal only).
+        backend: ``"triton"`` (the GPU kernels of :mod:`.gpu`), ``"torch"`` (this module) or ``"auto"``: Triton
+            for CUDA tensors when it is importable (see :func:`~lavo.ops.common.uses_triton`).
     Returns:
         ``[B, T, H, D]``, and the cache when asked.
     """
@@ -63,6 +67,11 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         raise ValueError("a cache exists only for causal attention (causal=False was given)")
     B, T, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
+    if uses_triton(backend, q):
+        from .gpu import lavo_attention_triton
+        return lavo_attention_triton(q, k, v, basis, window=window, causal=causal, pos_bias=pos_bias,
+                                     dissection=dissection, padding_mask=padding_mask, scale=scale,
+                                     return_cache=return_cache)
     # Both branches work on windows, [n, B, H, w, D]: one matmul-friendly layout, views of the inputs.
     qb, kb, vb = to_blocks(q, window), to_blocks(k, window), to_blocks(v, window)
     real = real_tokens(padding_mask, B, T, window, q.device)
@@ -76,13 +85,18 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         out = out * padding_mask[:, :, None, None].to(out.dtype)
     if not return_cache:
         return out
-    done = T // window  # completed windows
-    key_mask = real.transpose(0, 1).flatten(1)[:, :T]
-    keys, values, key_mask = (x.clone() for x in keep_visible(T, window, k, v, key_mask))
-    counts = counts.sum((2, 3, 4))  # [n, B]
-    cache = LavoCache(keys=keys, values=values, key_mask=key_mask,
-                      memory_sum=block_sum[:done].sum(0)[:, :, 0], memory_count=counts[:done].sum(0),
-                      window_sum=block_sum[done:].sum(0)[:, :, 0], window_count=counts[done:].sum(0), position=T,
-                      window=window)
-    return out, cache
+    window_proj = block_sum[..., 0, :].permute(1, 2, 0, 3)  # [B, H, n, r]
+    return out, cache_after(k, v, padding_mask, window_proj, counts.sum((2, 3, 4)).T, window)
 
+
+def cache_after(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, window_proj: torch.Tensor,
+                counts: torch.Tensor, window: int) -> LavoCache:
+    r"""The cache that continues a sequence of ``T`` positions: ``k, v [B, T, H, D]``, ``real [B, T]`` or None,
+    the projections of each window's feature sums ``[B, H, n, r]`` and its counts of real tokens ``[B, n]``."""
+    B, T = k.shape[:2]
+    done = T // window  # completed windows
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=k.device) if real is None else real
+    keys, values, key_mask = (x.clone() for x in keep_visible(T, window, k, v, key_mask))
+    return LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=window_proj[:, :, :done].sum(2),
+                     memory_count=counts[:, :done].sum(1), window_sum=window_proj[:, :, done:].sum(2),
+                     window_count=counts[:, done:].sum(1), position=T, window=window)

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from ..common import check_basis, check_padding_mask
+from ..common import check_basis, check_padding_mask, uses_triton
 from .memory import memory_read, project
 
 
 def code_cross_attention(q: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, *,
-                         padding_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                         padding_mask: torch.Tensor | None = None, scale: float | None = None,
+                         backend: str = "auto") -> torch.Tensor:
     r"""Cross attention through the orthogonal memory: the source is compressed to ``r`` slots per head.
 
     Args:
@@ -16,6 +17,8 @@ def code_cross_attention(q: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, 
         x: ``[B, S, H, D]`` per-head source features.
         basis: ``[H, r, D]``.
         padding_mask: ``[B, S]`` bool over the source, True for real tokens.
+        backend: ``"triton"`` (the read kernel, :mod:`.gpu`), ``"torch"`` or ``"auto"`` (Triton for CUDA tensors
+            when it is importable).
     Returns:
         ``[B, Tq, H, D]``.
     """
@@ -26,6 +29,9 @@ def code_cross_attention(q: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, 
     check_basis(basis, H, D)
     check_padding_mask(padding_mask, B, S)
     scale = D ** -0.5 if scale is None else scale
+    if uses_triton(backend, q):
+        from .gpu import code_cross_attention_triton
+        return code_cross_attention_triton(q, x, basis, padding_mask=padding_mask, scale=scale)
     proj = project(x.transpose(1, 2), basis)  # [B, H, S, r]
     # the mean over real source tokens; an empty source (S = 0, or all padding) is an empty memory: zeros
     if padding_mask is None:

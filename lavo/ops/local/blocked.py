@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from ..common import check_pos_bias, check_window_inputs, neg_inf
+from ..common import check_pos_bias, check_window_inputs, neg_inf, uses_triton
 
 
 # Elements of scores computed at once: 4 MiB in float32, about what stays in cache.
@@ -191,8 +191,8 @@ def blocked_local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int, causal: bool = True,
                     pos_bias: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
-                    scale: float | None = None) -> torch.Tensor:
-    r"""Blocked sliding-window attention.
+                    scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    r"""Blocked sliding-window attention, or its Triton kernel (:mod:`.kernels`).
 
     Args:
         q, k, v: ``[B, T, H, D]``.
@@ -201,6 +201,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
         padding_mask: ``[B, T]`` bool, True for real tokens. Padded keys are never attended to; padded queries
             return zeros.
         scale: defaults to ``D ** -0.5``.
+        backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton for CUDA tensors when it is importable).
     Returns:
         ``[B, T, H, D]``.
     """
@@ -208,6 +209,11 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
     B, T, H, D = q.shape
     check_pos_bias(pos_bias, H, window, causal)
     scale = D ** -0.5 if scale is None else scale
+    if uses_triton(backend, q):
+        from .kernels import window_attention
+        out = window_attention(q, k, v, window=window, causal=causal, pos_bias=pos_bias, padding_mask=padding_mask,
+                               scale=scale)
+        return out if padding_mask is None else out * padding_mask[:, :, None, None].to(out.dtype)
     out = blocked_local_attention(to_blocks(q, window), to_blocks(k, window), to_blocks(v, window),
                                   real_tokens(padding_mask, B, T, window, q.device), causal=causal, pos_bias=pos_bias,
                                   scale=scale)

@@ -1,0 +1,179 @@
+"""The GPU check of LAVO's Triton path, one command on a machine with an NVIDIA GPU and no network: the kernel tests
+on CUDA, then the op benchmark against SDPA (and fla's ops when importable), decoding, and whole-model training,
+all bf16, each step under a time limit so the whole check stays under six minutes on an H200. Writes
+``<gpu>_bf16.json`` and ``<gpu>_bf16.md`` (and each step's log) into the output directory.
+
+Run through ``scripts/gpu_check.sh OUT_DIR``. ``--dry-run`` takes the same steps on the CPU at tiny sizes, with
+the kernels in Triton's interpreter: a check of this script, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lavo.files import write_json, write_text
+from lavo.report import length_label, markdown_table, number
+
+LENGTHS = "1K,2K,4K,8K,16K,32K,64K,128K"
+
+
+def steps(dry_run: bool, fla: bool) -> list[tuple[str, float, list[str]]]:
+    """(name, seconds allowed, command) of each step; a bench step's JSON goes to ``{out}/<name>.json``."""
+    python = [sys.executable]
+    tests = python + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_ops.py", "-m",
+                      "slow or not slow"]
+    bench = python + ["-m", "lavo.bench", "--no-progress", "--dtype", "bf16"]
+    if dry_run:
+        quick = bench + ["--device", "cpu", "--quick", "--backend", "triton", "--time-limit", "60"]
+        return [("tests", 120, tests[:-2] + ["-k", "backend_choice or cross_attention_layer"]),
+                ("ops", 120, quick + ["--sections", "attention", "--attentions", "", "--ops", "lavo_attention,sdpa"]),
+                ("decode", 60, quick + ["--sections", "decode", "--decode-attentions", "lavo,local,softmax"]),
+                ("model", 120, quick + ["--sections", "model", "--model-attentions", "lavo,local,softmax"])]
+    gpu = bench + ["--device", "cuda", "--time-limit", "20", "--repeats", "10", "--warmup", "3"]
+    ops = "lavo_attention,sdpa" + (",fla_window,fla_linear" if fla else "")
+    return [("tests", 110, tests),
+            ("ops", 75, gpu + ["--sections", "attention", "--attentions", "", "--ops", ops, "--lengths", LENGTHS,
+                               "--max-quadratic-length", "128K"]),
+            ("ops_torch", 30, gpu + ["--sections", "attention", "--attentions", "", "--ops", "lavo_attention",
+                                     "--backend", "torch", "--lengths", "1K,4K,16K"]),
+            ("decode", 45, gpu + ["--sections", "decode", "--decode-attentions", "lavo,local,softmax",
+                                  "--decode-lengths", LENGTHS, "--max-quadratic-length", "16K"]),
+            ("model", 70, gpu + ["--sections", "model", "--model-preset", "small", "--model-attentions",
+                                 "lavo,local,softmax", "--model-lengths", "1K,4K,16K", "--model-repeats", "3",
+                                 "--max-quadratic-length", "16K"])]
+
+
+def _text(x) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+
+def run_step(name: str, seconds: float, command: list[str], out: Path, env: dict) -> dict:
+    """Run one step with its time limit: stdout to ``{out}/{name}.md`` (a bench step's tables), stdout and stderr
+    to ``{out}/{name}.log``."""
+    if name != "tests":
+        command = command + ["--json", str(out / f"{name}.json")]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=seconds, env=env)
+        status, stdout, stderr = ("ok" if done.returncode == 0 else f"exit {done.returncode}"), done.stdout, \
+            done.stderr
+    except subprocess.TimeoutExpired as error:
+        status, stdout, stderr = f"timed out after {seconds:g} s", _text(error.stdout), _text(error.stderr)
+    write_text(out / f"{name}.md", stdout)
+    write_text(out / f"{name}.log", stdout + stderr)
+    step = dict(name=name, command=" ".join(command), seconds=round(time.monotonic() - start, 1), status=status)
+    if name == "tests":
+        summary = re.findall(r"^=*\s*(\d+ (?:passed|failed|error).*?)\s*=*$", stdout, re.M)
+        lines = stdout.strip().splitlines()
+        step["summary"] = summary[-1] if summary else (lines[-1] if lines else "")
+    return step
+
+
+def records(out: Path, step_names: list[str]) -> list[dict]:
+    """Every record of the bench steps' JSON files, each tagged with its step."""
+    found = []
+    for name in step_names:
+        path = out / f"{name}.json"
+        if path.exists():
+            found += [dict(r, step=name) for r in json.loads(path.read_text())["records"]]
+    return found
+
+
+def _find(rows: list[dict], **match) -> dict | None:
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items()) and r["status"] == "ok"), None)
+
+
+def targets(rows: list[dict]) -> list[list[str]]:
+    """The issue's targets against this run: (target, measured, met)."""
+    table = []
+
+    def ratio(length: int, step: str = "ops") -> float | None:
+        lavo = _find(rows, step=step, mechanism="lavo_attention (op)", op="fwd+bwd", length=length)
+        sdpa = _find(rows, step="ops", mechanism="sdpa (op)", op="fwd+bwd", length=length)
+        return lavo["ms"] / sdpa["ms"] if lavo and sdpa else None
+
+    def add(target: str, value: float | None, text: str, met) -> None:
+        table.append([target, text if value is not None else "not measured",
+                      "—" if value is None else ("yes" if met(value) else "no")])
+
+    for length, bound, words in ((1024, 2.0, "within 2x of SDPA"), (16384, 1.0, "no slower than SDPA"),
+                                 (65536, 0.2, "at least 5x faster than SDPA")):
+        value = ratio(length)
+        add(f"fwd+bwd {length_label(length)}: {words}", value, f"{number(value, 3)} x SDPA's time",
+            lambda v, bound=bound: v <= bound)
+    lavo64 = _find(rows, step="ops", mechanism="lavo_attention (op)", op="fwd+bwd", length=65536)
+    add("fwd+bwd 64K <= 7 ms", lavo64 and lavo64["ms"], f"{number(lavo64 and lavo64['ms'])} ms", lambda v: v <= 7)
+    for length in (16384, 65536, 131072):
+        lavo = _find(rows, step="ops", mechanism="lavo_attention (op)", op="fwd+bwd", length=length)
+        sdpa = _find(rows, step="ops", mechanism="sdpa (op)", op="fwd+bwd", length=length)
+        value = lavo["peak_mib"] / sdpa["peak_mib"] if lavo and sdpa and sdpa["peak_mib"] else None
+        add(f"peak memory {length_label(length)} <= SDPA's", value,
+            f"{number(lavo and lavo['peak_mib'])} vs {number(sdpa and sdpa['peak_mib'])} MiB", lambda v: v <= 1)
+    steps_ms = [r["ms"] for r in rows if r["step"] == "decode" and r["mechanism"] == "lavo" and r["status"] == "ok"]
+    worst = max(steps_ms) if steps_ms else None
+    add("decoding step <= 0.3 ms at every context", worst, f"at most {number(worst)} ms", lambda v: v <= 0.3)
+    for length, bound in ((4096, 1.0), (16384, 2.0)):
+        lavo = _find(rows, step="model", mechanism="lavo", length=length)
+        softmax = _find(rows, step="model", mechanism="softmax+rope", length=length)
+        value = lavo["tokens_per_s"] / softmax["tokens_per_s"] if lavo and softmax else None
+        add(f"`small` training {length_label(length)}: LAVO tokens/s >= {bound:g}x softmax+RoPE", value,
+            f"{number(value, 3)}x", lambda v, bound=bound: v >= bound)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="output directory")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, kernels in Triton's interpreter")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --dry-run to check this script on the CPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if args.dry_run:
+        env["TRITON_INTERPRET"] = "1"
+    fla = importlib.util.find_spec("fla") is not None
+    gpu = "cpu-dry-run" if args.dry_run else torch.cuda.get_device_name(0)
+    triton_version = None
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+        triton_version = triton.__version__
+    machine = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, triton=triton_version, fla=fla,
+                   date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    plan = steps(args.dry_run, fla)
+    done = []
+    for name, seconds, command in plan:
+        print(f"[gpu_check] {name} (at most {seconds:g} s)", file=sys.stderr, flush=True)
+        done.append(run_step(name, seconds, command, args.out, env))
+        print(f"[gpu_check] {name}: {done[-1]['status']} in {done[-1]['seconds']} s", file=sys.stderr, flush=True)
+    rows = records(args.out, [name for name, _, _ in plan])
+    stem = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_") + "_bf16"
+    write_json(args.out / f"{stem}.json", dict(machine=machine, steps=done, targets=targets(rows), records=rows))
+    text = [f"# GPU check: {gpu}, bf16", "",
+            f"torch {machine['torch']}, CUDA {machine['cuda']}, triton {machine['triton']}, fla "
+            f"{'present' if fla else 'absent'}; {machine['date']}. Made by `scripts/gpu_check.sh`.", "",
+            "## Steps", "",
+            markdown_table(["step", "status", "seconds", "note"],
+                           [[s["name"], s["status"], s["seconds"], s.get("summary", "")] for s in done]), "",
+            "## Targets", "", markdown_table(["target", "measured", "met"], targets(rows)), ""]
+    for name, _, _ in plan:
+        tables = (args.out / f"{name}.md").read_text()
+        if name != "tests" and "## " in tables:
+            text += [f"## Step `{name}`", "", tables[tables.find("## "):].replace("\n## ", "\n### ").strip()
+                     .replace("## ", "### ", 1), ""]
+    write_text(args.out / f"{stem}.md", "\n".join(text))
+    print(args.out / f"{stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+r"""The memory read in Triton: the GPU form of :func:`.memory.memory_read`, forward and backward in one kernel each.
+
+A query reads ``softmax_i(scale H_i (B q)_i) H_i b_i`` (see :mod:`.memory`). Consecutive queries share a row of
+coefficients ``H``: a window of ``w`` with context dissection, the whole sequence non-causal, one query each
+without dissection. Programs walk blocks of queries that never straddle two rows, so the coefficient gradient of
+a block is one row sum; a program keeps its share of the basis gradient ``[r, D]`` in registers and adds it
+atomically once. Nothing of size ``[T, r]`` is stored, forward or backward.
+
+Importing this module defines the kernels, so ``TRITON_INTERPRET`` must be set before it is first imported.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..local.kernels import _shared_strides, dot_options
+
+# Programs per (batch, head) row at most: enough to fill a GPU, few enough that the basis gradient's atomic adds
+# (one [r, D] tile per program) stay cheap.
+PROGRAMS = 512
+
+
+@triton.jit
+def _rows(block, group, length, BLOCK: tl.constexpr):
+    """Coefficient row ``c`` of block ``block``, its query positions ``t [BLOCK]`` and which of them exist."""
+    per_row = tl.cdiv(group, BLOCK)
+    c = block // per_row
+    t = c * group + (block % per_row) * BLOCK + tl.arange(0, BLOCK)
+    return c, t, (t < (c + 1) * group) & (t < length)
+
+
+@triton.jit
+def _read(Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
+          PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+          PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
+    """Recompute one block's read: positions, validity, ``q``, ``B q``, coefficients and softmax weights."""
+    b, h = bh // heads, bh % heads
+    c, t, valid = _rows(block, group, length, BLOCK)
+    d = tl.arange(0, BLOCK_D)
+    slot = tl.arange(0, BLOCK_R)
+    q = tl.load(Q + b * stride_b + h * stride_h + t[:, None] * stride_t + d[None, :],
+                mask=valid[:, None] & (d[None, :] < head_dim), other=0.0)
+    if FLOAT32_DOTS:
+        q = q.to(tl.float32)
+    basis = tl.load(BASIS + (h * rank + slot[:, None]) * head_dim + d[None, :],
+                    mask=(slot[:, None] < rank) & (d[None, :] < head_dim), other=0.0)
+    proj = tl.dot(q, tl.trans(basis.to(q.dtype)), input_precision=PRECISION)  # [BLOCK, BLOCK_R] float32
+    if PER_TOKEN:
+        coef = tl.load(COEF + (bh * length + t[:, None]) * rank + slot[None, :],
+                       mask=valid[:, None] & (slot[None, :] < rank), other=0.0)
+    else:
+        coef = tl.load(COEF + (bh * tl.cdiv(length, group) + c) * rank + slot, mask=slot < rank, other=0.0)[None, :]
+    logits = tl.where(slot[None, :] < rank, coef * scale * proj, float("-inf"))
+    weights = tl.exp(logits - tl.max(logits, 1)[:, None])
+    weights = weights / tl.sum(weights, 1)[:, None]
+    return b, h, t, valid, d, slot, q, basis, proj, coef, weights
+
+
+@triton.jit
+def _forward(Q, COEF, BASIS, O, stride_b, stride_t, stride_h, heads, group, length, head_dim, rank, blocks, scale,
+             PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+             PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
+    bh = tl.program_id(1).to(tl.int64)  # offsets into tensors past 2^31 elements must not overflow
+    for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
+        b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(
+            Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
+            PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION, FLOAT32_DOTS)
+        out = tl.dot(weights * coef, basis, input_precision=PRECISION)
+        tl.store(O + ((b * length + t[:, None]) * heads + h) * head_dim + d[None, :], out.to(O.dtype.element_ty),
+                 mask=valid[:, None] & (d[None, :] < head_dim))
+
+
+@triton.jit
+def _backward(Q, COEF, BASIS, DO, DQ, DCOEF, DBASIS, stride_b, stride_t, stride_h, heads, group, length, head_dim,
+              rank, blocks, scale, PER_TOKEN: tl.constexpr, BASIS_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+              FLOAT32_DOTS: tl.constexpr):
+    """``DO``, ``DQ`` contiguous ``[B, T, H, D]``; ``DCOEF`` float32 ``[B * H, T, r]`` per token, else one row per
+    block ``[B * H, blocks, r]``; ``DBASIS`` float32 ``[H, r, D]``, added to atomically."""
+    bh = tl.program_id(1).to(tl.int64)
+    grad_basis = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
+        b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(
+            Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
+            PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION, FLOAT32_DOTS)
+        place = ((b * length + t[:, None]) * heads + h) * head_dim + d[None, :]
+        inside = valid[:, None] & (d[None, :] < head_dim)
+        grad = tl.load(DO + place, mask=inside, other=0.0).to(tl.float32)
+        grad_read = tl.dot(grad, tl.trans(basis), input_precision=PRECISION)  # d/d(weights * coef)
+        grad_weights = grad_read * coef
+        grad_logits = weights * (grad_weights - tl.sum(grad_weights * weights, 1)[:, None])
+        grad_proj = grad_logits * coef * scale
+        grad_q = tl.dot(grad_proj, basis, input_precision=PRECISION)
+        tl.store(DQ + place, grad_q.to(DQ.dtype.element_ty), mask=inside)
+        grad_coef = grad_read * weights + grad_logits * scale * proj
+        if PER_TOKEN:
+            tl.store(DCOEF + (bh * length + t[:, None]) * rank + slot[None, :], grad_coef,
+                     mask=valid[:, None] & (slot[None, :] < rank))
+        else:
+            tl.store(DCOEF + (bh * blocks + block) * rank + slot, tl.sum(grad_coef, 0), mask=slot < rank)
+        if BASIS_GRAD:
+            grad_basis += tl.dot(tl.trans(grad_proj), q.to(tl.float32), input_precision=PRECISION)
+            grad_basis += tl.dot(tl.trans(weights * coef), grad, input_precision=PRECISION)
+    if BASIS_GRAD:
+        h = bh % heads
+        slot = tl.arange(0, BLOCK_R)
+        d = tl.arange(0, BLOCK_D)
+        tl.atomic_add(DBASIS + (h * rank + slot[:, None]) * head_dim + d[None, :], grad_basis,
+                      mask=(slot[:, None] < rank) & (d[None, :] < head_dim))
+
+
+def _config(head_dim: int, rank: int, group: int, dtype: torch.dtype) -> dict:
+    block_d, block_r = (max(16, triton.next_power_of_2(n)) for n in (head_dim, rank))
+    return dict(BLOCK=max(16, min(64, triton.next_power_of_2(group))), BLOCK_D=block_d, BLOCK_R=block_r,
+                num_warps=4 if block_d * block_r <= 4096 else 8, **dot_options(dtype))
+
+
+class MemoryRead(torch.autograd.Function):
+    """The read with Triton forward and backward; saves only its inputs."""
+
+    @staticmethod
+    def forward(ctx, q, coefficients, basis, scale, group):
+        # q: [B, T, H, D]; coefficients: float32 [B, H, rows, r]; basis: [H, r, D]; group: queries per row.
+        (q,) = _shared_strides(q)
+        B, T, H, D = q.shape
+        per_token = group == 1
+        kernel_group = T if per_token else group  # per token, blocks only have to stay inside the sequence
+        config = _config(D, basis.shape[1], kernel_group, q.dtype)
+        blocks = triton.cdiv(T, kernel_group) * triton.cdiv(kernel_group, config["BLOCK"])
+        coefficients = coefficients.contiguous()
+        basis_acc = basis.to(coefficients.dtype).contiguous()
+        out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+        _forward[(blocks, B * H)](q, coefficients, basis_acc, out, *q.stride()[:3], H, kernel_group, T, D,
+                                  basis.shape[1], blocks, scale, PER_TOKEN=per_token, **config)
+        ctx.save_for_backward(q, coefficients, basis_acc)
+        ctx.scale, ctx.group, ctx.per_token, ctx.blocks, ctx.config = scale, kernel_group, per_token, blocks, config
+        ctx.basis_dtype = basis.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, coefficients, basis = ctx.saved_tensors
+        B, T, H, D = q.shape
+        rank, blocks = basis.shape[1], ctx.blocks
+        grad_out = grad_out.to(q.dtype).contiguous()
+        grad_q = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+        grad_coef = torch.empty(B * H, T if ctx.per_token else blocks, rank, dtype=torch.float32, device=q.device)
+        basis_grad = ctx.needs_input_grad[2]
+        grad_basis = torch.zeros_like(basis) if basis_grad else None
+        programs = min(blocks, max(1, PROGRAMS // (B * H)))
+        _backward[(programs, B * H)](q, coefficients, basis, grad_out, grad_q, grad_coef, grad_basis, *q.stride()[:3],
+                                     H, ctx.group, T, D, rank, blocks, ctx.scale, PER_TOKEN=ctx.per_token,
+                                     BASIS_GRAD=basis_grad, **ctx.config)
+        rows = coefficients.shape[2]
+        grad_coef = grad_coef.view(B, H, rows, -1, rank).sum(3)  # a row's blocks, or each token alone
+        return grad_q, grad_coef, grad_basis.to(ctx.basis_dtype) if basis_grad else None, None, None
+
+
+def read_memory(q: torch.Tensor, coefficients: torch.Tensor, basis: torch.Tensor, scale: float,
+                group: int) -> torch.Tensor:
+    r"""The memory read by the Triton kernels.
+
+    Args:
+        q: ``[B, T, H, D]``.
+        coefficients: float32 ``[B, H, ceil(T / group), r]``: row ``c`` serves queries ``c group .. (c + 1) group - 1``
+            (``group = 1``: a row per query; ``group >= T``: one row for all).
+        basis: ``[H, r, D]``.
+    Returns:
+        ``[B, T, H, D]`` in ``q``'s dtype.
+    """
+    return MemoryRead.apply(q, coefficients, basis, scale, min(group, q.shape[1]))

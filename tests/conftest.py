@@ -1,0 +1,8 @@
+"""Without a GPU, Triton kernels run in Triton's CPU interpreter. The choice is made when a kernel is defined, so
+it is set here, before any test imports one; the other tests never reach a kernel on CPU tensors."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

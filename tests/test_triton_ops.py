@@ -1,0 +1,153 @@
+"""The Triton kernels (the GPU path of the LAVO, local and cross-attention ops) against the token-by-token
+references: outputs and gradients of q, k, v, basis and pos_bias. On CUDA when a GPU is present, otherwise in
+Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
+import pytest
+import torch
+from reference_checks import assert_matches_reference, random_inputs
+
+from lavo import LavoAttention, LavoCrossAttention
+from lavo.layers.local import LocalAttention
+from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_attention, lavo_attention_naive,
+                      local_attention, local_attention_naive, orthogonal_basis)
+from lavo.ops.common import triton_interpreting, uses_triton
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FLOAT32 = dict(atol=2e-5, rtol=1e-4)
+
+# (T, window, D, rank): T not a multiple of w with r < D, T < w, T = 1, D = 128, D not a power of two. Small: the
+# token-by-token reference dominates the time.
+SHAPES = [(63, 16, 32, 12), (5, 16, 64, 64), (1, 4, 32, 8), (21, 8, 128, 40), (24, 16, 48, 48)]
+
+
+def _triton_inputs(T, window, D, rank, causal, padding, B=2, H=2, seed=0):
+    return random_inputs(T, window, D, rank, causal, True, padding, B=B, H=H, seed=seed)
+
+
+def _on(mask, device):
+    return None if mask is None else mask.to(device)
+
+
+@pytest.mark.parametrize("bias,padding", [(False, False), (True, True)])
+@pytest.mark.parametrize("dissection", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T,window,D,rank", SHAPES)
+def test_lavo_kernels_match_naive(T, window, D, rank, causal, dissection, bias, padding):
+    q, k, v, basis, pos_bias, mask = _triton_inputs(T, window, D, rank, causal, padding)
+    options = dict(window=window, causal=causal, dissection=dissection)
+
+    def fast(q, k, v, basis, *pos_bias):
+        return lavo_attention(q, k, v, basis, pos_bias=pos_bias[0] if bias else None,
+                              padding_mask=_on(mask, DEVICE), backend="triton", **options)
+
+    def naive(q, k, v, basis, *pos_bias):
+        return lavo_attention_naive(q, k, v, basis, pos_bias=pos_bias[0] if bias else None, padding_mask=mask,
+                                    **options)
+    assert_matches_reference(fast, naive, [q, k, v, basis] + ([pos_bias] if bias else []), device=DEVICE, **FLOAT32)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T,window,D", [(1, 4, 32), (7, 16, 64), (63, 16, 32), (70, 32, 64)])
+def test_window_kernel_matches_naive(T, window, D, causal, padding):
+    q, k, v, _, pos_bias, mask = _triton_inputs(T, window, D, 4, causal, padding)
+    options = dict(window=window, causal=causal)
+    assert_matches_reference(
+        lambda *x: local_attention(*x[:3], pos_bias=x[3], padding_mask=_on(mask, DEVICE), backend="triton",
+                                   **options),
+        lambda *x: local_attention_naive(*x[:3], pos_bias=x[3], padding_mask=mask, **options),
+        [q, k, v, pos_bias], device=DEVICE, **FLOAT32)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_cross_attention_kernel_matches_naive(padding):
+    q, _, _, basis, _, _ = _triton_inputs(9, 4, 48, 20, True, False)
+    _, x, _, _, _, mask = _triton_inputs(37, 4, 48, 20, True, padding, seed=1)
+    assert_matches_reference(
+        lambda q, x, basis: code_cross_attention(q, x, basis, padding_mask=_on(mask, DEVICE), backend="triton"),
+        lambda q, x, basis: code_cross_attention_naive(q, x, basis, padding_mask=mask),
+        [q, x, basis], device=DEVICE, **FLOAT32)
+
+
+@pytest.mark.parametrize("dissection", [True, False])
+def test_bfloat16_kernels_are_close_to_the_float32_reference(dissection):
+    q, k, v, basis, pos_bias, mask = _triton_inputs(100, 16, 64, 32, True, True)
+    inputs = [q, k, v, basis, pos_bias]
+    options = dict(window=16, dissection=dissection)
+    fast = [x.to(DEVICE, torch.bfloat16).requires_grad_() for x in inputs]
+    reference = [x.float().requires_grad_() for x in inputs]
+    out = lavo_attention(*fast[:4], pos_bias=fast[4], padding_mask=_on(mask, DEVICE), backend="triton", **options)
+    expected = lavo_attention(*reference[:4], pos_bias=reference[4], padding_mask=mask, backend="torch", **options)
+    assert out.dtype == torch.bfloat16
+
+    def relative_error(a, b):
+        return ((a.float().cpu() - b).norm() / b.norm()).item()
+    assert relative_error(out, expected) < 2e-2
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
+    grads = torch.autograd.grad((out.float() * weights.to(DEVICE)).sum(), fast)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), reference)
+    for name, grad, wanted in zip(("q", "k", "v", "basis", "pos_bias"), grads, expected_grads):
+        assert relative_error(grad, wanted) < 3e-2, name
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_layers_give_the_same_outputs_grads_and_cache_on_both_backends(causal):
+    x = torch.randn(2, 45, 64, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 45, dtype=torch.bool)
+    mask[1, :6] = False
+    for make in (lambda backend: LavoAttention(64, 2, rank=24, window=8, causal=causal, backend=backend),
+                 lambda backend: LocalAttention(64, 2, window=8, causal=causal, backend=backend)):
+        torch.manual_seed(0)
+        reference = make("torch")
+        torch.nn.init.normal_(reference.pos_bias, 0, 0.5)
+        layer = make("triton").to(DEVICE)
+        layer.load_state_dict(reference.state_dict())
+        y, cache = layer(x.to(DEVICE), padding_mask=mask.to(DEVICE))
+        expected, expected_cache = reference(x, padding_mask=mask)
+        torch.testing.assert_close(y.cpu(), expected, **FLOAT32)
+        y.sum().backward()
+        expected.sum().backward()
+        for name, parameter in reference.named_parameters():
+            torch.testing.assert_close(dict(layer.named_parameters())[name].grad.cpu(), parameter.grad, **FLOAT32)
+        assert (cache is None) == (expected_cache is None)
+        if cache is not None:
+            for name, value in vars(expected_cache).items():
+                if isinstance(value, torch.Tensor):
+                    torch.testing.assert_close(getattr(cache, name).cpu(), value, **FLOAT32)
+
+
+def test_cross_attention_layer_on_both_backends():
+    torch.manual_seed(0)
+    reference = LavoCrossAttention(64, 2, rank=16, backend="torch")
+    layer = LavoCrossAttention(64, 2, rank=16, backend="triton").to(DEVICE)
+    layer.load_state_dict(reference.state_dict())
+    y, source = torch.randn(2, 7, 64), torch.randn(2, 19, 64)
+    torch.testing.assert_close(layer(y.to(DEVICE), source.to(DEVICE)).cpu(), reference(y, source), **FLOAT32)
+
+
+def test_backend_choice_and_its_errors(monkeypatch):
+    cpu = torch.zeros(1, 4, 1, 8)
+    assert not uses_triton("auto", cpu) and not uses_triton("torch", cpu)
+    if torch.cuda.is_available():
+        assert uses_triton("auto", cpu.cuda()) and not uses_triton("auto", cpu.cuda().double())
+    if triton_interpreting():
+        assert uses_triton("triton", cpu)
+    with pytest.raises(ValueError, match=r"backend='triton' takes float16, bfloat16 or float32 inputs, got "
+                                         r"torch.float64"):
+        uses_triton("triton", cpu.to(DEVICE, torch.float64))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"backend='triton' runs on CUDA tensors, got a tensor on cpu; set "
+                                         r"TRITON_INTERPRET=1"):
+        lavo_attention(cpu, cpu, cpu, torch.eye(8)[None], window=4, backend="triton")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dissection", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_lavo_kernels_match_naive_over_many_windows(causal, dissection):
+    q, k, v, basis, pos_bias, mask = _triton_inputs(300, 64, 64, 64, causal, True, B=2, H=1)
+    options = dict(window=64, causal=causal, dissection=dissection)
+    assert_matches_reference(
+        lambda *x: lavo_attention(*x[:4], pos_bias=x[4], padding_mask=_on(mask, DEVICE), backend="triton", **options),
+        lambda *x: lavo_attention_naive(*x[:4], pos_bias=x[4], padding_mask=mask, **options),
+        [q, k, v, basis, pos_bias], device=DEVICE, **FLOAT32)
