@@ -1,0 +1,67 @@
+"""Probe 1 (experiments/recall): the generator's answers against an independent loop, and a tiny dry run."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+recall = _load("recall_probe", "experiments/recall/recall.py")
+
+
+@pytest.mark.parametrize("pairs,gap", [(1, 0), (4, 7), (16, 3)])
+def test_every_target_is_the_value_stored_with_the_queried_key(pairs, gap):
+    vocab = recall.Vocabulary(keys=20, values=10, fillers=5)
+    ids, targets = recall.recall_batch(np.random.default_rng(0), vocab, 8, pairs, gap)
+    assert ids.shape == targets.shape == (8, 4 * pairs + gap)
+    for row, target in zip(ids.tolist(), targets.tolist()):
+        stored = {}
+        for position in range(0, 2 * pairs, 2):
+            assert row[position] not in stored and row[position] < vocab.keys
+            stored[row[position]] = row[position + 1]
+        assert all(vocab.keys + vocab.values <= token < vocab.size for token in row[2 * pairs:2 * pairs + gap])
+        answered = []
+        for position, token in enumerate(row):
+            if target[position] >= 0:
+                assert position >= 2 * pairs + gap and token in stored
+                assert target[position] == stored[token] == row[position + 1]
+                answered.append(token)
+        assert sorted(answered) == sorted(stored)  # each key is queried once
+
+
+def test_more_pairs_than_keys_is_refused():
+    with pytest.raises(ValueError, match="5 pairs need as many distinct keys; the vocabulary has 4"):
+        recall.recall_batch(np.random.default_rng(0), recall.Vocabulary(4, 4, 2), 1, 5, 0)
+
+
+def test_tiny_sweep_writes_a_score_per_model_and_cell(tmp_path):
+    config = json.loads((ROOT / "experiments/recall/config.json").read_text())
+    config.update(pairs=[1, 2], gaps=[0, 5], test_sequences=4,
+                  vocabulary={"keys": 8, "values": 8, "fillers": 4},
+                  model={"dim": 16, "depth": 1, "heads": 2, "mlp_ratio": 2, "position": "none"})
+    config["train"].update(steps=3, batch_size=2, warmup=1)
+    config["models"] = {name: config["models"][name] for name in ("lavo-gated-vector", "local")}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    recall.main(["--config", str(tmp_path / "config.json"), "--out", str(tmp_path), "--log", "quiet"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["chance"] == 0.125
+    assert sorted(results["models"]) == ["lavo-gated-vector", "local"]
+    for record in results["models"].values():
+        assert sorted(record["accuracy"]) == ["1,0", "1,5", "2,0", "2,5"]
+        assert all(0 <= a <= 1 for a in record["accuracy"].values())
+        assert record["parameters"] > 0
+    report = _load("recall_report", "experiments/recall/report.py")
+    report.main([str(tmp_path)])
+    assert (tmp_path / "recall_pairs1.png").exists() and "| local |" in (tmp_path / "tables.md").read_text()
