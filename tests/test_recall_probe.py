@@ -65,3 +65,29 @@ def test_tiny_sweep_writes_a_score_per_model_and_cell(tmp_path):
     report = _load("recall_report", "experiments/recall/report.py")
     report.main([str(tmp_path)])
     assert (tmp_path / "recall_pairs1.png").exists() and "| local |" in (tmp_path / "tables.md").read_text()
+
+
+context_use = _load("context_use_probe", "experiments/context_use/context_use.py")
+
+
+def test_context_use_scores_the_same_targets_at_every_context_length():
+    import torch
+
+    from lavo.model import build_model
+
+    torch.manual_seed(0)
+    tokens = np.random.default_rng(0).integers(0, 40, 2000)
+    model = build_model(dict(vocab_size=40, dim=16, depth=1, heads=2, attention="lavo",
+                             attention_options={"window": 8, "write": "gated"}))
+    losses = context_use.target_loss(model, tokens, [0, 16, 100], target=24, segments=3, chunk_size=32)
+    # An independent computation: one call on each span, loss on its last 24 targets.
+    stride = 100 + 24 + 1
+    for context, loss in losses.items():
+        ends = [(s + 1) * stride for s in range(3)]
+        spans = torch.stack([torch.from_numpy(tokens[end - context - 25:end]) for end in ends])
+        with torch.no_grad():
+            logits, _ = model(spans[:, :-1])
+        expected = torch.nn.functional.cross_entropy(logits[:, -24:].flatten(0, 1), spans[:, -24:].flatten())
+        assert abs(loss - expected.item()) < 1e-4, context
+    with pytest.raises(ValueError, match="3 segments of 1125 tokens need 3375 tokens; the text has 2000"):
+        context_use.target_loss(model, tokens, [1100], target=24, segments=3)
