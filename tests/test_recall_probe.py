@@ -91,3 +91,48 @@ def test_context_use_scores_the_same_targets_at_every_context_length():
         assert abs(loss - expected.item()) < 1e-4, context
     with pytest.raises(ValueError, match="3 segments of 1125 tokens need 3375 tokens; the text has 2000"):
         context_use.target_loss(model, tokens, [1100], target=24, segments=3)
+
+
+passkey = _load("passkey_probe", "experiments/passkey/passkey.py")
+
+
+class _Characters:
+    """A tokenizer of single characters, enough for the passkey examples."""
+
+    def encode(self, text):
+        return [ord(c) % 128 for c in text]
+
+
+def test_passkey_example_states_the_key_and_ends_with_it():
+    tokenizer = _Characters()
+    prompt = passkey.Prompt.of(tokenizer)
+    prose = np.full(500, ord("x"))
+    ids, answered = passkey.passkey_example(np.random.default_rng(0), prose, prompt, tokenizer, 120)
+    text = "".join(chr(i) for i in ids)
+    assert len(ids) == 120 and answered == 4
+    key = text[-3:]
+    assert text.startswith(f"The pass key is {key}. Remember it. x") and text.endswith(f"pass key is {key}")
+    assert text.count(key) == 2
+    with pytest.raises(ValueError, match="a passkey example needs more than"):
+        passkey.passkey_example(np.random.default_rng(0), prose, prompt, tokenizer, 60)
+
+
+def test_passkey_finetune_and_score_run_through_the_cache():
+    import torch
+
+    from lavo.model import build_model
+
+    torch.manual_seed(0)
+    tokenizer = _Characters()
+    prompt = passkey.Prompt.of(tokenizer)
+    prose = np.random.default_rng(1).integers(97, 123, 3000)
+    model = build_model(dict(vocab_size=128, dim=16, depth=1, heads=2, attention="lavo",
+                             attention_options={"window": 8, "memory": "vector"}))
+    passkey.finetune(model, prose, prompt, tokenizer, 80, steps=2, batch_size=2, lr=1e-3, seed=0)
+    ids, answered = passkey.passkey_example(np.random.default_rng(2), prose, prompt, tokenizer, 200)
+    ids = torch.from_numpy(ids)[None]
+    chunked = passkey.answer_logits(model, ids, answered, chunk_size=48)
+    with torch.no_grad():
+        whole = model(ids[:, :-1])[0][0, -answered:]
+    torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=1e-4)
+    assert 0 <= passkey.passkey_accuracy(model, prose, prompt, tokenizer, 200, samples=2, seed=3) <= 1
