@@ -7,8 +7,8 @@ beyond its window stays flat.
 """
 from __future__ import annotations
 
-import argparse
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,9 @@ import torch.nn.functional as F
 
 from lavo.files import write_json
 from lavo.report import line_plot
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from probe_runs import load_runs, run_parser  # noqa: E402  (experiments/ is not a package)
 
 
 @torch.no_grad()
@@ -52,30 +55,22 @@ def target_loss(model, tokens: np.ndarray, contexts: list[int], target: int, seg
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lavo.data import split_tokens
-    from lavo.run import load_run
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+")
+    parser = run_parser(__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="0,256,1024,4096")
     parser.add_argument("--target", type=int, default=256)
     parser.add_argument("--segments", type=int, default=8)
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     results = {}
-    for run in args.runs:
-        model, config, tokenizer = load_run(run)
-        tokens = split_tokens(config.data.source, args.data_dir or config.data.data_dir, config.data.holdout,
-                              "valid", tokenizer)
-        losses = target_loss(model, tokens, contexts, args.target, args.segments)
-        results[Path(run).name] = {str(c): {"loss": loss, "ppl": math.exp(loss)} for c, loss in losses.items()}
-        print(Path(run).name, {c: round(math.exp(loss), 2) for c, loss in losses.items()}, flush=True)
+    for name, model, _, _, tokens in load_runs(args.runs, args.data_dir, ("valid",)):
+        losses = target_loss(model, tokens["valid"], contexts, args.target, args.segments)
+        results[name] = {str(c): {"loss": loss, "ppl": math.exp(loss)} for c, loss in losses.items()}
+        print(name, {c: round(math.exp(loss), 2) for c, loss in losses.items()}, flush=True)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", {"target": args.target, "segments": args.segments, "contexts": contexts,
                                       "runs": {Path(r).name: str(r) for r in args.runs}, "results": results})
-    series = {name: [(max(c, 1), v["ppl"]) for c, v in per.items()] for name, per in results.items()}
+    series = {name: [(max(int(c), 1), v["ppl"]) for c, v in per.items()] for name, per in results.items()}
     line_plot(series, out / "context_use.png", xlabel="preceding context (tokens; 0 drawn at 1)",
               ylabel=f"perplexity of the last {args.target} tokens", title="context use")
 

@@ -10,7 +10,7 @@ forced). Fine-tuning examples come from the training split, scored ones from the
 """
 from __future__ import annotations
 
-import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,9 @@ import torch.nn.functional as F
 
 from lavo.files import write_json
 from lavo.report import line_plot
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from probe_runs import load_runs, run_parser  # noqa: E402  (experiments/ is not a package)
 
 
 @dataclass(frozen=True)
@@ -96,34 +99,25 @@ def passkey_accuracy(model, prose, prompt, tokenizer, length: int, samples: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lavo.data import split_tokens
-    from lavo.run import load_run
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+")
+    parser = run_parser(__doc__.splitlines()[0])
     parser.add_argument("--multiples", default="1,2,4,8,16,32,64")
     parser.add_argument("--steps", type=int, default=100, help="fine-tuning steps at 1x")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--samples", type=int, default=16, help="scored examples per length")
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     multiples = [int(m) for m in args.multiples.split(",")]
     results = {}
-    for run in args.runs:
-        model, config, tokenizer = load_run(run)
-        where = args.data_dir or config.data.data_dir
-        splits = {s: split_tokens(config.data.source, where, config.data.holdout, s, tokenizer)
-                  for s in ("train", "valid")}
+    for name, model, config, tokenizer, splits in load_runs(args.runs, args.data_dir, ("train", "valid")):
         prompt = Prompt.of(tokenizer)
         length = config.train.train_length
         finetune(model, splits["train"], prompt, tokenizer, length, args.steps, args.batch_size, args.lr, seed=0)
-        results[Path(run).name] = {str(m * length): passkey_accuracy(model, splits["valid"], prompt, tokenizer,
-                                                                     m * length, args.samples, seed=1)
-                                   for m in multiples}
-        print(Path(run).name, results[Path(run).name], flush=True)
+        results[name] = {str(m * length): passkey_accuracy(model, splits["valid"], prompt, tokenizer, m * length,
+                                                           args.samples, seed=1)
+                         for m in multiples}
+        print(name, results[name], flush=True)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", {"steps": args.steps, "samples": args.samples, "multiples": multiples,
                                       "runs": {Path(r).name: str(r) for r in args.runs}, "accuracy": results})
     series = {name: [(int(k), v) for k, v in per.items()] for name, per in results.items()}
