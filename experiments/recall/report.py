@@ -45,6 +45,14 @@ def cost_table(result: dict) -> str:
                            f"decoding state at {STATE_CONTEXT} tokens (bytes)"], rows, align="llrrrr")
 
 
+def speed_table(speed: dict) -> str:
+    settings = speed["settings"]
+    rows = [[name, f"{row['train_step_s']:.3f}", f"{row['decode_step_ms']:.2f}", f"{row['state_bytes']:,}"]
+            for name, row in speed["layers"].items()]
+    return markdown_table(["layer", f"forward + backward, T={settings['length']:,} (s)", "one decoding step (ms)",
+                           "decoding state (bytes)"], rows)
+
+
 def plots(exp: Path, result: dict) -> None:
     window = result["config"]["window"]
     for pairs in result["config"]["pairs"]:
@@ -62,6 +70,8 @@ def main(argv: list[str]) -> None:
     plots(exp, result)
     tables = {f"pairs{p}": accuracy_table(result, p) for p in result["config"]["pairs"]}
     tables["cost"] = cost_table(result)
+    if (exp / "speed.json").exists():
+        tables["speed"] = speed_table(json.loads((exp / "speed.json").read_text()))
     write_text(exp / "tables.md", "".join(f"## {k}\n\n{v}\n\n" for k, v in tables.items()))
     fill(exp / "REPORT.md", tables)
 

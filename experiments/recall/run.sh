@@ -7,4 +7,5 @@ PY="${PYTHON:-python}"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 E=experiments/recall
 taskset -c 1 $PY $E/recall.py --config $E/config.json --out $E 2>&1 | tee -a $E/train.log
+[ -f $E/speed.json ] || taskset -c 1 $PY $E/speed.py --out $E/speed.json
 $PY $E/report.py $E
