@@ -1,7 +1,10 @@
 """Probe 1's plots and tables from its results.json: accuracy against the gap, one plot per number of pairs, and
 the tables of REPORT.md (between its ``<!-- BEGIN name -->`` / ``<!-- END name -->`` markers).
 
-    python experiments/recall/report.py experiments/recall
+    python experiments/recall/report.py experiments/recall [REPORT.md]
+
+Table names start with the folder's name (``recall-pairs1``, ``single-pairs1``, ``recall-cost``, ...), so the
+sweeps of several folders can fill one report.
 """
 from __future__ import annotations
 
@@ -66,14 +69,16 @@ def plots(exp: Path, result: dict) -> None:
 
 def main(argv: list[str]) -> None:
     exp = Path(argv[0])
+    report = Path(argv[1]) if len(argv) > 1 else exp / "REPORT.md"
     result = json.loads((exp / "results.json").read_text())
     plots(exp, result)
     tables = {f"pairs{p}": accuracy_table(result, p) for p in result["config"]["pairs"]}
     tables["cost"] = cost_table(result)
     if (exp / "speed.json").exists():
         tables["speed"] = speed_table(json.loads((exp / "speed.json").read_text()))
+    tables = {f"{exp.name}-{name}": table for name, table in tables.items()}
     write_text(exp / "tables.md", "".join(f"## {k}\n\n{v}\n\n" for k, v in tables.items()))
-    fill(exp / "REPORT.md", tables)
+    fill(report, tables)
 
 
 if __name__ == "__main__":
