@@ -147,9 +147,8 @@ def read_variant(q: torch.Tensor, means: torch.Tensor, basis: torch.Tensor, scal
     Scalar: the paper's read of the coefficients ``means[..., 0]``. Vector: ``softmax_i(scale q . M_i) M_i``."""
     if memory == "scalar":
         return memory_read(q, means.transpose(-1, -2), basis, scale)
-    slots = means.to(q.dtype) if q.dtype == torch.float64 else means
-    weights = (scale * q.to(slots.dtype) @ slots.transpose(-1, -2)).softmax(-1)
-    return (weights @ slots).to(q.dtype)
+    weights = (scale * q.to(means.dtype) @ means.transpose(-1, -2)).softmax(-1)  # in the accumulation dtype
+    return (weights @ means).to(q.dtype)
 
 
 def variant_memory_branch(q: torch.Tensor, features: torch.Tensor, counts: torch.Tensor, basis: torch.Tensor,
