@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..common import accumulation_dtype, neg_inf
+from ..common import neg_inf
 from .memory import memory_read, project
 
 WRITES = ("mean", "decay", "gated")
