@@ -70,10 +70,12 @@ def accuracy(model, ids: torch.Tensor, targets: torch.Tensor) -> float:
 
 
 def train_one(name: str, model_settings: dict, config: dict, vocab: Vocabulary, log=print) -> dict:
-    """Train one model on the mixture of cells and score it on every cell; returns its record."""
-    train = config["train"]
+    """Train one model on the mixture of cells and score it on every cell; returns its record. A model's
+    ``"train"`` entry overrides the shared training settings (e.g. a learning rate it needs)."""
+    settings = dict(model_settings)
+    train = {**config["train"], **settings.pop("train", {})}
     torch.manual_seed(train["seed"])
-    model = build_model({"vocab_size": vocab.size, **config["model"], **model_settings})
+    model = build_model({"vocab_size": vocab.size, **config["model"], **settings})
     optimizer = torch.optim.AdamW(model.parameter_groups(train["weight_decay"]), lr=train["lr"])
     cells = [(p, g) for p in config["pairs"] for g in config["gaps"]]
     rng = np.random.default_rng(train["seed"])  # the same training stream for every model

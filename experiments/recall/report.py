@@ -33,18 +33,20 @@ def accuracy_table(result: dict, pairs: int) -> str:
 
 def state_bytes(config: dict, settings: dict, vocab_size: int) -> int:
     """Decoding-cache bytes of the whole model (batch 1, float32) after ``STATE_CONTEXT`` tokens."""
-    model = build_model({"vocab_size": vocab_size, **config["model"], **settings})
+    model_settings = {k: v for k, v in settings.items() if k != "train"}  # "train": the model's training settings
+    model = build_model({"vocab_size": vocab_size, **config["model"], **model_settings})
     return sum(block.attention.cache_nbytes(1, STATE_CONTEXT) for block in model.blocks)
 
 
 def cost_table(result: dict) -> str:
     config = result["config"]
     vocab_size = sum(config["vocabulary"].values())
-    rows = [[name, json.dumps(record["settings"].get("attention_options", {})), f"{record['parameters']:,}",
+    rows = [[name, json.dumps({k: v for k, v in record["settings"].items() if k != "attention"}),
+             f"{record['parameters']:,}",
              f"{record['train_seconds']:.0f}", f"{record['final_loss']:.3f}",
              f"{state_bytes(config, record['settings'], vocab_size):,}"]
             for name, record in result["models"].items()]
-    return markdown_table(["model", "options", "params", "training time (s)", "final loss",
+    return markdown_table(["model", "settings", "params", "training time (s)", "final loss",
                            f"decoding state at {STATE_CONTEXT} tokens (bytes)"], rows, align="llrrrr")
 
 
