@@ -64,9 +64,9 @@ def plots(exp: Path, result: dict) -> None:
         series = {name: [(g, record["accuracy"][f"{pairs},{g}"]) for g in result["config"]["gaps"]]
                   for name, record in result["models"].items()}
         series["chance"] = [(g, result["chance"]) for g in result["config"]["gaps"]]
+        title = f"multi-query associative recall, {pairs} pair{'s' if pairs > 1 else ''}"
         line_plot(series, exp / f"recall_pairs{pairs}.png", xlabel="filler tokens between pairs and queries",
-                  ylabel="recall accuracy", title=f"multi-query associative recall, {pairs} pairs",
-                  vline=(window, "window"), dashed=["chance"])
+                  ylabel="recall accuracy", title=title, vline=(window, "window"), dashed=["chance"])
 
 
 def main(argv: list[str]) -> None:
