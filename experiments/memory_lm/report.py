@@ -1,5 +1,5 @@
-"""The probes' tables of experiments/memory_lm (context use, passkey) into probes.md and REPORT.md; the perplexity
-tables come from experiments/report_tools.py.
+"""The tables of experiments/memory_lm beyond experiments/report_tools.py's (which makes the perplexity tables):
+perplexity against local attention's, context use and passkey, into probes.md and REPORT.md.
 
     python experiments/memory_lm/report.py experiments/memory_lm
 """
@@ -30,9 +30,17 @@ def passkey_table(result: dict) -> str:
     return markdown_table(["model"] + [f"{int(k):,} tokens" for k in lengths], rows)
 
 
+def versus_table(result: dict, reference: str) -> str:
+    """Each model's held-out perplexity relative to ``reference``'s at every length (+3.0% = 3% higher)."""
+    lengths = list(result["ppl"][reference])
+    rows = [[name] + [f"{100 * (per[k] / result['ppl'][reference][k] - 1):+.1f}%" for k in lengths]
+            for name, per in result["ppl"].items() if name != reference]
+    return markdown_table(["model"] + [f"{int(k):,}" for k in lengths], rows)
+
+
 def main(argv: list[str]) -> None:
     exp = Path(argv[0])
-    tables = {}
+    tables = {"versus_local": versus_table(json.loads((exp / "results.json").read_text()), "local")}
     for name, table in (("context_use", context_table), ("passkey", passkey_table)):
         path = exp / name / "results.json"
         if path.exists():

@@ -32,5 +32,5 @@ probe() {  # probe NAME SCRIPT ARGS...: skipped when NAME/results.json exists
   echo "{\"what\": \"probe $name\", \"wall_s\": $(($(date +%s) - t0))}" >> "$E/wall_times.jsonl"
 }
 probe context_use experiments/context_use/context_use.py --contexts 0,256,1024,4096 --segments 16
-probe passkey experiments/passkey/passkey.py --multiples 1,4,16 --steps 60 --samples 16
+probe passkey experiments/passkey/passkey.py --multiples 1,4,16 --steps 400 --samples 16
 python experiments/memory_lm/report.py $E
