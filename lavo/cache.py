@@ -165,6 +165,10 @@ class LavoCache(Cache):
         position: tokens seen so far (padding included): fixes window boundaries and relative positions.
         window: the window of the layer that made it (None: not yet tied to one); a layer with another
             window cannot continue it.
+        memory_top, window_top: None for the paper's memory. For the other write rules and the vector memory
+            (:mod:`lavo.ops.lavo.variants`) the two memories are weighted sums per slot kept as
+            ``(top, sum, count)``: ``*_top [B, H, r, 1]``, ``*_sum [B, H, r, V]`` (``V`` = 1, or ``D`` for the
+            vector memory), ``*_count [B, H, r, 1]``, sum and count scaled by ``exp(-top)``.
     """
 
     keys: torch.Tensor
@@ -176,6 +180,8 @@ class LavoCache(Cache):
     window_count: torch.Tensor
     position: int
     window: int | None = None
+    memory_top: torch.Tensor | None = None
+    window_top: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, rank: int, *, dtype: torch.dtype | None = None,
@@ -199,13 +205,32 @@ class LavoCache(Cache):
         if differ:
             raise ValueError(f"the cache was made by another LAVO layer: {', '.join(differ)}")
 
+    @classmethod
+    def empty_variant(cls, batch: int, heads: int, head_dim: int, rank: int, *, memory: str = "scalar",
+                      dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                      window: int | None = None) -> LavoCache:
+        """The cache before the first token of a memory variant (any write rule but the paper's ``mean``, or
+        ``memory="vector"``)."""
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        keys = torch.zeros(batch, 0, heads, head_dim, dtype=dtype, device=device)
+        slots = torch.zeros(batch, heads, rank, 1, dtype=accumulation_dtype(dtype), device=device)
+        top = torch.full_like(slots, torch.finfo(slots.dtype).min)
+        total = slots.expand(-1, -1, -1, head_dim if memory == "vector" else 1).clone()
+        return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), total, slots, total, slots, 0,
+                   window=window, memory_top=top, window_top=top)
+
     @staticmethod
     def max_nbytes(batch: int, heads: int, head_dim: int, rank: int, window: int,
-                   dtype: torch.dtype = torch.float32) -> int:
+                   dtype: torch.dtype = torch.float32, *, variant: str | None = None) -> int:
         """Upper bound of ``nbytes()`` for any context length and input ``dtype``: ``2w - 1`` cached keys
-        and values of ``dtype`` with their bool mask, and two sums and counts in the accumulation dtype."""
+        and values of ``dtype`` with their bool mask, and two memories in the accumulation dtype: a sum and a
+        count each for the paper's memory (``variant=None``), ``(top, sum, count)`` per slot for
+        ``variant="scalar"`` or ``"vector"`` (the other write rules and the vector memory)."""
         length = 2 * window - 1
         element = torch.empty((), dtype=dtype).element_size()
         accumulated = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
-        return (2 * batch * length * heads * head_dim * element + batch * length
-                + 2 * accumulated * (batch * heads * rank + batch))
+        if variant is None:
+            memories = batch * heads * rank + batch
+        else:
+            memories = batch * heads * rank * ((head_dim if variant == "vector" else 1) + 2)
+        return 2 * batch * length * heads * head_dim * element + batch * length + 2 * accumulated * memories

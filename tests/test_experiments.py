@@ -9,7 +9,9 @@ from lavo.config import load_config
 from lavo.model import build_model, count_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
-EXPERIMENTS = sorted(p.parent.name for p in (ROOT / "experiments").glob("*/run.sh"))
+# The experiments whose run.sh trains language models through common.sh's train_run (the probes have their own
+# scripts and test their models' sizes themselves).
+EXPERIMENTS = sorted(p.parent.name for p in (ROOT / "experiments").glob("*/run.sh") if "train_run " in p.read_text())
 # Runs the script with its training and evaluation replaced by printing what would be trained.
 LIST_RUNS = ('source() { :; }; python() { :; }; eval_runs() { :; }; '
              'train_run() { printf "%s\\t" "$@"; printf "\\n"; }; . "$0"')
@@ -23,6 +25,8 @@ def planned_runs(experiment: str) -> dict[str, list[str]]:
                              text=True, check=True).stdout
     runs = {}
     for line in listing.splitlines():
+        if "\t" not in line:  # the script's own messages
+            continue
         directory, name, *options = line.rstrip("\t").split("\t")
         overrides = [value for flag, value in zip(options[::2], options[1::2]) if flag == "--set"]
         runs[name] = [str(ROOT / directory / "base.json"), *overrides]

@@ -25,9 +25,22 @@ def _decode(layer, x, sizes, padding_mask=None):
     return torch.cat(outputs, 1), cache
 
 
-@pytest.mark.parametrize("dissection", [True, False])
-def test_one_token_and_uneven_chunks_match_full_forward(dissection):
-    layer = _layer(window=8, rank=5, dissection=dissection)
+VARIANT_OPTIONS = [dict(write="decay"), dict(write="gated"), dict(memory="vector"),
+                   dict(write="gated", memory="vector", read_temperature=True), dict(read_temperature=True)]
+
+
+def _variant_layer(**options):
+    layer = _layer(window=8, rank=5, **options)
+    with torch.no_grad():  # away from their neutral initial values, so a wrong path shows
+        for name in ("write_gate", "log_read_scale"):
+            if getattr(layer, name) is not None:
+                getattr(layer, name).normal_(0, 0.5)
+    return layer
+
+
+@pytest.mark.parametrize("options", [{}, dict(dissection=False)] + VARIANT_OPTIONS, ids=str)
+def test_one_token_and_uneven_chunks_match_full_forward(options):
+    layer = _variant_layer(**options)
     x = torch.randn(2, 75, 32)
     mask = torch.ones(2, 75, dtype=torch.bool)
     mask[0, :9] = False
@@ -175,5 +188,61 @@ ERRORS = [
 
 @pytest.mark.parametrize("call,message", ERRORS, ids=[m[:40] for _, m in ERRORS])
 def test_bad_input_gets_a_clear_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("options", VARIANT_OPTIONS[:3], ids=str)
+def test_memory_variant_decodes_thousands_of_tokens_with_a_constant_cache(options):
+    layer = _variant_layer(**options)
+    x = torch.randn(1, 3000, 32)
+    with torch.no_grad():
+        full, _ = layer(x)
+        chunked, cache = _decode(layer, x, [1, 999, 7, 1993])
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+    # At a window boundary the cache holds one window of keys: w - 1 = 7 positions short of its bound.
+    assert cache.nbytes() == layer.cache_nbytes(1, 3000) - layer.key_value_nbytes(1, 7, torch.float32)
+
+
+def test_memory_variant_state_is_r_by_d_per_head():
+    sizes = {}
+    for memory in ("scalar", "vector"):
+        layer = _layer(window=4, rank=5, write="gated", memory=memory)
+        with torch.no_grad():
+            _, cache = layer(torch.randn(2, 10, 32))
+        sizes[memory] = cache.memory_sum.shape
+    assert sizes == {"scalar": (2, 4, 5, 1), "vector": (2, 4, 5, 8)}
+
+
+def test_gated_write_starts_as_the_papers_mean():
+    torch.manual_seed(0)
+    paper, gated = _layer(window=4, rank=6), _layer(window=4, rank=6, write="gated")
+    gated.load_state_dict(paper.state_dict(), strict=False)
+    x = torch.randn(2, 30, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(gated(x)[0], paper(x)[0], atol=1e-6, rtol=1e-5)
+
+
+VARIANT_ERRORS = [
+    (lambda: LavoAttention(32, 4, write="sum"), r"write must be one of \('mean', 'decay', 'gated'\), got 'sum'"),
+    (lambda: LavoAttention(32, 4, memory="matrix"), r"memory must be one of \('scalar', 'vector'\), got 'matrix'"),
+    (lambda: LavoAttention(32, 4, write="decay", causal=False), r"write='decay' .* has no non-causal form"),
+    (lambda: LavoAttention(32, 4, memory="vector", dissection=False),
+     r"write='mean', memory='vector' needs dissection=True"),
+    (lambda: lavo_attention(*torch.randn(3, 1, 4, 2, 8), orthogonal_basis(2, 8, 8), window=2, write="gated"),
+     r"gate \[H, r, D\] goes with write='gated' and only with it \(write='gated'\)"),
+    (lambda: lavo_attention(*torch.randn(3, 1, 4, 2, 8), orthogonal_basis(2, 8, 8), window=2, write="decay",
+                            decay=torch.ones(3)), r"decay must have shape \[H\] = \(2,\), got \(3,\)"),
+    (lambda: lavo_attention(*torch.randn(3, 1, 4, 2, 8), orthogonal_basis(2, 8, 8), window=2,
+                            read_scale=torch.ones(2, 1)), r"read_scale must have shape \[H\] = \(2,\), got \(2, 1\)"),
+    (lambda: _layer(write="gated")(torch.randn(1, 4, 32), cache=_layer()(torch.randn(1, 4, 32))[1]),
+     r"this cache holds the paper's memory"),
+    (lambda: _layer()(torch.randn(1, 4, 32), cache=_layer(write="gated")(torch.randn(1, 4, 32))[1]),
+     r"this cache holds a memory variant's states"),
+]
+
+
+@pytest.mark.parametrize("call,message", VARIANT_ERRORS, ids=[m[:40] for _, m in VARIANT_ERRORS])
+def test_bad_variant_gets_a_clear_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()

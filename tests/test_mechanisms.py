@@ -12,7 +12,7 @@ OPTION_VALUES = {
     "abc": {"slots": [3]},
     "cosformer": {"max_length": [64], "chunk": [5]},
     "lavo": {"rank": [4], "window": [4], "basis": ["learned"], "position_bias": [False], "dissection": [False],
-             "backend": ["torch"]},
+             "write": ["decay", "gated"], "memory": ["vector"], "read_temperature": [True], "backend": ["torch"]},
     "local": {"window": [4], "position_bias": [False], "backend": ["torch"]},
     "longshort": {"window": [4], "landmarks": [2], "dual_ln": [False]},
     "performer": {"features": [8], "chunk": [5], "redraw_interval": [1]},
@@ -55,7 +55,8 @@ def test_every_mechanism_and_option_trains_and_decodes_through_the_model(name, o
 
 def test_unknown_option_names_the_valid_ones():
     with pytest.raises(ValueError, match=r"attention 'lavo' has no option 'windw'; its options: rank, window, "
-                                         r"basis, position_bias, dissection, backend"):
+                                         r"basis, position_bias, dissection, write, memory, read_temperature, "
+                                         r"backend"):
         ModelConfig(attention="lavo", attention_options={"windw": 8})
     with pytest.raises(ValueError, match=r"attention 'abc' has no option 'window'"):
         build_attention("abc", 16, 2, window=8)
@@ -107,13 +108,20 @@ def test_residual_projections_get_the_scaled_init():
     assert not hasattr(s4d, "to_qkv")
 
 
+# Each decoding mechanism with its defaults and with each option value (a window of 4, so it is reached).
+CACHE_CASES = [(name, {}) for name in available_attentions() if ATTENTIONS[name].supports_decoding] + [
+    (name, {option: value}) for name, option, value in CASES
+    if ATTENTIONS[name].supports_decoding and option not in ("window", "rotary")]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("name", [n for n in available_attentions() if ATTENTIONS[n].supports_decoding])
-def test_cache_nbytes_is_the_tight_upper_bound(name, dtype):
+@pytest.mark.parametrize("name,options", CACHE_CASES, ids=[f"{n}-{o}" for n, o in CACHE_CASES])
+def test_cache_nbytes_is_the_tight_upper_bound(name, options, dtype):
     if name == "s4d" and dtype == torch.bfloat16:
         pytest.skip("S4D's parameters stay float32 or float64: torch has no bfloat16 complex numbers")
     torch.manual_seed(0)
-    options = {"window": 4} if "window" in attention_class(name).option_names() else {}
+    if "window" in attention_class(name).option_names():
+        options = {"window": 4, **options}
     layer = build_attention(name, 16, 2, **options).to(dtype)
     cache, sizes = None, []
     with torch.no_grad():

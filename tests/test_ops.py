@@ -125,3 +125,71 @@ def test_unknown_backend_names_the_valid_ones():
         lavo_attention(q, q, q, torch.eye(8)[None], window=4, backend="cuda")
     with pytest.raises(ValueError, match=message):
         LavoAttention(16, 2, backend="cuda")
+
+
+# Every write rule and memory kind but the paper's (tested above), with a learned read temperature.
+VARIANTS = [("mean", "vector"), ("decay", "scalar"), ("decay", "vector"), ("gated", "scalar"), ("gated", "vector")]
+
+
+def _variant_parameters(write, heads, rank, D, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    decay = (0.5 * torch.rand(heads, generator=g, dtype=torch.float64)).requires_grad_() if write == "decay" else None
+    gate = None
+    if write == "gated":
+        gate = (0.5 * torch.randn(heads, rank, D, generator=g, dtype=torch.float64)).requires_grad_()
+    read_scale = (0.5 + torch.rand(heads, generator=g, dtype=torch.float64)).requires_grad_()
+    return dict(write=write, decay=decay, gate=gate, read_scale=read_scale)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("write,memory", VARIANTS)
+@pytest.mark.parametrize("T,window,D,rank", SHAPES + [(41, 4, 6, 5)])
+def test_memory_variants_match_naive(T, window, D, rank, write, memory, causal, padding):
+    if write == "decay" and not causal:
+        pytest.skip("decay has no non-causal form")
+    q, k, v, basis, pos_bias, mask = random_inputs(T, window, D, rank, causal, True, padding)
+    variant = _variant_parameters(write, 3, rank, D)
+    options = dict(window=window, causal=causal, pos_bias=pos_bias, padding_mask=mask, memory=memory, **variant)
+    tensors = [t for t in (q, k, v, basis, pos_bias, variant["decay"], variant["gate"], variant["read_scale"])
+               if t is not None]
+    _assert_same_outputs_and_grads(lavo_attention(q, k, v, basis, **options),
+                                   lavo_attention_naive(q, k, v, basis, **options), tensors)
+
+
+def test_read_scale_with_the_papers_memory_matches_naive():
+    q, k, v, basis, pos_bias, mask = random_inputs(37, 8, 10, 6, True, True, True)
+    read_scale = torch.tensor([0.5, 1.0, 2.5], dtype=torch.float64, requires_grad=True)
+    options = dict(window=8, pos_bias=pos_bias, padding_mask=mask, read_scale=read_scale)
+    _assert_same_outputs_and_grads(lavo_attention(q, k, v, basis, **options),
+                                   lavo_attention_naive(q, k, v, basis, **options), [q, k, v, basis, read_scale])
+
+
+def test_slot_states_merge_huge_logits_without_overflow():
+    """Write logits of +-1000 overflow exp(); states kept relative to their largest logit merge, piece by piece,
+    into the softmax-weighted mean that torch computes in one go."""
+    from lavo.ops.lavo.variants import empty_state, merge, summarise
+
+    g = torch.Generator().manual_seed(4)
+    logits = 1000 * torch.randn(2, 3, 13, 5, generator=g, dtype=torch.float64)  # [B, H, L, r]
+    values = torch.randn(2, 3, 13, 7, generator=g, dtype=torch.float64)  # vector values, D = 7
+    real = torch.ones(2, 1, 13, 1, dtype=torch.float64)
+    real[1, :, 4:6] = 0
+    expected = logits.masked_fill(real == 0, float("-inf")).softmax(2).transpose(2, 3) @ values  # [B, H, r, D]
+    state = empty_state(torch.zeros(2, 3, 5, 1, dtype=torch.float64), 7)
+    for piece in (slice(0, 3), slice(3, 4), slice(4, 6), slice(6, 13)):
+        state = merge(state, summarise(logits[:, :, piece], values[:, :, piece], real[:, :, piece], "vector"), 0.0)
+    torch.testing.assert_close(state.mean(), expected)
+
+
+@pytest.mark.parametrize("write,memory", VARIANTS)
+def test_memory_variants_are_causal(write, memory):
+    q, k, v, basis, pos_bias, _ = random_inputs(40, 8, 8, 8, True, True, False)
+    variant = _variant_parameters(write, 3, 8, 8)
+    out = lavo_attention(q, k, v, basis, window=8, pos_bias=pos_bias, memory=memory, **variant)
+    for t in (0, 8, 23, 39):
+        grads = torch.autograd.grad(out[:, t].sum(), (q, k, v), retain_graph=True)
+        assert all(torch.all(g[:, t + 1:] == 0) for g in grads)
+    # the memory branch is used: an early value changes a late output through it
+    (grad_v,) = torch.autograd.grad(out[:, 39].sum(), v, retain_graph=True)
+    assert grad_v[:, :16].abs().sum() > 0

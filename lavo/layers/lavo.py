@@ -1,6 +1,8 @@
 """LAVO self-attention and cross-attention layers."""
 from __future__ import annotations
 
+import math
+
 import torch
 from einops import rearrange
 from torch import nn
@@ -9,6 +11,7 @@ from torch.nn.utils.parametrizations import orthogonal
 from ..cache import LavoCache
 from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, orthogonal_basis
 from ..ops.common import check_backend, check_padding_mask, check_window, pos_bias_size
+from ..ops.lavo.variants import check_variant
 from .base import AttentionLayer, check_heads
 
 
@@ -38,22 +41,47 @@ class LavoAttention(AttentionLayer):
 
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``; for causal
     layers the returned :class:`~lavo.cache.LavoCache` continues the sequence, whatever the chunking.
+
+    Memory variants (:mod:`lavo.ops.lavo.variants`; the defaults are the paper's): ``write="decay"`` learns a
+    decay rate per head (half-lives initialised from ``w`` to ``64 w``, geometric over the heads);
+    ``write="gated"`` learns the write gates ``[H, r, D]`` (initialised to zero: the plain mean);
+    ``memory="vector"`` keeps a ``D``-vector per slot; ``read_temperature=True`` learns a factor per head on the
+    memory read's logits (initialised to 1).
     """
 
     def __init__(self, dim: int, heads: int, *, rank: int | None = None, window: int = 64, causal: bool = True,
-                 basis: str = "fixed", position_bias: bool = True, dissection: bool = True, backend: str = "auto"):
+                 basis: str = "fixed", position_bias: bool = True, dissection: bool = True, write: str = "mean",
+                 memory: str = "scalar", read_temperature: bool = False, backend: str = "auto"):
         super().__init__(dim, heads, causal=causal)
         check_window(window)
         check_backend(backend)
         self.backend = backend
         self.rank = self.head_dim if rank is None else rank
-        self.window, self.dissection = window, dissection
+        self.window, self.dissection, self.write, self.memory = window, dissection, write, memory
         add_basis(self, heads, self.rank, self.head_dim, basis)
         self.pos_bias = nn.Parameter(torch.zeros(heads, pos_bias_size(window, causal))) if position_bias else None
+        self.log_decay = None  # log of the decay rate per position, [H]
+        if write == "decay":
+            half_lives = window * 64.0 ** (torch.arange(heads) / max(1, heads - 1))
+            self.log_decay = nn.Parameter((math.log(2) / half_lives).log())
+        self.write_gate = nn.Parameter(torch.zeros(heads, self.rank, self.head_dim)) if write == "gated" else None
+        self.log_read_scale = nn.Parameter(torch.zeros(heads)) if read_temperature else None
+        check_variant(write, memory, causal, dissection, self.log_decay, self.write_gate, heads, self.rank,
+                      self.head_dim)
+
+    @property
+    def is_variant(self) -> bool:
+        """Whether the memory is one of the variants rather than the paper's (the read temperature aside)."""
+        return (self.write, self.memory) != ("mean", "scalar")
 
     def attend(self, q, k, v, padding_mask, cache):
         options = dict(window=self.window, pos_bias=self.pos_bias, dissection=self.dissection,
                        padding_mask=padding_mask)
+        if self.is_variant:
+            options.update(write=self.write, memory=self.memory, gate=self.write_gate,
+                           decay=None if self.log_decay is None else self.log_decay.exp())
+        if self.log_read_scale is not None:
+            options["read_scale"] = self.log_read_scale.exp()
         if cache is not None:
             return lavo_attention_cached(q, k, v, self.basis, cache, **options)
         if self.causal:
@@ -62,6 +90,9 @@ class LavoAttention(AttentionLayer):
         return lavo_attention(q, k, v, self.basis, causal=False, backend=self.backend, **options), None
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> LavoCache:
+        if self.is_variant:
+            return LavoCache.empty_variant(batch_size, self.heads, self.head_dim, self.rank, memory=self.memory,
+                                           device=device, dtype=dtype, window=self.window)
         return LavoCache.empty(batch_size, self.heads, self.head_dim, self.rank, device=device, dtype=dtype,
                                window=self.window)
 
@@ -69,11 +100,14 @@ class LavoAttention(AttentionLayer):
         return learned_basis(self) + ([self.pos_bias] if self.pos_bias is not None else [])
 
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
-        return LavoCache.max_nbytes(batch_size, self.heads, self.head_dim, self.rank, self.window, dtype)
+        return LavoCache.max_nbytes(batch_size, self.heads, self.head_dim, self.rank, self.window, dtype,
+                                    variant=self.memory if self.is_variant else None)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, rank={self.rank}, window={self.window}, causal={self.causal}, "
-                f"position_bias={self.pos_bias is not None}, dissection={self.dissection}, backend={self.backend!r}")
+                f"position_bias={self.pos_bias is not None}, dissection={self.dissection}, write={self.write!r}, "
+                f"memory={self.memory!r}, read_temperature={self.log_read_scale is not None}, "
+                f"backend={self.backend!r}")
 
 
 class LavoCrossAttention(nn.Module):

@@ -10,6 +10,7 @@ from ..common import (accumulation_dtype, check_basis, check_pos_bias, check_win
 from ..local.blocked import blocked_local_attention, from_blocks, real_tokens, to_blocks
 from ..local.decoding import keep_visible
 from .memory import memory_read, project
+from .variants import SlotState, check_variant, empty_state, rows, variant_memory_branch
 
 
 def check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask):
@@ -17,6 +18,16 @@ def check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask):
     check_window_inputs(q, k, v, window, padding_mask)
     check_basis(basis, q.shape[2], q.shape[3])
     check_pos_bias(pos_bias, q.shape[2], window, causal)
+
+
+def check_read_scale(read_scale: torch.Tensor | None, heads: int) -> None:
+    if read_scale is not None and tuple(read_scale.shape) != (heads,):
+        raise ValueError(f"read_scale must have shape [H] = ({heads},), got {tuple(read_scale.shape)}")
+
+
+def scaled_queries(q: torch.Tensor, read_scale: torch.Tensor | None) -> torch.Tensor:
+    """``q [..., H, L, D]`` times the per-head read scale: the memory read's logits scale with it."""
+    return q if read_scale is None else q * read_scale.to(q.dtype)[:, None, None]
 
 
 def _memory_branch(q, features, counts, basis, scale, causal, dissection, skip_counts):
@@ -44,7 +55,9 @@ def _memory_branch(q, features, counts, basis, scale, causal, dissection, skip_c
 def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor, *, window: int,
                    causal: bool = True, pos_bias: torch.Tensor | None = None, dissection: bool = True,
                    padding_mask: torch.Tensor | None = None, scale: float | None = None,
-                   return_cache: bool = False,
+                   return_cache: bool = False, write: str = "mean", memory: str = "scalar",
+                   decay: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                   read_scale: torch.Tensor | None = None,
                    backend: str = "auto") -> torch.Tensor | tuple[torch.Tensor, LavoCache]:
     r"""LAVO attention, blocked: ``O(T (w + r) D)`` time, ``O(T w)`` memory.
 
@@ -57,17 +70,29 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         padding_mask: ``[B, T]`` bool, True for real tokens; padded positions return zeros.
         scale: defaults to ``D ** -0.5``.
         return_cache: also return the :class:`LavoCache` that continues this sequence (causal only).
-        backend: ``"triton"`` (the GPU kernels of :mod:`.gpu`), ``"torch"`` (this module) or ``"auto"``: Triton
-            for CUDA tensors when it is importable (see :func:`~lavo.ops.common.uses_triton`).
+        write, memory: the memory's write rule (``"mean"``, the paper; ``"decay"``; ``"gated"``) and slot kind
+            (``"scalar"``, the paper; ``"vector"``), see :mod:`.variants`.
+        decay: ``[H]`` decay rates per position, with ``write="decay"``.
+        gate: ``[H, r, D]`` write-gate vectors, with ``write="gated"``.
+        read_scale: ``[H]`` factors on the memory read's logits (a learned read temperature), or None.
+        backend: ``"triton"`` (the GPU kernels of :mod:`.gpu`; the paper's memory only), ``"torch"`` (this
+            module) or ``"auto"``: Triton for CUDA tensors when it is importable and the memory is the paper's
+            (see :func:`~lavo.ops.common.uses_triton`).
     Returns:
         ``[B, T, H, D]``, and the cache when asked.
     """
     check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask)
+    check_variant(write, memory, causal, dissection, decay, gate, *basis.shape[:2], q.shape[3])
+    check_read_scale(read_scale, q.shape[2])
     if return_cache and not causal:
         raise ValueError("a cache exists only for causal attention (causal=False was given)")
     B, T, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
-    if uses_triton(backend, q):
+    variant = (write, memory) != ("mean", "scalar")
+    if (variant or read_scale is not None) and backend == "triton":
+        raise ValueError("backend='triton' computes the paper's memory only (write='mean', memory='scalar', no "
+                         "read temperature); use backend='torch' or 'auto' for the variants")
+    if not variant and read_scale is None and uses_triton(backend, q):
         from .gpu import lavo_attention_triton
         return lavo_attention_triton(q, k, v, basis, window=window, causal=causal, pos_bias=pos_bias,
                                      dissection=dissection, padding_mask=padding_mask, scale=scale,
@@ -78,13 +103,22 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
     local = blocked_local_attention(qb, kb, vb, real, causal=causal, pos_bias=pos_bias, scale=scale)
     counts = real[:, :, None, :, None].to(accumulation_dtype(q.dtype))  # [n, B, 1, w, 1]
     skip_counts = padding_mask is None and T % window == 0  # every count is 1
-    memory, block_sum = _memory_branch(qb, local if dissection else vb, counts, basis, scale, causal, dissection,
-                                       skip_counts)
-    out = from_blocks(memory.add_(local).mul_(0.5), T)  # the read-out is not kept for backward: reuse it
+    qr = scaled_queries(qb, read_scale)
+    if variant:
+        read, windows, upto = variant_memory_branch(qr, local, counts, basis, scale, causal, memory, decay, gate)
+    else:
+        read, block_sum = _memory_branch(qr, local if dissection else vb, counts, basis, scale, causal, dissection,
+                                         skip_counts)
+    out = from_blocks(read.add_(local).mul_(0.5), T)  # the read-out is not kept for backward: reuse it
     if padding_mask is not None:
         out = out * padding_mask[:, :, None, None].to(out.dtype)
     if not return_cache:
         return out
+    if variant:
+        key_mask = real.transpose(0, 1).flatten(1)[:, :T]
+        keys, values, key_mask = (x.clone() for x in keep_visible(T, window, k, v, key_mask))
+        return out, LavoCache(keys=keys, values=values, key_mask=key_mask, position=T, window=window,
+                              **variant_cache_states(windows, upto, T // window))
     window_proj = block_sum[..., 0, :].permute(1, 2, 0, 3)  # [B, H, n, r]
     return out, cache_after(k, v, padding_mask, window_proj, counts.sum((2, 3, 4)).T, window)
 
@@ -100,3 +134,15 @@ def cache_after(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, win
     return LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=window_proj[:, :, :done].sum(2),
                      memory_count=counts[:, :done].sum(1), window_sum=window_proj[:, :, done:].sum(2),
                      window_count=counts[:, done:].sum(1), position=T, window=window)
+
+
+def variant_cache_states(windows: SlotState, upto: SlotState, done: int) -> dict[str, torch.Tensor]:
+    """The cache fields of a variant's memory after ``done`` complete windows: the state of those windows
+    (``upto[done - 1]``, referenced to the last one's start) and of the unfinished one (referenced to its start).
+    ``windows``: per-window states; ``upto``: their inclusive scan."""
+    nothing = empty_state(windows.top[0], windows.total.shape[-1])
+    memory = rows(upto, done - 1) if done > 0 else nothing
+    unfinished = rows(windows, done) if done < windows.top.shape[0] else nothing
+    return dict(memory_top=memory.top, memory_sum=memory.total, memory_count=memory.norm,
+                window_top=unfinished.top, window_sum=unfinished.total, window_count=unfinished.norm)
+

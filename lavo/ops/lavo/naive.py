@@ -53,6 +53,37 @@ def memory_read_naive(q: torch.Tensor, coefficients: torch.Tensor, basis: torch.
     return ((weights * coefficients) @ basis.to(coefficients.dtype)).to(q.dtype)
 
 
+# Memory variants (not in the paper; :mod:`.variants`) ------------------------------------------------------------
+
+
+def write_weights(features, basis, selected, t, *, memory, decay=None, gate=None):
+    r"""Each position's weight in each slot's mean for a memory read at ``t``: ``[B, L, H, r]``.
+
+    1 per selected position (the paper), times ``exp(-decay_h (t - j))`` (``write="decay"``), times
+    ``exp(gate_i . f_j)`` (``write="gated"``), times ``softmax_i(B f_j)`` (``memory="vector"``: the position's
+    assignment to the slot)."""
+    B, L, H, _ = features.shape
+    weights = selected[:, :, None, None].to(features.dtype).expand(B, L, H, basis.shape[1])
+    if memory == "vector":
+        weights = weights * coordinates(features, basis).softmax(-1)
+    if gate is not None:
+        weights = weights * coordinates(features, gate).exp()
+    if decay is not None:
+        distance = (t - torch.arange(L, dtype=features.dtype))[None, :, None, None]
+        weights = weights * (-decay[None, None, :, None] * distance).exp()
+    return weights
+
+
+def weighted_memory(features, basis, weights, memory):
+    r"""The slots: scalar, ``(sum_j w_ji (B f_j)_i / sum_j w_ji) b_i``; vector, ``sum_j w_ji f_j / sum_j w_ji``.
+    ``[B, H, r, D]``, zero where no weight."""
+    norm = weights.sum(1)  # [B, H, r]
+    norm = torch.where(norm > 0, norm, 1)  # no weight: the sums are zero, and so is the slot
+    if memory == "vector":
+        return torch.einsum("blhr,blhd->bhrd", weights, features) / norm[..., None]
+    return memory_slots((weights * coordinates(features, basis)).sum(1) / norm, basis)
+
+
 # §3.2 Context dissection -------------------------------------------------------------------------------------
 
 
@@ -69,13 +100,15 @@ def compressed_positions(t: int, length: int, window: int, causal: bool, dissect
 
 
 def lavo_attention_naive(q, k, v, basis, *, window, causal=True, pos_bias=None, dissection=True, padding_mask=None,
-                         scale=None):
+                         scale=None, write="mean", memory="scalar", decay=None, gate=None, read_scale=None):
     r"""Reference for :func:`lavo.ops.lavo_attention`: ``o_t = (o_loc_t + o_glb_t) / 2``.
 
     ``o_loc`` is sliding-window attention with the relative-position bias ``pos_bias`` (§3.2, §3.3; see
     :mod:`lavo.ops.local.naive`). ``o_glb_t`` reads the memory of the features ``f`` at
     :func:`compressed_positions`: with context dissection ``f = o_loc`` (the memory compresses what the local branch
-    extracted), without it ``f = v``. Arguments and shapes as in :func:`lavo.ops.lavo_attention`.
+    extracted), without it ``f = v``. Arguments and shapes as in :func:`lavo.ops.lavo_attention`; the memory
+    variants (``write``, ``memory``) weigh each position by :func:`write_weights`, and ``read_scale [H]``
+    multiplies the queries of the memory read.
     """
     B, T, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
@@ -84,10 +117,15 @@ def lavo_attention_naive(q, k, v, basis, *, window, causal=True, pos_bias=None, 
                                   scale=scale)
     features = local if dissection else v
     out = torch.zeros_like(q)
+    queries = q if read_scale is None else q * read_scale[:, None]
     for t in range(T):
         selected = real & compressed_positions(t, T, window, causal, dissection)
-        memory = memory_slots(coefficients_of(features, basis, selected), basis)
-        out[:, t] = (local[:, t] + read(q[:, t], memory, scale)) / 2
+        if (write, memory) == ("mean", "scalar"):
+            slots = memory_slots(coefficients_of(features, basis, selected), basis)
+        else:
+            weights = write_weights(features, basis, selected, t, memory=memory, decay=decay, gate=gate)
+            slots = weighted_memory(features, basis, weights, memory)
+        out[:, t] = (local[:, t] + read(queries[:, t], slots, scale)) / 2
     return out * real[:, :, None, None]
 
 

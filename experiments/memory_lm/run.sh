@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The memory variants as language models on Austen (experiment 1's model, budget and window), then three probes
+# of the trained models: perplexity at 1x..16x the training length, context use (the same last 256 tokens given
+# 0..4K tokens before them), and passkey retrieval after brief fine-tuning. Core 1, one thread.
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+export PYTHONPATH="$ROOT"  # this checkout's lavo, not an installed one
+PIN="taskset -c 1"
+E=experiments/memory_lm
+DATA="data.data_dir=${DATA_DIR:-data}"
+lavo_run() {  # lavo_run NAME [attention option=value ...]
+  local name="$1"; shift
+  local options=(--set model.attention=lavo --set model.attention_options.window=32)
+  for option in "$@"; do options+=(--set "model.attention_options.$option"); done
+  train_run $E "$name" --set "$DATA" "${options[@]}"
+}
+lavo_run lavo
+lavo_run lavo-decay write=decay
+lavo_run lavo-gated write=gated
+lavo_run lavo-vector memory=vector
+lavo_run lavo-gated-vector write=gated memory=vector read_temperature=true
+train_run $E local --set "$DATA" --set model.attention=local --set model.attention_options.window=32
+train_run $E softmax-rope --set "$DATA" --set model.attention=softmax --set model.position=rope
+RUNS=($E/runs/lavo $E/runs/lavo-decay $E/runs/lavo-gated $E/runs/lavo-vector $E/runs/lavo-gated-vector
+      $E/runs/local $E/runs/softmax-rope)
+eval_runs $E all --lengths 256,512,1024,2048,4096 --max-tokens 24576 --batch-size 16 --chunk-size 1024 -- "${RUNS[@]}"
+python experiments/report_tools.py results $E
+probe() {  # probe NAME SCRIPT ARGS...: skipped when NAME/results.json exists
+  local name="$1" script="$2"; shift 2
+  if [ -f "$E/$name/results.json" ]; then echo "[skip] $E/$name"; return 0; fi
+  local t0=$(date +%s)
+  $PIN python "$script" "${RUNS[@]}" "$@" --out "$E/$name" > "$E/$name.log" 2>&1
+  echo "{\"what\": \"probe $name\", \"wall_s\": $(($(date +%s) - t0))}" >> "$E/wall_times.jsonl"
+}
+probe context_use experiments/context_use/context_use.py --contexts 0,256,1024,4096 --segments 16
+probe passkey experiments/passkey/passkey.py --multiples 1,4,16 --steps 400 --samples 16
+python experiments/memory_lm/report.py $E
