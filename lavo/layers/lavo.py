@@ -11,7 +11,7 @@ from torch.nn.utils.parametrizations import orthogonal
 from ..cache import LavoCache
 from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, orthogonal_basis
 from ..ops.common import check_backend, check_padding_mask, check_window, pos_bias_size
-from ..ops.lavo.variants import check_variant
+from ..ops.lavo.variants import check_variant, is_variant
 from .base import AttentionLayer, check_heads
 
 
@@ -72,7 +72,7 @@ class LavoAttention(AttentionLayer):
     @property
     def is_variant(self) -> bool:
         """Whether the memory is one of the variants rather than the paper's (the read temperature aside)."""
-        return (self.write, self.memory) != ("mean", "scalar")
+        return is_variant(self.write, self.memory)
 
     def attend(self, q, k, v, padding_mask, cache):
         options = dict(window=self.window, pos_bias=self.pos_bias, dissection=self.dissection,

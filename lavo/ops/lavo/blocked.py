@@ -10,7 +10,7 @@ from ..common import (accumulation_dtype, check_basis, check_pos_bias, check_win
 from ..local.blocked import blocked_local_attention, from_blocks, real_tokens, to_blocks
 from ..local.decoding import keep_visible
 from .memory import memory_read, project
-from .variants import SlotState, check_variant, empty_state, rows, variant_memory_branch
+from .variants import SlotState, check_variant, empty_state, is_variant, rows, variant_memory_branch
 
 
 def check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask):
@@ -88,7 +88,7 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         raise ValueError("a cache exists only for causal attention (causal=False was given)")
     B, T, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
-    variant = (write, memory) != ("mean", "scalar")
+    variant = is_variant(write, memory)
     if (variant or read_scale is not None) and backend == "triton":
         raise ValueError("backend='triton' computes the paper's memory only (write='mean', memory='scalar', no "
                          "read temperature); use backend='torch' or 'auto' for the variants")
@@ -115,8 +115,7 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
     if not return_cache:
         return out
     if variant:
-        key_mask = real.transpose(0, 1).flatten(1)[:, :T]
-        keys, values, key_mask = (x.clone() for x in keep_visible(T, window, k, v, key_mask))
+        keys, values, key_mask = visible_keys(k, v, padding_mask, window)
         return out, LavoCache(keys=keys, values=values, key_mask=key_mask, position=T, window=window,
                               **variant_cache_states(windows, upto, T // window))
     window_proj = block_sum[..., 0, :].permute(1, 2, 0, 3)  # [B, H, n, r]
@@ -127,13 +126,20 @@ def cache_after(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, win
                 counts: torch.Tensor, window: int) -> LavoCache:
     r"""The cache that continues a sequence of ``T`` positions: ``k, v [B, T, H, D]``, ``real [B, T]`` or None,
     the projections of each window's feature sums ``[B, H, n, r]`` and its counts of real tokens ``[B, n]``."""
-    B, T = k.shape[:2]
-    done = T // window  # completed windows
-    key_mask = torch.ones(B, T, dtype=torch.bool, device=k.device) if real is None else real
-    keys, values, key_mask = (x.clone() for x in keep_visible(T, window, k, v, key_mask))
+    done = k.shape[1] // window  # completed windows
+    keys, values, key_mask = visible_keys(k, v, real, window)
     return LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=window_proj[:, :, :done].sum(2),
                      memory_count=counts[:, :done].sum(1), window_sum=window_proj[:, :, done:].sum(2),
-                     window_count=counts[:, done:].sum(1), position=T, window=window)
+                     window_count=counts[:, done:].sum(1), position=k.shape[1], window=window)
+
+
+def visible_keys(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, window: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copies of the keys, values and key mask (``real [B, T]``, None: all real) the local branch can still see
+    after the ``T`` positions of ``k, v [B, T, H, D]``; copies, so a cache does not pin the whole sequence."""
+    B, T = k.shape[:2]
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=k.device) if real is None else real
+    return tuple(x.clone() for x in keep_visible(T, window, k, v, key_mask))
 
 
 def variant_cache_states(windows: SlotState, upto: SlotState, done: int) -> dict[str, torch.Tensor]:

@@ -7,7 +7,8 @@ from ...cache import LavoCache
 from ..local.decoding import keep_visible, local_attention_chunk
 from .blocked import check_inputs, check_read_scale, scaled_queries
 from .memory import memory_read, project
-from .variants import SlotState, check_variant, empty_state, head_shift, merge, read_variant, summarise, write_logits
+from .variants import (SlotState, check_variant, empty_state, head_shift, is_variant, merge, read_variant, summarise,
+                       write_logits)
 
 
 def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor,
@@ -34,7 +35,7 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
     check_read_scale(read_scale, q.shape[2])
     B, T, H, D = q.shape
     cache.check_fits(B, H, D, basis.shape[1], window)
-    if (write, memory) != ("mean", "scalar"):
+    if is_variant(write, memory):
         return _variant_cached(q, k, v, basis, cache, window=window, pos_bias=pos_bias, real=padding_mask,
                                scale=scale, memory=memory, decay=decay, gate=gate, read_scale=read_scale)
     if cache.memory_top is not None:

@@ -42,6 +42,11 @@ class SlotState(NamedTuple):
         return self.total / self.norm.clamp(min=1)  # norm >= 1 when anything was written: its top weighs 1
 
 
+def is_variant(write: str, memory: str) -> bool:
+    """Whether ``write`` and ``memory`` ask for a memory other than the paper's (a mean of scalar coordinates)."""
+    return (write, memory) != ("mean", "scalar")
+
+
 def check_variant(write: str, memory: str, causal: bool, dissection: bool, decay: torch.Tensor | None,
                   gate: torch.Tensor | None, heads: int, rank: int, head_dim: int) -> None:
     """Raise on an unknown write rule or memory, or a parameter that does not match it."""
@@ -49,7 +54,7 @@ def check_variant(write: str, memory: str, causal: bool, dissection: bool, decay
         raise ValueError(f"write must be one of {WRITES}, got {write!r}")
     if memory not in MEMORIES:
         raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
-    if (write, memory) != ("mean", "scalar") and not dissection:
+    if is_variant(write, memory) and not dissection:
         raise ValueError(f"write={write!r}, memory={memory!r} needs dissection=True: the variants compress whole "
                          "earlier windows only")
     if write == "decay" and not causal:
