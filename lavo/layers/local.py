@@ -6,7 +6,7 @@ from torch import nn
 
 from ..cache import KVCache
 from ..ops.common import check_backend, check_window, pos_bias_size
-from ..ops.local import keep_visible, local_attention, local_attention_chunk, visible_length
+from ..ops.local import local_attention, local_attention_chunk, visible_keys, visible_length
 from .base import AttentionLayer
 
 
@@ -35,10 +35,8 @@ class LocalAttention(AttentionLayer):
                                   **options)
             if not self.causal:
                 return out, None
-            real = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if padding_mask is None else padding_mask
-            # Copies, so the cache does not pin the whole chunk's keys in memory.
-            kept = keep_visible(k.shape[1], self.window, k, v, real)
-            return out, KVCache(*(x.clone() for x in kept), k.shape[1], padding_mask is not None)
+            kept = visible_keys(k, v, padding_mask, self.window)
+            return out, KVCache(*kept, k.shape[1], padding_mask is not None)
         start = cache.position
         cache = cache.append(k, v, padding_mask)
         out = local_attention_chunk(q, cache.keys, cache.values, start=start, key_mask=cache.key_mask, **options)

@@ -8,7 +8,7 @@ from ...cache import LavoCache
 from ..common import (accumulation_dtype, check_basis, check_pos_bias, check_window_inputs, exclusive_cumsum,
                       uses_triton)
 from ..local.blocked import blocked_local_attention, from_blocks, real_tokens, to_blocks
-from ..local.decoding import keep_visible
+from ..local.decoding import visible_keys
 from .memory import memory_read, project
 from .variants import SlotState, check_variant, empty_state, is_variant, rows, variant_memory_branch
 
@@ -131,15 +131,6 @@ def cache_after(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, win
     return LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=window_proj[:, :, :done].sum(2),
                      memory_count=counts[:, :done].sum(1), window_sum=window_proj[:, :, done:].sum(2),
                      window_count=counts[:, done:].sum(1), position=k.shape[1], window=window)
-
-
-def visible_keys(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, window: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Copies of the keys, values and key mask (``real [B, T]``, None: all real) the local branch can still see
-    after the ``T`` positions of ``k, v [B, T, H, D]``; copies, so a cache does not pin the whole sequence."""
-    B, T = k.shape[:2]
-    key_mask = torch.ones(B, T, dtype=torch.bool, device=k.device) if real is None else real
-    return tuple(x.clone() for x in keep_visible(T, window, k, v, key_mask))
 
 
 def variant_cache_states(windows: SlotState, upto: SlotState, done: int) -> dict[str, torch.Tensor]:

@@ -20,6 +20,15 @@ def keep_visible(position: int, window: int, *tensors: torch.Tensor) -> tuple[to
     return tuple(t[:, t.shape[1] - keep:] for t in tensors)
 
 
+def visible_keys(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, window: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copies of the keys, values and key mask (``real [B, T]``, None: all real) the local branch can still see
+    after the ``T`` positions of ``k, v [B, T, H, D]``; copies, so a cache does not pin the whole sequence."""
+    B, T = k.shape[:2]
+    key_mask = torch.ones(B, T, dtype=torch.bool, device=k.device) if real is None else real
+    return tuple(x.clone() for x in keep_visible(T, window, k, v, key_mask))
+
+
 def visible_length(position: int, window: int) -> int:
     """How many of the last positions a causal query at ``position`` or later can still see: those from the
     start of the previous window on, at most ``2w - 1``."""
