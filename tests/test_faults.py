@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from lavo import run as R
 from lavo.config import RunConfig

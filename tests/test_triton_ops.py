@@ -8,7 +8,7 @@ from reference_checks import assert_matches_reference, random_inputs
 from lavo import LavoAttention, LavoCrossAttention
 from lavo.layers.local import LocalAttention
 from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_attention, lavo_attention_naive,
-                      local_attention, local_attention_naive, orthogonal_basis)
+                      local_attention, local_attention_naive)
 from lavo.ops.common import triton_interpreting, uses_triton
 
 pytest.importorskip("triton")
