@@ -37,7 +37,8 @@ def cmd_data(args) -> None:
 def add_data(commands) -> None:
     p = commands.add_parser("data", help="download a corpus and tokenise it (cached)",
                             description="Download a corpus if needed, split it by document and cache token arrays.")
-    p.add_argument("--source", default="austen", help="austen | shakespeare | a directory of .txt files "
+    p.add_argument("--source", default="austen", help="austen | shakespeare | python (the standard library) | "
+                   "a mix of these joined by + (e.g. austen+shakespeare+python) | a directory of .txt files "
                    "(default: austen)")
     p.add_argument("--tokenizer", default="bpe4096", type=_flag("data", "tokenizer"),
                    help="gpt2 | bpe<vocab size> (default: bpe4096)")
@@ -86,7 +87,8 @@ def add_train(commands) -> None:
 
 def cmd_eval(args) -> None:
     from .evaluate import evaluate_runs
-    evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split, text=args.text,
+    evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split,
+                  parts=args.parts.split(",") if args.parts else None, text=args.text,
                   batch_size=args.batch_size, chunk_size=args.chunk_size or None, max_tokens=args.max_tokens,
                   data_dir=args.data_dir, device=args.device, out_dir=args.out, progress=not args.quiet)
 
@@ -105,6 +107,8 @@ def add_eval(commands) -> None:
                        help="multiples of the first run's train_length (default: 1,2,4,8)")
     p.add_argument("--split", default="valid", choices=("train", "valid"),
                    help="split to score (default: valid, the held-out documents)")
+    p.add_argument("--parts", default=None, help="for a mixed source, only the documents of these parts, "
+                   "comma-separated (e.g. python, or austen,shakespeare)")
     p.add_argument("--text", default=None, help="score this plain-text file, or every .txt file of this folder, "
                    "instead of a split")
     p.add_argument("--data-dir", default=None, help="where the runs' data was downloaded (default: the data_dir "

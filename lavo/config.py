@@ -26,7 +26,7 @@ DEVICES = matches(r"auto|cpu|cuda(:\d+)?", "auto, cpu, cuda or cuda:N")
 
 @dataclass
 class DataConfig:
-    source: str = "austen"  # "austen" | "shakespeare" | a directory of .txt files
+    source: str = "austen"  # "austen" | "shakespeare" | "python" | a mix "austen+python" | a directory of .txt files
     tokenizer: str = setting("bpe4096", TOKENIZERS)
     data_dir: str = "data"
     holdout: list[str] | None = None  # held-out document names; None: the source's default

@@ -149,23 +149,26 @@ def text_tokens(path: str | os.PathLike, tokenizer) -> np.ndarray:
     return encode_documents(tokenizer, documents, token_dtype(tokenizer.vocab_size))[0]
 
 
-def held_out_tokens(config, tokenizer, split: str, data_dir: str | None) -> np.ndarray:
+def held_out_tokens(config, tokenizer, split: str, data_dir: str | None, parts: list[str] | None = None
+                    ) -> np.ndarray:
     """The split ``split`` of a run's data (from ``data_dir``, default the run's own), tokenised with
-    ``tokenizer``."""
+    ``tokenizer``; ``parts``: only the documents of those parts of a mixed source."""
     from .data import DataError, split_tokens
     data = config.data
     try:
-        return split_tokens(data.source, data_dir or data.data_dir, data.holdout, split, tokenizer)
+        return split_tokens(data.source, data_dir or data.data_dir, data.holdout, split, tokenizer, parts)
     except DataError as error:
         raise DataError(f"{error} (or, if the run's data is elsewhere: `lavo eval --data-dir FOLDER`)") from error
 
 
 def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, multiples: list[float] | None = None,
-                  split: str = "valid", text: str | None = None, batch_size: int = 8, chunk_size: int | None = 512,
+                  split: str = "valid", parts: list[str] | None = None, text: str | None = None,
+                  batch_size: int = 8, chunk_size: int | None = 512,
                   max_tokens: int | None = None, data_dir: str | None = None, device: str = "auto",
                   out_dir: str | None = None, progress: bool = True, log=print) -> dict[str, dict[int, dict]]:
     """Score trained runs (run directories or directories written by ``lavo export``) on the split ``split`` of
-    each run's data (read from ``data_dir``, default the run's own), or on the plain text ``text`` (a file or a
+    each run's data (read from ``data_dir``, default the run's own; ``parts``: only the documents of those parts
+    of a mixed source), or on the plain text ``text`` (a file or a
     folder of ``.txt`` files), tokenised with each run's tokenizer; print the table, write ``results.json`` and
     ``perplexity.png``."""
     from .data import DataError
@@ -198,11 +201,13 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     for name, model, config, tokenizer in loaded:
         if text is None:
             data = config.data
-            key = (data.source, data_dir or data.data_dir, json.dumps(data.holdout), tokenizer.inner.to_str())
+            key = (data.source, data_dir or data.data_dir, json.dumps(data.holdout), json.dumps(parts),
+                   tokenizer.inner.to_str())
         else:
             key = (text, tokenizer.inner.to_str())
         if key not in texts:
-            texts[key] = text_tokens(text, tokenizer) if text else held_out_tokens(config, tokenizer, split, data_dir)
+            texts[key] = (text_tokens(text, tokenizer) if text else
+                          held_out_tokens(config, tokenizer, split, data_dir, parts))
         if progress:
             log(f"scoring {name} at lengths {', '.join(map(str, lengths))}")
         results[name] = perplexity_by_length(model, texts[key], lengths, batch_size=batch_size,
@@ -212,7 +217,7 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        payload = {"split": split if text is None else None, "text": text,
+        payload = {"split": split if text is None else None, "parts": parts if text is None else None, "text": text,
                    "runs": {name: str(run) for (name, *_), run in zip(loaded, run_dirs)},
                    "results": {name: {str(k): v for k, v in r.items()} for name, r in results.items()}}
         write_json(out / "results.json", payload)

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import RunConfig, deep_merge
-from .data import BUILTIN_SOURCES, Tokenizer, load_tokenizer_file
+from .data import Tokenizer, is_builtin, load_tokenizer_file
 from .files import atomic_write, fsync_path, remove_orphans, write_json, write_text
 from .model import LanguageModel, ModelConfig
 
@@ -51,7 +51,7 @@ def save_run_config(run_dir: str | os.PathLike, config: RunConfig, model_config:
     data = values["data"]
     # absolute, so that the run finds its data from any working directory (`lavo eval --data-dir` overrides)
     data["data_dir"] = str(Path(data["data_dir"]).resolve())
-    if data["source"] not in BUILTIN_SOURCES:
+    if not is_builtin(data["source"]):
         data["source"] = str(Path(data["source"]).resolve())
     write_json(Path(run_dir) / CONFIG, values)
     tokenizer.save(Path(run_dir) / TOKENIZER)
