@@ -32,3 +32,26 @@ def tiny_run(corpus: Path, data_dir: Path, out_dir: Path, **train) -> dict:
                   "lr": 3e-3, "min_lr": 3e-4, "log_interval": 1, "checkpoint_interval": 2, "device": "cpu",
                   "progress": False, **train},
     }
+
+
+CODE = "def add(a, b):\n\tif a:\n        return a + b  # tabs, spaces and\n\n\n    return b\n"
+NOVELS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility")
+
+
+def write_mix_sources(root: Path, repeat: int = 40) -> Path:
+    """A data folder where austen, shakespeare and python are already fetched, with small made-up texts of
+    ``repeat`` lines or functions each (every default held-out document included)."""
+    for i, name in enumerate(NOVELS):
+        path = root / "austen" / "texts" / f"{name}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"Chapter {i}. It is a truth universally acknowledged.\n" * repeat)
+    for name in ("hamlet", "lear", "tempest"):
+        path = root / "shakespeare" / "texts" / f"{name}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{name.upper()}. To be, or not to be.\n" * repeat)
+    for name in ("_pydecimal", "argparse", "difflib", "tarfile", "turtle", "email.message"):
+        path = root / "python" / "texts" / f"{name}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# {name}\n" + CODE * (repeat // 2))
+    (root / "python" / "source.json").write_text('{"python": "3.X.Y", "modules": 6}')
+    return root

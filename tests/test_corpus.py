@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from lavo import data as D
+from lm_corpus import CODE, write_mix_sources
 
 
 def quiet(*args, **kwargs):
@@ -18,9 +19,6 @@ def quiet(*args, **kwargs):
 def write(path: Path, text: str | bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
-
-
-CODE = "def add(a, b):\n\tif a:\n        return a + b  # tabs, spaces and\n\n\n    return b\n"
 
 
 @pytest.fixture
@@ -83,17 +81,7 @@ def test_the_real_standard_library_leaves_out_tests_and_generated_files():
 
 @pytest.fixture
 def mix_data(tmp_path):
-    """A data folder where austen, shakespeare and python are already fetched (small made-up texts)."""
-    root = tmp_path / "data"
-    novels = ["emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility"]
-    for i, name in enumerate(novels):
-        write(root / "austen" / "texts" / f"{name}.txt", f"Chapter {i}. It is a truth universally acknowledged.\n" * 40)
-    for name in ("hamlet", "lear", "tempest"):
-        write(root / "shakespeare" / "texts" / f"{name}.txt", f"{name.upper()}. To be, or not to be.\n" * 40)
-    for name in ("_pydecimal", "argparse", "difflib", "tarfile", "turtle", "email.message"):
-        write(root / "python" / "texts" / f"{name}.txt", f"# {name}\n" + CODE * 20)
-    write(root / "python" / "source.json", json.dumps({"python": "3.X.Y", "modules": 6}))
-    return root
+    return write_mix_sources(tmp_path / "data")
 
 
 def test_a_mix_holds_out_each_parts_documents(mix_data):

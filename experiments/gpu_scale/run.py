@@ -1,0 +1,310 @@
+"""The GPU-scale runs: train the next unfinished runs of ``plan.json`` back to back within a time budget, score
+each at 1x..16x its training length on the held-out books and the held-out code, and write one results file per
+run as it finishes. A later call skips finished runs and resumes a checkpointed one (on the same machine).
+
+    python experiments/gpu_scale/run.py --prepare          # once, with network: the corpus, into data/
+    python experiments/gpu_scale/run.py --list             # every run, its parameters and whether it is done
+    python experiments/gpu_scale/run.py --budget 420       # one GPU call (run_device.sh wraps it)
+    python experiments/gpu_scale/run.py --dry-run          # tiny models, few steps, CPU: the whole path
+
+Results go to ``results/<run>.json`` (kept in git); run directories (weights, optimiser state) to ``runs/``,
+which stays on the machine that trained them. REPORT.md says how the plan was chosen.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's lavo, also where it is not installed (the GPU machine)
+
+from lavo.config import RunConfig, deep_merge  # noqa: E402
+from lavo.files import write_json  # noqa: E402
+
+DEFAULT_BUDGET = 7 * 60  # seconds of work in one 8-minute GPU call; the rest is start-up and packing
+
+
+@dataclass
+class PlannedRun:
+    name: str  # "<model>-s<seed>"
+    model: str  # a key of the plan's "models" or "ablation"
+    seed: int
+    values: dict  # the run config, without out_dir
+    long_eval: bool  # also scored at the plan's long_eval lengths
+
+
+def load_plan(path: Path = HERE / "plan.json") -> dict:
+    return json.loads(path.read_text())
+
+
+def planned_runs(plan: dict, dry_run: bool = False, data_dir: str | None = None) -> list[PlannedRun]:
+    """Every run of the plan, in the order they are trained: each model for every seed, then each ablation."""
+    base = deep_merge(plan["base"], plan["dry_run"]["run"]) if dry_run else plan["base"]
+    if data_dir is not None:
+        base = deep_merge(base, {"data": {"data_dir": data_dir}})
+    runs = []
+    for group in ("models", "ablation"):
+        for seed in plan["seeds"]:
+            for model, overrides in plan[group].items():
+                values = deep_merge(deep_merge(base, overrides), {"train": {"seed": seed}})
+                runs.append(PlannedRun(f"{model}-s{seed}", model, seed, values, model in plan["long_eval"]["models"]))
+    return runs
+
+
+def eval_settings(plan: dict, dry_run: bool) -> tuple[dict, dict]:
+    """The plan's ``eval`` and ``long_eval`` sections, with the dry run's values on top."""
+    if not dry_run:
+        return plan["eval"], plan["long_eval"]
+    return (deep_merge(plan["eval"], plan["dry_run"]["eval"]), deep_merge(plan["long_eval"], plan["dry_run"]["long_eval"]))
+
+
+def run_config(run: PlannedRun, runs_dir: Path) -> RunConfig:
+    return RunConfig.from_dict(deep_merge(run.values, {"train": {"out_dir": str(runs_dir / run.name)}}))
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+def prepare_corpus(plan: dict, data_dir: str, log=print) -> None:
+    """Fetch and tokenise the corpus into ``data_dir``, drop the downloads (the texts stay), and say how large
+    the folder is: it travels to the GPU machine whole."""
+    from lavo.data import describe, prepare
+    data = plan["base"]["data"]
+    prepared = prepare(data["source"], data["tokenizer"], data_dir, log=log)
+    for download in Path(data_dir).glob("*/download"):
+        shutil.rmtree(download)
+    log(describe(prepared))
+    size = sum(path.stat().st_size for path in Path(data_dir).rglob("*") if path.is_file())
+    log(f"{data_dir}: {size / 2 ** 20:.1f} MiB in all")
+    if prepared.manifest["fingerprint"][:12] != plan["corpus_fingerprint"]:
+        log(f"warning: this corpus ({prepared.manifest['fingerprint'][:12]}) is not the plan's "
+            f"({plan['corpus_fingerprint']}): other texts, or another interpreter's standard library")
+
+
+def check_corpus(plan: dict, data_dir: str) -> None:
+    """Refuse to train on anything but the plan's corpus, prepared beforehand (the GPU machine has no network,
+    and its own standard library would make another code corpus)."""
+    from lavo.data import DataError, prepare
+    data = plan["base"]["data"]
+    try:
+        prepared = prepare(data["source"], data["tokenizer"], data_dir, fetch=False, log=lambda *a: None)
+    except DataError as error:
+        raise SystemExit(f"the corpus is not prepared in {data_dir} ({error}): run `python "
+                         f"experiments/gpu_scale/run.py --prepare` where there is network, and carry {data_dir}")
+    found = prepared.manifest["fingerprint"][:12]
+    if found != plan["corpus_fingerprint"]:
+        raise SystemExit(f"{data_dir} holds the corpus {found}, not the plan's {plan['corpus_fingerprint']}")
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+def train_within(config: RunConfig, deadline: float, step_limit: int | None, log) -> bool:
+    """Train (or resume) one run until it is finished, ``deadline`` (``time.monotonic()``) is near or
+    ``step_limit`` steps were done in this call; checkpoints on the way. True when the run is finished."""
+    from lavo.run import RunLock
+    from lavo.train import Distributed, Trainer, check_run_directory, prepare_run, resolve_device
+
+    run_dir = Path(config.train.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env, steps, interval = Distributed(), config.train.steps, config.train.checkpoint_interval or config.train.steps
+    with RunLock(run_dir):
+        check_run_directory(run_dir, resume=True, overwrite=False)
+        trainer = Trainer(config, env, resolve_device(config.train.device), prepare_run(config, env, log), log)
+        trainer.restore()
+        trainer.start()
+        budget = steps if step_limit is None else step_limit
+        seconds_per_step = None
+        while trainer.progress.step < steps and budget > 0:
+            chunk = min(interval, steps - trainer.progress.step, budget)
+            if seconds_per_step is not None:  # the next chunk must end before the deadline
+                chunk = min(chunk, int((deadline - time.monotonic()) / seconds_per_step))
+                if chunk < 1:
+                    break
+            started, first = time.monotonic(), trainer.progress.step
+            trainer.run(first + chunk)  # checkpoints at its end
+            seconds_per_step = (time.monotonic() - started) / max(1, trainer.progress.step - first)
+            budget -= trainer.progress.step - first
+        return trainer.progress.step >= steps
+
+
+def evaluate(run_dir: Path, run: PlannedRun, plan_eval: dict, long_eval: dict, device, log) -> dict:
+    """``{set: {length: {"loss", "ppl", "tokens", "segments"}}}`` on each held-out set of the plan (the
+    held-out documents of those parts of the mix); the long-evaluation lengths too for ``run.long_eval``."""
+    from lavo.data import split_tokens
+    from lavo.evaluate import perplexity_by_length
+    from lavo.run import load_run
+
+    model, config, tokenizer = load_run(run_dir, device)
+    length = config.train.train_length
+    settings = long_eval if run.long_eval else plan_eval
+    lengths = sorted({int(m * length) for m in plan_eval["multiples"]} | set(long_eval["lengths"] if run.long_eval else []))
+    scores = {}
+    for name, parts in plan_eval["sets"].items():
+        tokens = split_tokens(config.data.source, config.data.data_dir, config.data.holdout, "valid", tokenizer, parts)
+        log(f"{run.name}: scoring {name} ({len(tokens):,} held-out tokens) at {', '.join(map(str, lengths))}")
+        scores[name] = {str(k): v for k, v in perplexity_by_length(
+            model, tokens, lengths, batch_size=settings["batch_size"], chunk_size=settings["chunk_size"],
+            max_tokens=settings["max_tokens"], device=device).items()}
+    return scores
+
+
+def last_summary(run_dir: Path) -> dict:
+    """The summary the last training call wrote at the end of ``metrics.jsonl``."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if '"final": true' in line][-1]
+
+
+def device_name(device) -> str:
+    import torch
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def estimate_seconds(run: PlannedRun, done: list[dict]) -> float | None:
+    """How long ``run`` should take (training and scoring), from finished runs of the same model, else of any;
+    None before any run has finished."""
+    same = [r for r in done if r["model"] == run.model] or done
+    if not same:
+        return None
+    return statistics.median(r["train_seconds_this_machine"] + r["eval_seconds"] for r in same)
+
+
+def finished_results(results_dir: Path) -> dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in sorted(results_dir.glob("*.json"))}
+
+
+def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir: Path, results_dir: Path,
+             budget: float, max_runs: int | None, step_limit: int | None, log=print) -> dict:
+    """Train and score the unfinished ``runs`` in order until ``budget`` seconds are spent or ``max_runs`` have
+    finished; returns what this call did (also appended to ``results/calls.jsonl``)."""
+    from lavo.train import resolve_device
+
+    started, start_time = time.monotonic(), datetime.now(timezone.utc).isoformat(timespec="seconds")
+    deadline = started + budget
+    results_dir.mkdir(parents=True, exist_ok=True)
+    results = finished_results(results_dir)
+    finished, stopped, device = [], None, None
+    for run in runs:
+        if run.name in results:
+            continue
+        if max_runs is not None and len(finished) >= max_runs:
+            break
+        estimate = estimate_seconds(run, list(results.values()))
+        eval_reserve = estimate_eval_seconds(run, list(results.values()))
+        left = deadline - time.monotonic()
+        if left <= eval_reserve:
+            break
+        resuming = (runs_dir / run.name / "state.pt").exists()
+        if estimate is not None and estimate > left and not resuming:
+            log(f"[wait] {run.name}: about {estimate:.0f} s, {left:.0f} s left")
+            continue
+        config = run_config(run, runs_dir)
+        device = resolve_device(config.train.device)
+        log(f"[train] {run.name}" + (" (resuming)" if resuming else ""))
+        t0 = time.monotonic()
+        done = train_within(config, deadline - eval_reserve, step_limit, log)
+        train_seconds = time.monotonic() - t0
+        if not done:
+            stopped = run.name
+            log(f"[stopped] {run.name}: checkpointed in {runs_dir / run.name}; the next call on this machine "
+                "resumes it")
+            break
+        t0 = time.monotonic()
+        scores = evaluate(runs_dir / run.name, run, plan_eval, long_eval, device, log)
+        summary = last_summary(runs_dir / run.name)
+        record = {"name": run.name, "model": run.model, "seed": run.seed, "config": run.values,
+                  "parameters": summary["parameters"], "steps": summary["step"], "tokens": summary["tokens"],
+                  "final_train_loss": summary["loss"], "train_seconds": summary["elapsed"],
+                  "train_seconds_this_machine": round(train_seconds, 2), "eval_seconds": round(time.monotonic() - t0, 2),
+                  "device": device_name(device), "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "eval": scores}
+        write_json(results_dir / f"{run.name}.json", record)
+        results[run.name] = record
+        finished.append(run.name)
+        log(f"[done] {run.name}: " + ", ".join(
+            f"{name} ppl {s[str(config.train.train_length)]['ppl']:.2f} at 1x" for name, s in scores.items()))
+    call = {"started": start_time, "wall_s": round(time.monotonic() - started, 1), "budget_s": budget,
+            "device": device_name(device) if device is not None else None, "finished": finished, "stopped": stopped,
+            "remaining": [r.name for r in runs if r.name not in results]}
+    with open(results_dir / "calls.jsonl", "a") as file:
+        file.write(json.dumps(call) + "\n")
+    return call
+
+
+def estimate_eval_seconds(run: PlannedRun, done: list[dict]) -> float:
+    """Time to keep for scoring after training: the longest scoring of a finished run of the same model (else
+    of any), plus a half; 60 s before any run has been scored."""
+    same = [r for r in done if r["model"] == run.model] or done
+    return 1.5 * max(r["eval_seconds"] for r in same) if same else 60.0
+
+
+# ----------------------------------------------------------------------------------------------- listing
+
+def list_runs(runs: list[PlannedRun], runs_dir: Path, results_dir: Path, log=print) -> None:
+    """Each run with its parameter count (vocabulary 4,096) and status; the spread of the counts."""
+    from lavo.model import build_model, count_parameters
+    results = finished_results(results_dir)
+    counts = {}
+    for run in runs:
+        if run.model not in counts:
+            counts[run.model] = count_parameters(build_model(run_config(run, runs_dir).model_config(4096)))
+        status = ("done" if run.name in results else
+                  "checkpointed" if (runs_dir / run.name / "state.pt").exists() else "to run")
+        log(f"{run.name:24s} {counts[run.model]:>12,d}  {status}")
+    low, high = min(counts.values()), max(counts.values())
+    log(f"{len(runs)} runs, {len(results)} done; parameters {low:,} .. {high:,} (+{100 * (high / low - 1):.2f}%)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--prepare", action="store_true", help="fetch and tokenise the corpus into --data-dir")
+    action.add_argument("--list", action="store_true", help="list the runs, their parameters and status")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET, help="seconds of work in this call")
+    parser.add_argument("--dry-run", action="store_true", help="tiny models, a few steps, on the CPU (the plan's "
+                        "dry_run section); results and runs go to dry-run/ unless given")
+    parser.add_argument("--only", default=None, help="comma-separated run names: train only these")
+    parser.add_argument("--max-runs", type=int, default=None, help="stop after this many runs finish")
+    parser.add_argument("--step-limit", type=int, default=None,
+                        help="train at most this many steps in this call, then checkpoint and stop (as a deadline)")
+    parser.add_argument("--data-dir", default=None, help="the prepared corpus (default: the plan's data_dir)")
+    parser.add_argument("--runs-dir", default=None, help="run directories (default: runs/, dry run: dry-run/runs/)")
+    parser.add_argument("--results-dir", default=None,
+                        help="results files (default: results/, dry run: dry-run/results/)")
+    args = parser.parse_args(argv)
+
+    plan = load_plan()
+    data_dir = args.data_dir or str(ROOT / plan["base"]["data"]["data_dir"])
+    if args.prepare:
+        prepare_corpus(plan, data_dir)
+        return 0
+    scratch = HERE / ("dry-run" if args.dry_run else "")
+    runs_dir = Path(args.runs_dir or scratch / "runs")
+    results_dir = Path(args.results_dir or scratch / "results")
+    runs = planned_runs(plan, args.dry_run, data_dir)
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - {run.name for run in runs})
+        if unknown:
+            parser.error(f"--only: no runs named {unknown} in the plan")
+        runs = [run for run in runs if run.name in wanted]
+    if args.list:
+        list_runs(runs, runs_dir, results_dir)
+        return 0
+    if not args.dry_run:
+        check_corpus(plan, data_dir)
+    plan_eval, long_eval = eval_settings(plan, args.dry_run)
+    call = run_plan(runs, plan_eval, long_eval, runs_dir, results_dir, args.budget, args.max_runs, args.step_limit)
+    print(json.dumps({key: call[key] for key in ("wall_s", "finished", "stopped")}
+                     | {"remaining": len(call["remaining"])}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

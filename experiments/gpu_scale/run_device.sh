@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One GPU call of the scale experiment: trains and scores the next unfinished runs of plan.json for at most
+# BUDGET_S seconds of work (default 420, for an 8-minute call), then leaves the results in $OUT as results.tar
+# (unpack it into experiments/gpu_scale/ and commit results/) beside the log run.log.
+# The GPU machine has no network: the corpus is prepared beforehand (`python experiments/gpu_scale/run.py
+# --prepare`, 30 MiB) and carried as experiments/gpu_scale/data; lavo comes from this source tree.
+# Extra arguments go to run.py (e.g. --only lavo-s0,local-s0).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+export PYTHONPATH="$PWD" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+OUT="${OUT:-experiments/gpu_scale/out}"
+mkdir -p "$OUT"
+E=experiments/gpu_scale
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+python3 "$E/run.py" --budget "${BUDGET_S:-420}" "$@" 2>&1 | tee "$OUT/run.log"
+status=${PIPESTATUS[0]}
+tar -cf "$OUT/results.tar" -C "$E" results 2>/dev/null || echo "no results yet"
+exit "$status"

@@ -1,0 +1,108 @@
+"""experiments/gpu_scale: the plan holds the whole protocol with like-for-like models, and its driver's dry run
+trains, scores and resumes end to end (a finished run is never redone, an interrupted one continues)."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lavo.model import build_model, count_parameters
+from lm_corpus import write_mix_sources
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("gpu_scale_run", ROOT / "experiments" / "gpu_scale" / "run.py")
+driver = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = driver  # dataclasses look their module up there
+spec.loader.exec_module(driver)
+
+PLAN = driver.load_plan()
+MODELS = ["lavo", "local", "softmax-rope", "softmax-sin", "abc", "longshort", "s4d", "performer", "cosformer"]
+ABLATION = ["lavo-no-posbias", "lavo-no-dissection", "lavo-learned-basis", "lavo-decay", "lavo-gated", "lavo-vector"]
+
+
+def test_the_plan_holds_every_run_of_the_protocol_with_equal_budgets():
+    runs = driver.planned_runs(PLAN)
+    assert [run.name for run in runs] == (
+        [f"{model}-s{seed}" for seed in (0, 1, 2) for model in MODELS]
+        + [f"{model}-s{seed}" for seed in (0, 1, 2) for model in ABLATION])
+    configs = {run.name: driver.run_config(run, Path("runs")) for run in runs}
+    attention = {name: (c.model["attention"], c.model.get("position")) for name, c in configs.items()}
+    assert attention["softmax-rope-s0"] == ("softmax", "rope")
+    assert attention["softmax-sin-s2"] == ("softmax", "sinusoidal")
+    assert {a for a, _ in attention.values()} == {
+        "lavo", "local", "softmax", "abc", "longshort", "s4d", "performer", "cosformer"}
+    budgets = {(c.train.steps * c.train.batch_size * c.train.grad_accum * c.train.train_length, c.train.train_length,
+                c.model["preset"], c.data.source, c.data.tokenizer) for c in configs.values()}
+    assert budgets == {(10_240_000, 512, "small", "austen+shakespeare+python", "bpe4096")}
+    assert [c.train.seed for name, c in configs.items() if name.startswith("abc-")] == [0, 1, 2]
+    options = {name: c.model.get("attention_options", {}) for name, c in configs.items()}
+    assert options["lavo-decay-s1"] == {"window": 64, "write": "decay"}
+    assert options["lavo-vector-s0"] == {"window": 64, "memory": "vector"}
+    # every model scored at 1x..16x on both held-out sets; LAVO out to 128K
+    assert PLAN["eval"]["multiples"] == [1, 2, 4, 8, 16]
+    assert PLAN["eval"]["sets"] == {"books": ["austen", "shakespeare"], "code": ["python"]}
+    assert PLAN["long_eval"]["models"] == ["lavo"] and max(PLAN["long_eval"]["lengths"]) == 131072
+    assert options["cosformer-s0"]["max_length"] >= 16 * 512  # its causal form covers the longest evaluation
+
+
+def test_every_planned_model_has_the_same_parameters_within_two_percent():
+    counts = {}
+    for run in driver.planned_runs(PLAN):
+        if run.model not in counts:
+            config = driver.run_config(run, Path("runs")).model_config(vocab_size=4096)
+            counts[run.model] = count_parameters(build_model(config))
+    assert set(counts) == set(MODELS + ABLATION)
+    assert max(counts.values()) <= 1.02 * min(counts.values()), counts
+    assert 26e6 < min(counts.values())  # the small preset
+
+
+@pytest.fixture
+def dry(tmp_path):
+    data = write_mix_sources(tmp_path / "data", repeat=60)
+    out = tmp_path / "out"
+
+    def run(*args):
+        return driver.main(["--dry-run", "--data-dir", str(data), "--runs-dir", str(out / "runs"),
+                            "--results-dir", str(out / "results"), *args])
+    return run, out
+
+
+def test_dry_run_trains_scores_and_resumes_without_redoing_anything(dry, capsys):
+    run, out = dry
+    assert run("--only", "lavo-s0,local-s0", "--max-runs", "1") == 0  # stops after one run
+    results = out / "results"
+    assert sorted(p.name for p in results.glob("*.json")) == ["lavo-s0.json"]
+    lavo = json.loads((results / "lavo-s0.json").read_text())
+    assert (lavo["steps"], lavo["tokens"], lavo["device"]) == (4, 4 * 2 * 128, "cpu")
+    assert set(lavo["eval"]) == {"books", "code"}
+    assert list(lavo["eval"]["books"]) == ["128", "256", "1024"]  # 1x, 2x and LAVO's long evaluation
+    assert lavo["eval"]["code"]["1024"]["tokens"] == 1024
+    first = (results / "lavo-s0.json").read_bytes()
+    metrics = (out / "runs" / "lavo-s0" / "metrics.jsonl").read_text()
+
+    # a call interrupted after 3 of local's 4 steps leaves a checkpoint and no result
+    assert run("--only", "lavo-s0,local-s0", "--step-limit", "3") == 0
+    assert not (results / "local-s0.json").exists()
+    assert (out / "runs" / "local-s0" / "state.pt").exists()
+    capsys.readouterr()
+
+    assert run("--only", "lavo-s0,local-s0") == 0
+    log = capsys.readouterr().out
+    assert "[train] lavo-s0" not in log and "[train] local-s0 (resuming)" in log
+    assert "resumed" in log and "at step 3" in log
+    assert (results / "lavo-s0.json").read_bytes() == first  # nothing of the finished run redone
+    assert (out / "runs" / "lavo-s0" / "metrics.jsonl").read_text() == metrics
+    local = json.loads((results / "local-s0.json").read_text())
+    assert (local["steps"], local["tokens"]) == (4, lavo["tokens"])
+    assert list(local["eval"]["code"]) == ["128", "256"]
+    calls = [json.loads(line) for line in (results / "calls.jsonl").read_text().splitlines()]
+    assert [(c["finished"], c["stopped"]) for c in calls] == [(["lavo-s0"], None), ([], "local-s0"),
+                                                              (["local-s0"], None)]
+    assert calls[-1]["remaining"] == []
+
+
+def test_dry_run_of_an_unknown_run_is_refused(dry):
+    run, _ = dry
+    with pytest.raises(SystemExit):
+        run("--only", "lavo-s9")
