@@ -73,11 +73,11 @@ def test_dry_run_trains_scores_and_resumes_without_redoing_anything(dry, capsys)
     assert run("--only", "lavo-s0,local-s0", "--max-runs", "1") == 0  # stops after one run
     results = out / "results"
     assert sorted(p.name for p in results.glob("*.json")) == ["lavo-s0.json"]
-    lavo = json.loads((results / "lavo-s0.json").read_text())
-    assert (lavo["steps"], lavo["tokens"], lavo["device"]) == (4, 4 * 2 * 128, "cpu")
-    assert set(lavo["eval"]) == {"books", "code"}
-    assert list(lavo["eval"]["books"]) == ["128", "256", "1024"]  # 1x, 2x and LAVO's long evaluation
-    assert lavo["eval"]["code"]["1024"]["tokens"] == 1024
+    lavo_result = json.loads((results / "lavo-s0.json").read_text())
+    assert (lavo_result["steps"], lavo_result["tokens"], lavo_result["device"]) == (4, 4 * 2 * 128, "cpu")
+    assert set(lavo_result["eval"]) == {"books", "code"}
+    assert list(lavo_result["eval"]["books"]) == ["128", "256", "1024"]  # 1x, 2x and LAVO's long evaluation
+    assert lavo_result["eval"]["code"]["1024"]["tokens"] == 1024
     first = (results / "lavo-s0.json").read_bytes()
     metrics = (out / "runs" / "lavo-s0" / "metrics.jsonl").read_text()
 
@@ -94,8 +94,16 @@ def test_dry_run_trains_scores_and_resumes_without_redoing_anything(dry, capsys)
     assert (results / "lavo-s0.json").read_bytes() == first  # nothing of the finished run redone
     assert (out / "runs" / "lavo-s0" / "metrics.jsonl").read_text() == metrics
     local = json.loads((results / "local-s0.json").read_text())
-    assert (local["steps"], local["tokens"]) == (4, lavo["tokens"])
+    assert (local["steps"], local["tokens"]) == (4, lavo_result["tokens"])
     assert list(local["eval"]["code"]) == ["128", "256"]
+    # `lavo eval --parts python` scores the same held-out code as the driver did
+    from lavo.cli import main as lavo
+    assert lavo(["eval", str(out / "runs" / "lavo-s0"), "--parts", "python", "--lengths", "128", "--max-tokens", "1024",
+                 "--device", "cpu", "--quiet", "--out", str(out / "eval")]) == 0
+    scored = json.loads((out / "eval" / "results.json").read_text())
+    assert scored["parts"] == ["python"]
+    assert scored["results"]["lavo-s0"]["128"]["ppl"] == pytest.approx(lavo_result["eval"]["code"]["128"]["ppl"],
+                                                                       rel=1e-5)  # other batching
     calls = [json.loads(line) for line in (results / "calls.jsonl").read_text().splitlines()]
     assert [(c["finished"], c["stopped"]) for c in calls] == [(["lavo-s0"], None), ([], "local-s0"),
                                                               (["local-s0"], None)]
@@ -106,3 +114,19 @@ def test_dry_run_of_an_unknown_run_is_refused(dry):
     run, _ = dry
     with pytest.raises(SystemExit):
         run("--only", "lavo-s9")
+
+
+def test_report_tables_give_mean_and_spread_over_seeds():
+    spec = importlib.util.spec_from_file_location("gpu_scale_report", ROOT / "experiments" / "gpu_scale" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+
+    def result(model, seed, short, long):
+        return {"model": model, "seed": seed, "eval": {"books": {"512": {"ppl": short}, "8192": {"ppl": long}}}}
+    results = {"lavo-s0": result("lavo", 0, 10.0, 10.0), "lavo-s1": result("lavo", 1, 12.0, 13.2),
+               "local-s0": result("local", 0, 9.0, 9.9)}
+    table = report.ppl_table(PLAN, results, ["lavo", "local", "abc"], "books", [512, 8192]).splitlines()
+    assert table[0] == "| model | 512 (1x) | 8,192 (16x) | 16x / 1x |"
+    assert table[2] == "| lavo | 11.00 ± 1.41 (2) | 11.60 ± 2.26 (2) | 1.05 |"
+    assert table[3] == "| local | 9.00 (1) | 9.90 (1) | 1.10 |"
+    assert table[4] == "| abc | not run | not run | not run |"
