@@ -32,9 +32,10 @@ def corpus_table(plan: dict, data_dir: Path) -> str | None:
         return None
     train, valid = tokens_by_part(prepared.train), tokens_by_part(prepared.valid)
     total = len(prepared.train)
+    held_out = {part: [d["name"].split("/", 1)[1] for d in prepared.valid.documents if d["name"].startswith(part + "/")]
+                for part in train}
     rows = [[part, f"{train[part][0]:,}", f"{train[part][1]:,}", f"{100 * train[part][1] / total:.1f}%",
-             ", ".join(d["name"].split("/", 1)[1] for d in prepared.valid.documents if d["name"].startswith(part + "/")),
-             f"{valid[part][1]:,}"] for part in train]
+             ", ".join(held_out[part]), f"{valid[part][1]:,}"] for part in train]
     rows.append(["**all**", f"{len(prepared.train.documents):,}", f"{total:,}", "100%",
                  f"{len(prepared.valid.documents)} documents", f"{len(prepared.valid):,}"])
     version = prepared.manifest["provenance"]["python"]["python"]
@@ -136,7 +137,8 @@ def spend_table(results_dir: Path, results: dict) -> str:
     calls = [json.loads(line) for line in (results_dir / "calls.jsonl").read_text().splitlines()] \
         if (results_dir / "calls.jsonl").exists() else []
     tokens = sum(r["tokens"] for r in results.values())
-    rows = [["GPU calls", len(calls)], ["GPU minutes (the calls' wall time)", f"{sum(c['wall_s'] for c in calls) / 60:.1f}"],
+    rows = [["GPU calls", len(calls)],
+            ["GPU minutes (the calls' wall time)", f"{sum(c['wall_s'] for c in calls) / 60:.1f}"],
             ["runs finished", len(results)], ["training tokens, all runs", f"{tokens:,}"],
             ["training minutes, all runs", f"{sum(r['train_seconds'] for r in results.values()) / 60:.1f}"],
             ["scoring minutes, all runs", f"{sum(r['eval_seconds'] for r in results.values()) / 60:.1f}"]]

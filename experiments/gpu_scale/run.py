@@ -63,7 +63,8 @@ def eval_settings(plan: dict, dry_run: bool) -> tuple[dict, dict]:
     """The plan's ``eval`` and ``long_eval`` sections, with the dry run's values on top."""
     if not dry_run:
         return plan["eval"], plan["long_eval"]
-    return (deep_merge(plan["eval"], plan["dry_run"]["eval"]), deep_merge(plan["long_eval"], plan["dry_run"]["long_eval"]))
+    dry = plan["dry_run"]
+    return deep_merge(plan["eval"], dry["eval"]), deep_merge(plan["long_eval"], dry["long_eval"])
 
 
 def run_config(run: PlannedRun, runs_dir: Path) -> RunConfig:
@@ -144,7 +145,8 @@ def evaluate(run_dir: Path, run: PlannedRun, plan_eval: dict, long_eval: dict, d
     model, config, tokenizer = load_run(run_dir, device)
     length = config.train.train_length
     settings = long_eval if run.long_eval else plan_eval
-    lengths = sorted({int(m * length) for m in plan_eval["multiples"]} | set(long_eval["lengths"] if run.long_eval else []))
+    lengths = {int(m * length) for m in plan_eval["multiples"]}
+    lengths = sorted(lengths | set(long_eval["lengths"]) if run.long_eval else lengths)
     scores = {}
     for name, parts in plan_eval["sets"].items():
         tokens = split_tokens(config.data.source, config.data.data_dir, config.data.holdout, "valid", tokenizer, parts)
@@ -221,8 +223,9 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
         record = {"name": run.name, "model": run.model, "seed": run.seed, "config": run.values,
                   "parameters": summary["parameters"], "steps": summary["step"], "tokens": summary["tokens"],
                   "final_train_loss": summary["loss"], "train_seconds": summary["elapsed"],
-                  "train_seconds_this_machine": round(train_seconds, 2), "eval_seconds": round(time.monotonic() - t0, 2),
-                  "device": device_name(device), "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "train_seconds_this_machine": round(train_seconds, 2),
+                  "eval_seconds": round(time.monotonic() - t0, 2), "device": device_name(device),
+                  "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "eval": scores}
         write_json(results_dir / f"{run.name}.json", record)
         results[run.name] = record

@@ -15,5 +15,5 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 python3 "$E/run.py" --budget "${BUDGET_S:-420}" "$@" 2>&1 | tee "$OUT/run.log"
 status=${PIPESTATUS[0]}
-tar -cf "$OUT/results.tar" -C "$E" results 2>/dev/null || echo "no results yet"
+if [ -d "$E/results" ]; then tar -cf "$OUT/results.tar" -C "$E" results; else echo "no results in $E/results yet"; fi
 exit "$status"
