@@ -130,3 +130,27 @@ def test_report_tables_give_mean_and_spread_over_seeds():
     assert table[2] == "| lavo | 11.00 ± 1.41 (2) | 11.60 ± 2.26 (2) | 1.05 |"
     assert table[3] == "| local | 9.00 (1) | 9.90 (1) | 1.10 |"
     assert table[4] == "| abc | not run | not run | not run |"
+
+
+def test_dry_run_trains_and_scores_every_planned_model(dry):
+    run, out = dry
+    first_seed = [r.name for r in driver.planned_runs(PLAN) if r.seed == 0]
+    assert run("--only", ",".join(first_seed)) == 0
+    results = driver.finished_results(out / "results")
+    assert sorted(results) == sorted(first_seed)
+    for name, result in results.items():
+        for part, scores in result["eval"].items():
+            # finite, and near the 300 of a uniform guess over bpe300 after a few steps
+            assert all(0 < score["ppl"] < 2 * 300 for score in scores.values()), (name, part)
+
+
+@pytest.mark.slow
+def test_the_real_corpus_holds_enough_held_out_books_and_code_for_128k(tmp_path):
+    """The plan's corpus, prepared for real (downloads Austen and Shakespeare): each held-out set has the tokens
+    the longest evaluation scores."""
+    from lavo.data import prepare, split_tokens
+    data = PLAN["base"]["data"]
+    prepared = prepare(data["source"], data["tokenizer"], tmp_path, log=lambda *a: None)
+    for parts in PLAN["eval"]["sets"].values():
+        tokens = split_tokens(data["source"], tmp_path, None, "valid", prepared.tokenizer, parts)
+        assert len(tokens) > PLAN["long_eval"]["max_tokens"] >= max(PLAN["long_eval"]["lengths"])
