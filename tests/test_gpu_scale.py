@@ -3,6 +3,7 @@ trains, scores and resumes end to end (a finished run is never redone, an interr
 import importlib.util
 import json
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -70,9 +71,13 @@ def dry(tmp_path):
 
 def test_dry_run_trains_scores_and_resumes_without_redoing_anything(dry, capsys):
     run, out = dry
-    assert run("--only", "lavo-s0,local-s0", "--max-runs", "1") == 0  # stops after one run
+    archive = out / "results.tar"
+    assert run("--only", "lavo-s0,local-s0", "--max-runs", "1", "--pack", str(archive)) == 0  # stops after one run
     results = out / "results"
     assert sorted(p.name for p in results.glob("*.json")) == ["lavo-s0.json"]
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == ["results", "results/calls.jsonl", "results/lavo-s0.json"]
+        assert tar.extractfile("results/lavo-s0.json").read() == (results / "lavo-s0.json").read_bytes()
     lavo_result = json.loads((results / "lavo-s0.json").read_text())
     assert (lavo_result["steps"], lavo_result["tokens"], lavo_result["device"]) == (4, 4 * 2 * 128, "cpu")
     assert set(lavo_result["eval"]) == {"books", "code"}

@@ -177,14 +177,31 @@ def estimate_seconds(run: PlannedRun, done: list[dict]) -> float | None:
     return statistics.median(r["train_seconds_this_machine"] + r["eval_seconds"] for r in same)
 
 
+def pack(results_dir: Path, archive: Path | None) -> None:
+    """``results_dir`` as the tar file ``archive`` (replaced whole), so that a call killed at its time limit still
+    brings back every run finished before."""
+    if archive is None:
+        return
+    import tarfile
+
+    from lavo.files import atomic_write
+
+    def write(tmp: Path) -> None:
+        with tarfile.open(tmp, "w") as tar:
+            tar.add(results_dir, arcname="results")
+    atomic_write(archive, write)
+
+
 def finished_results(results_dir: Path) -> dict[str, dict]:
     return {path.stem: json.loads(path.read_text()) for path in sorted(results_dir.glob("*.json"))}
 
 
 def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir: Path, results_dir: Path,
-             budget: float, max_runs: int | None, step_limit: int | None, log=print) -> dict:
+             budget: float, max_runs: int | None, step_limit: int | None, archive: Path | None = None,
+             log=print) -> dict:
     """Train and score the unfinished ``runs`` in order until ``budget`` seconds are spent or ``max_runs`` have
-    finished; returns what this call did (also appended to ``results/calls.jsonl``)."""
+    finished; returns what this call did (also appended to ``results/calls.jsonl``). ``archive``: a tar file of
+    the results folder, written again after each finished run."""
     from lavo.train import resolve_device
 
     started, start_time = time.monotonic(), datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -230,6 +247,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
         write_json(results_dir / f"{run.name}.json", record)
         results[run.name] = record
         finished.append(run.name)
+        pack(results_dir, archive)
         log(f"[done] {run.name}: " + ", ".join(
             f"{name} ppl {s[str(config.train.train_length)]['ppl']:.2f} at 1x" for name, s in scores.items()))
     call = {"started": start_time, "wall_s": round(time.monotonic() - started, 1), "budget_s": budget,
@@ -237,6 +255,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
             "remaining": [r.name for r in runs if r.name not in results]}
     with open(results_dir / "calls.jsonl", "a") as file:
         file.write(json.dumps(call) + "\n")
+    pack(results_dir, archive)
     return call
 
 
@@ -276,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many runs finish")
     parser.add_argument("--step-limit", type=int, default=None,
                         help="train at most this many steps in this call, then checkpoint and stop (as a deadline)")
+    parser.add_argument("--pack", default=None, help="a tar file of the results folder, written after each run")
     parser.add_argument("--data-dir", default=None, help="the prepared corpus (default: the plan's data_dir)")
     parser.add_argument("--runs-dir", default=None, help="run directories (default: runs/, dry run: dry-run/runs/)")
     parser.add_argument("--results-dir", default=None,
@@ -303,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         check_corpus(plan, data_dir)
     plan_eval, long_eval = eval_settings(plan, args.dry_run)
-    call = run_plan(runs, plan_eval, long_eval, runs_dir, results_dir, args.budget, args.max_runs, args.step_limit)
+    call = run_plan(runs, plan_eval, long_eval, runs_dir, results_dir, args.budget, args.max_runs, args.step_limit,
+                    Path(args.pack) if args.pack else None)
     print(json.dumps({key: call[key] for key in ("wall_s", "finished", "stopped")}
                      | {"remaining": len(call["remaining"])}))
     return 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call of the scale experiment: trains and scores the next unfinished runs of plan.json for at most
-# BUDGET_S seconds of work (default 420, for an 8-minute call), then leaves the results in $OUT as results.tar
+# BUDGET_S seconds of work (default 420, for an 8-minute call), and leaves the results in $OUT as results.tar
 # (unpack it into experiments/gpu_scale/ and commit results/) beside the log run.log.
 # The GPU machine has no network: the corpus is prepared beforehand (`python experiments/gpu_scale/run.py
 # --prepare`, 30 MiB) and carried as experiments/gpu_scale/data; lavo comes from this source tree.
@@ -13,7 +13,6 @@ mkdir -p "$OUT"
 E=experiments/gpu_scale
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-python3 "$E/run.py" --budget "${BUDGET_S:-420}" "$@" 2>&1 | tee "$OUT/run.log"
-status=${PIPESTATUS[0]}
-if [ -d "$E/results" ]; then tar -cf "$OUT/results.tar" -C "$E" results; else echo "no results in $E/results yet"; fi
-exit "$status"
+# run.py rewrites results.tar after every finished run, so a call cut off at its time limit still returns them
+python3 "$E/run.py" --budget "${BUDGET_S:-420}" --pack "$OUT/results.tar" "$@" 2>&1 | tee "$OUT/run.log"
+exit "${PIPESTATUS[0]}"
