@@ -40,6 +40,11 @@ class DataError(RuntimeError):
 
 # ----------------------------------------------------------------------------------------------- sources
 
+def listing(names: list[str], most: int) -> str:
+    """The first ``most`` names, comma-separated, and how many more there are."""
+    return ", ".join(names[:most]) + (f", ... ({len(names) - most} more)" if len(names) > most else "")
+
+
 @dataclass(frozen=True)
 class Document:
     name: str
@@ -253,7 +258,7 @@ def fetch_python(root: Path) -> Path:
 BUILTIN_SOURCES = {
     "austen": (fetch_austen, ["persuasion"]),
     "shakespeare": (fetch_shakespeare, ["hamlet", "tempest"]),
-    # four long single-file modules present in every CPython 3: about 5% of the code
+    # four long single-file modules present in every CPython 3: about 6% of the code's tokens
     "python": (fetch_python, ["_pydecimal", "difflib", "tarfile", "turtle"]),
 }
 MIX = "+"  # joins the built-in sources of a mix: "austen+shakespeare+python"
@@ -354,8 +359,7 @@ def split_documents(documents: list[Document], holdout: list[str] | None = None
         holdout = names[-max(1, round(0.1 * len(names))):]
     missing = [h for h in holdout if h not in names]
     if missing:
-        listed = ", ".join(names[:20]) + (f", ... ({len(names) - 20} more)" if len(names) > 20 else "")
-        raise DataError(f"held-out documents {missing} are not in the source; documents: {listed}")
+        raise DataError(f"held-out documents {missing} are not in the source; documents: {listing(names, 20)}")
     if len(set(holdout)) >= len(names):
         raise DataError("every document is held out: leave at least one for training")
     valid = [d for d in documents if d.name in holdout]
@@ -623,8 +627,7 @@ def build_cache(directory: Path, folders: dict[str, Path], splits: dict[str, lis
                 "eot_id": tok.eot_id, "dtype": dtype.name, "fingerprint": fingerprint, "splits": {}}
     for split in SPLITS:
         file = f"{split}.bin"
-        names = [d.name for d in splits[split]]
-        log(f"tokenising {split}: {len(names)} documents ({', '.join(names[:8])}{' ...' if len(names) > 8 else ''})")
+        log(f"tokenising {split}: {len(splits[split])} documents ({listing([d.name for d in splits[split]], 8)})")
         tokens, bounds = encode_documents(tok, splits[split], dtype)
         atomic_write(staging / file, tokens.tofile)
         manifest["splits"][split] = {"file": file, "num_tokens": len(tokens), "documents": bounds}
@@ -654,9 +657,8 @@ def describe(prepared: Prepared) -> str:
     lines = [f"{prepared.directory}  (tokenizer {prepared.tokenizer.name}, vocab {prepared.tokenizer.vocab_size})"]
     for split in SPLITS:
         data = prepared.split(split)
-        names = [d["name"] for d in data.documents]
-        shown = ", ".join(names[:12]) + (f", ... ({len(names) - 12} more)" if len(names) > 12 else "")
-        lines.append(f"  {split:5s} {len(data):>10,d} tokens  {len(data.documents)} documents: {shown}")
+        names = listing([d["name"] for d in data.documents], 12)
+        lines.append(f"  {split:5s} {len(data):>10,d} tokens  {len(data.documents)} documents: {names}")
         if mix_parts(prepared.manifest["source"]) is not None:
             for part, (documents, tokens) in tokens_by_part(data).items():
                 lines.append(f"        {part:12s} {tokens:>10,d} tokens  {documents} documents")
