@@ -254,7 +254,7 @@ class LavoStepCache(Cache):
         memory_sum, window_sum: ``[B, H, r]`` float32 (float64 for float64 inputs), as in :class:`LavoCache`.
         memory_count, window_count: ``[B, H]``, the same count for every head of a row.
         steps: ``[B, H]`` int64, the position each (batch, head) continues from: what the step reads and
-            advances (the same for every head and row when made by :meth:`from_cache`).
+            advances: rows may continue from different positions (all the same when made by :meth:`from_cache`).
         position: tokens seen when this cache was returned.
         window: the window of the layer that made it.
     """

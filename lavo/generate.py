@@ -1,5 +1,7 @@
 """Sampling from a trained model: the prompt in one forward pass, then one token at a time through the cache
-(constant size for LAVO, a growing key/value cache for softmax)."""
+(constant size for LAVO, a growing key/value cache for softmax). On CUDA, when every layer's cache has a fixed
+layout (:meth:`~lavo.model.LanguageModel.step_cache`), the one-token step is captured once as a CUDA graph and
+replayed for every token (:class:`StepDecoder`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,6 +51,65 @@ def sample_next(logits: torch.Tensor, generator: torch.Generator, temperature: f
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
+class StepDecoder:
+    r"""The model's one-token step on fixed-layout caches, from static buffers: the token ids are copied into
+    ``ids [B, 1]``, the step writes ``logits [B, 1, vocab]`` and updates the caches in place. With ``capture``
+    (CUDA only) the step is recorded once as a CUDA graph, after a warm-up step that compiles the kernels and whose
+    effect on the caches is undone, and each :meth:`step` replays it: one launch per token instead of dozens per
+    layer. Without, :meth:`step` runs the same code eagerly.
+    """
+
+    def __init__(self, model, cache, capture: bool):
+        self.model, self.cache = model, cache  # cache: from model.step_cache
+        device = cache.tensors()[0].device
+        self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=device)
+        self.position = torch.tensor(cache.position, device=device)
+        self.graph = None
+        if capture:
+            self._capture()
+
+    def _run(self) -> torch.Tensor:
+        logits = self.model.decode_step(self.ids, self.position, self.cache)
+        self.position.add_(1)
+        return logits
+
+    def _capture(self) -> None:
+        state = [t.clone() for t in self.state()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._run()
+        torch.cuda.current_stream().wait_stream(side)
+        for t, saved in zip(self.state(), state):
+            t.copy_(saved)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._run()
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [B, 1]`` -> ``logits [B, 1, vocab]`` (with a graph: its output buffer, overwritten next step)."""
+        self.ids.copy_(ids)
+        if self.graph is None:
+            logits = self._run()
+        else:
+            self.graph.replay()
+            logits = self.logits
+        return logits
+
+    def state(self) -> list[torch.Tensor]:
+        """What a step updates in place: the caches' tensors and the position."""
+        return self.cache.tensors() + [self.position]
+
+
+def graphed_decoder(model, cache) -> StepDecoder | None:
+    """A :class:`StepDecoder` with its CUDA graph for continuing ``cache`` (a model's cache), or None: off CUDA,
+    or when some layer's cache has no fixed layout; generation then steps through the cache as it is."""
+    if cache is None or not cache.tensors()[0].is_cuda:
+        return None
+    fixed = model.step_cache(cache)
+    return None if fixed is None else StepDecoder(model, fixed, capture=True)
+
+
 @torch.no_grad()
 def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, stop_id: int | None = None, num_samples: int = 1,
@@ -62,6 +123,7 @@ def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: floa
     ids = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
     use_cache = getattr(model, "supports_decoding", False)
     logits, cache = model(ids)
+    decoder = graphed_decoder(model, cache) if use_cache else None
     out = [[] for _ in range(num_samples)]
     done = torch.zeros(num_samples, dtype=torch.bool)
     for _ in range(max_new_tokens):
@@ -72,7 +134,9 @@ def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: floa
                 done[i] = stop_id is not None and token == stop_id
         if done.all():
             break
-        if use_cache:
+        if decoder is not None:
+            logits = decoder.step(next_ids[:, None])
+        elif use_cache:
             logits, cache = model(next_ids[:, None], cache=cache)
         else:  # no decoding form: run the whole sequence again
             ids = torch.cat([ids, next_ids[:, None]], 1)
