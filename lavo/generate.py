@@ -5,6 +5,7 @@ replayed for every token (:class:`StepDecoder`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -51,12 +52,30 @@ def sample_next(logits: torch.Tensor, generator: torch.Generator, temperature: f
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
+def capture_graph(fn: Callable[[], Any], state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``fn`` (CUDA work only, updating ``state`` in place) recorded as a CUDA graph, and its output (buffers
+    each replay rewrites). One call on a side stream first compiles and allocates what ``fn`` needs (recording
+    cannot); its effect on ``state`` is undone before recording, which runs nothing."""
+    saved = [t.clone() for t in state]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    for t, before in zip(state, saved):
+        t.copy_(before)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = fn()
+    return graph, output
+
+
 class StepDecoder:
     r"""The model's one-token step on fixed-layout caches, from static buffers: the token ids are copied into
-    ``ids [B, 1]``, the step writes ``logits [B, 1, vocab]`` and updates the caches in place. With ``capture``
-    (CUDA only) the step is recorded once as a CUDA graph, after a warm-up step that compiles the kernels and whose
-    effect on the caches is undone, and each :meth:`step` replays it: one launch per token instead of dozens per
-    layer. Without, :meth:`step` runs the same code eagerly.
+    ``ids [B, 1]``, the step writes ``logits [B, 1, vocab]`` and updates the caches and the position in place.
+    With ``capture`` (CUDA only) the step is recorded once as a CUDA graph (:func:`capture_graph`) and each
+    :meth:`step` replays it: one launch per token instead of dozens per layer. Without, :meth:`step` runs the same
+    code eagerly. A generation captures once, for its batch size and the model's dtype.
     """
 
     def __init__(self, model, cache, capture: bool):
@@ -66,25 +85,12 @@ class StepDecoder:
         self.position = torch.tensor(cache.position, device=device)
         self.graph = None
         if capture:
-            self._capture()
+            self.graph, self.logits = capture_graph(self._run, self.state())
 
     def _run(self) -> torch.Tensor:
         logits = self.model.decode_step(self.ids, self.position, self.cache)
         self.position.add_(1)
         return logits
-
-    def _capture(self) -> None:
-        state = [t.clone() for t in self.state()]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._run()
-        torch.cuda.current_stream().wait_stream(side)
-        for t, saved in zip(self.state(), state):
-            t.copy_(saved)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._run()
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [B, 1]`` -> ``logits [B, 1, vocab]`` (with a graph: its output buffer, overwritten next step)."""
