@@ -4,8 +4,8 @@ and value) at the same context.
 
 A layer whose cache has a fixed layout (:meth:`~lavo.layers.base.Mechanism.step_cache`: LAVO's paper memory) is
 measured in three forms: ``name`` steps through the cache it returns, ``name (step)`` through its fixed-layout
-cache (with ``--backend``: LAVO's fused step kernel for ``triton``), ``name (graph)`` replays a CUDA graph of that
-step (CUDA only)."""
+cache (with ``--backend``: LAVO's fused step kernel for ``triton``), and on CUDA ``name (graph)`` replays a CUDA
+graph of that step."""
 from __future__ import annotations
 
 import time
@@ -41,10 +41,12 @@ def prefill(layer, x: torch.Tensor, settings: Settings):
         return layer(x)[1], True
 
 
-def forms(name: str) -> list[str]:
-    """How ``name``'s decoding is measured: through its cache, and through a fixed-layout one when it has it."""
-    fixed = attention_class(name).step_cache is not Mechanism.step_cache
-    return ["cache", "step", "graph"] if fixed else ["cache"]
+def forms(name: str, device: torch.device) -> list[str]:
+    """How ``name``'s decoding is measured on ``device``: through its cache, and through a fixed-layout one when
+    it has it (also from a CUDA graph on CUDA)."""
+    if attention_class(name).step_cache is Mechanism.step_cache:
+        return ["cache"]
+    return ["cache", "step", "graph"] if device.type == "cuda" else ["cache", "step"]
 
 
 def label(name: str, form: str) -> str:
@@ -52,7 +54,8 @@ def label(name: str, form: str) -> str:
 
 
 def planned(settings: Settings) -> int:
-    return sum(len(forms(name)) for name in settings.decode_attentions) * len(settings.decode_lengths)
+    device = torch.device(settings.device)
+    return sum(len(forms(name, device)) for name in settings.decode_attentions) * len(settings.decode_lengths)
 
 
 def run(runner: Runner) -> None:
@@ -60,7 +63,7 @@ def run(runner: Runner) -> None:
     names = sorted(s.decode_attentions, key=lambda name: not full_attention(name))
     ratios = Ratios(names[0] if names and full_attention(names[0]) else None)
     for name in names:
-        for form in forms(name):
+        for form in forms(name, runner.device):
             for length in s.decode_lengths:
                 entry = record("decode", "layer", label(name, form), "decode_step", length, s, steps=s.decode_steps,
                                cache_bytes=None, cache_bound_bytes=None, prefill_ms=None)
@@ -73,8 +76,6 @@ def run(runner: Runner) -> None:
 
 def _measure(runner: Runner, entry: dict, name: str, form: str, length: int) -> None:
     s, device = runner.settings, runner.device
-    if form == "graph" and device.type != "cuda":
-        raise Skipped("a CUDA graph needs a CUDA device")
     options = mechanism_options(name, s, max(s.decode_lengths) + s.decode_steps + s.warmup + 2)
     layer = build_attention(name, s.dim, s.heads, causal=True, **options).to(device).eval()
     bound = entry["cache_bound_bytes"] = layer.cache_nbytes(s.batch, length, s.torch_dtype)
