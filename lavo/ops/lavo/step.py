@@ -64,7 +64,7 @@ def lavo_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: t
     return out, replace(cache, position=cache.position + 1)
 
 
-def ring_positions(steps: torch.Tensor, span: int) -> torch.Tensor:
+def _ring_positions(steps: torch.Tensor, span: int) -> torch.Tensor:
     """The position each ring slot holds once position ``steps [B, H]`` is written: ``[B, H, span]``, the latest
     ``j <= steps`` with ``j = slot mod span`` (negative for a slot not yet written)."""
     here = steps[..., None]
@@ -79,7 +79,7 @@ def _decode_step_torch(q, k, v, basis, cache: LavoStepCache, *, pos_bias, dissec
     cache.keys.scatter_(2, slot, k.transpose(1, 2).to(cache.keys.dtype))
     cache.values.scatter_(2, slot, v.transpose(1, 2).to(cache.values.dtype))
     cache.key_mask.scatter_(1, slot[:, :1, 0, 0], real[:, None])
-    held = ring_positions(position, span)  # [B, H, 2w]
+    held = _ring_positions(position, span)  # [B, H, 2w]
     first_seen = ((position // window - 1) * window).clamp(min=0)[..., None]
     visible = (held >= first_seen) & cache.key_mask[:, None, :]
     scores = torch.einsum("bhd,bhsd->bhs", q[:, 0] * scale, cache.keys)

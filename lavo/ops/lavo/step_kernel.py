@@ -20,7 +20,7 @@ import triton.language as tl
 from ...cache import LavoStepCache
 
 # Scores of keys out of reach: finite, so a row without any real key gets uniform weights (zeroed later) and no NaN.
-HIDDEN = -1.0e30
+HIDDEN = tl.constexpr(-1.0e30)
 
 
 @triton.jit
