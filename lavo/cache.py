@@ -151,7 +151,20 @@ class KVCache(Cache):
 
 
 @dataclass(frozen=True)
-class LavoCache(Cache):
+class _LavoState(Cache):
+    """The fields of both LAVO caches (:class:`LavoCache`, :class:`LavoStepCache`), in either's layout."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_mask: torch.Tensor
+    memory_sum: torch.Tensor
+    memory_count: torch.Tensor
+    window_sum: torch.Tensor
+    window_count: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LavoCache(_LavoState):
     r"""Everything a causal LAVO layer needs to continue a sequence; its size does not grow with context.
 
     Attributes:
@@ -171,13 +184,6 @@ class LavoCache(Cache):
             vector memory), ``*_count [B, H, r, 1]``, sum and count scaled by ``exp(-top)``.
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    key_mask: torch.Tensor
-    memory_sum: torch.Tensor
-    memory_count: torch.Tensor
-    window_sum: torch.Tensor
-    window_count: torch.Tensor
     position: int
     window: int | None = None
     memory_top: torch.Tensor | None = None
@@ -237,7 +243,7 @@ class LavoCache(Cache):
 
 
 @dataclass(frozen=True)
-class LavoStepCache(Cache):
+class LavoStepCache(_LavoState):
     r"""A :class:`LavoCache` in a fixed layout that a one-token step updates in place (:mod:`lavo.ops.lavo.step`):
     its tensors never change shape or address, and the position lives on the device, so the same step can be
     captured once in a CUDA graph and replayed for every token.
@@ -259,13 +265,6 @@ class LavoStepCache(Cache):
         window: the window of the layer that made it.
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    key_mask: torch.Tensor
-    memory_sum: torch.Tensor
-    memory_count: torch.Tensor
-    window_sum: torch.Tensor
-    window_count: torch.Tensor
     steps: torch.Tensor
     position: int
     window: int
