@@ -4,6 +4,7 @@ layout (:meth:`~lavo.model.LanguageModel.step_cache`), the one-token step is cap
 replayed for every token (:class:`StepDecoder`)."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -108,12 +109,19 @@ class StepDecoder:
 
 
 def graphed_decoder(model, cache) -> StepDecoder | None:
-    """A :class:`StepDecoder` with its CUDA graph for continuing ``cache`` (a model's cache), or None: off CUDA,
-    or when some layer's cache has no fixed layout; generation then steps through the cache as it is."""
+    """A :class:`StepDecoder` with its CUDA graph for continuing ``cache`` (a model's cache, left as it is), or
+    None: off CUDA, when some layer's cache has no fixed layout, or (with a warning) when the step cannot be
+    recorded, e.g. because some op of it synchronises with the host; generation then steps through ``cache``."""
     if cache is None or not cache.tensors()[0].is_cuda:
         return None
     fixed = model.step_cache(cache)
-    return None if fixed is None else StepDecoder(model, fixed, capture=True)
+    if fixed is None:
+        return None
+    try:
+        return StepDecoder(model, fixed, capture=True)
+    except RuntimeError as error:
+        warnings.warn(f"decoding without a CUDA graph: the step could not be recorded ({error})", stacklevel=2)
+        return None
 
 
 @torch.no_grad()
