@@ -90,7 +90,9 @@ def _step(Q, K, V, REAL, BASIS, BIAS, READ_SCALE, RING_K, RING_V, KEY_MASK, MEMO
     out = tl.where(real, (local + read) * 0.5, 0.0)
     tl.store(OUT + bh * head_dim + d, out.to(OUT.dtype.element_ty), mask=in_d)
 
-    # The cache: the new key and value, the sums (folded into the memory at a window's end), the position.
+    # The cache: the new key and value, the sums (folded into the memory at a window's end), the position. A value
+    # may be held by several threads; the barrier keeps one thread's store from reaching another's earlier load.
+    tl.debug_barrier()
     new = (bh * span + new_slot) * head_dim + d
     tl.store(RING_K + new, k_new.to(RING_K.dtype.element_ty), mask=in_d)
     tl.store(RING_V + new, v_new.to(RING_V.dtype.element_ty), mask=in_d)
