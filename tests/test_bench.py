@@ -328,9 +328,10 @@ def test_gpu_check_dry_run_writes_its_summary(tmp_path):
     subprocess.run(["bash", str(root / "scripts/gpu_check.sh"), str(tmp_path), "--dry-run"], check=True,
                    env=dict(os.environ, PYTHON=sys.executable), capture_output=True)
     summary = json.loads((tmp_path / "cpu_dry_run_bf16.json").read_text())
-    assert [s["name"] for s in summary["steps"]] == ["tests", "ops", "decode", "model"]
+    assert [s["name"] for s in summary["steps"]] == ["tests", "ops", "decode", "decode_torch", "model"]
     assert all(s["status"] == "ok" for s in summary["steps"]), summary["steps"]
-    assert {r["step"] for r in summary["records"] if r["status"] == "ok"} == {"ops", "decode", "model"}
+    assert {r["step"] for r in summary["records"] if r["status"] == "ok"} == {"ops", "decode", "decode_torch", "model"}
+    assert {r["mechanism"] for r in summary["records"] if r["step"] == "decode_torch"} == {"lavo", "lavo (step)"}
     assert "## Targets" in (tmp_path / "cpu_dry_run_bf16.md").read_text()
 
 
