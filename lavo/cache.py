@@ -151,7 +151,20 @@ class KVCache(Cache):
 
 
 @dataclass(frozen=True)
-class LavoCache(Cache):
+class _LavoState(Cache):
+    """The fields of both LAVO caches (:class:`LavoCache`, :class:`LavoStepCache`), in either's layout."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_mask: torch.Tensor
+    memory_sum: torch.Tensor
+    memory_count: torch.Tensor
+    window_sum: torch.Tensor
+    window_count: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LavoCache(_LavoState):
     r"""Everything a causal LAVO layer needs to continue a sequence; its size does not grow with context.
 
     Attributes:
@@ -171,13 +184,6 @@ class LavoCache(Cache):
             vector memory), ``*_count [B, H, r, 1]``, sum and count scaled by ``exp(-top)``.
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    key_mask: torch.Tensor
-    memory_sum: torch.Tensor
-    memory_count: torch.Tensor
-    window_sum: torch.Tensor
-    window_count: torch.Tensor
     position: int
     window: int | None = None
     memory_top: torch.Tensor | None = None
@@ -234,3 +240,56 @@ class LavoCache(Cache):
         else:
             memories = batch * heads * rank * ((head_dim if variant == "vector" else 1) + 2)
         return 2 * batch * length * heads * head_dim * element + batch * length + 2 * accumulated * memories
+
+
+@dataclass(frozen=True)
+class LavoStepCache(_LavoState):
+    r"""A :class:`LavoCache` in a fixed layout that a one-token step updates in place (:mod:`lavo.ops.lavo.step`):
+    its tensors never change shape or address, and the position lives on the device, so the same step can be
+    captured once in a CUDA graph and replayed for every token.
+
+    The keys sit in a ring of two windows: position ``j`` at slot ``j mod 2w``, so the previous and the current
+    window, all a query can see, are always held, and a new window overwrites the one nobody sees any more.
+    Sums and counts are kept per (batch, head), so a step's programs (one per batch row and head) each own theirs.
+
+    A step consumes the cache: the one it returns shares the tensors, and only that one continues the sequence.
+
+    Attributes:
+        keys, values: ``[B, H, 2w, D]``, the ring.
+        key_mask: ``[B, 2w]`` bool, True for a real key in that slot (False also for a slot never written).
+        memory_sum, window_sum: ``[B, H, r]`` float32 (float64 for float64 inputs), as in :class:`LavoCache`.
+        memory_count, window_count: ``[B, H]``, the same count for every head of a row.
+        steps: ``[B, H]`` int64, the position each (batch, head) continues from: what the step reads and
+            advances: rows may continue from different positions (all the same when made by :meth:`from_cache`).
+        position: tokens seen when this cache was returned.
+        window: the window of the layer that made it.
+    """
+
+    steps: torch.Tensor
+    position: int
+    window: int
+
+    @classmethod
+    def from_cache(cls, cache: LavoCache, window: int) -> LavoStepCache:
+        """The same state in the ring layout (new tensors: ``cache`` stays valid)."""
+        if cache.memory_top is not None:
+            raise ValueError("a LavoStepCache holds the paper's memory; a memory variant decodes through LavoCache")
+        if cache.window not in (None, window):
+            raise ValueError(f"the cache was made by a layer with window {cache.window}, not {window}")
+        B, length, H, D = cache.keys.shape
+        span = 2 * window
+        slots = torch.arange(cache.position - length, cache.position, device=cache.keys.device) % span
+        keys = cache.keys.new_zeros(B, H, span, D)
+        values = cache.values.new_zeros(B, H, span, D)
+        key_mask = cache.key_mask.new_zeros(B, span)
+        keys[:, :, slots], values[:, :, slots] = cache.keys.transpose(1, 2), cache.values.transpose(1, 2)
+        key_mask[:, slots] = cache.key_mask
+        per_head = cache.memory_sum.shape[:2]
+        steps = torch.full(per_head, cache.position, dtype=torch.int64, device=keys.device)
+        memory_sum, window_sum, memory_count, window_count = (
+            x.expand(*per_head, -1).clone(memory_format=torch.contiguous_format)
+            for x in (cache.memory_sum, cache.window_sum, cache.memory_count[:, None, None],
+                      cache.window_count[:, None, None]))
+        memory_count, window_count = memory_count[..., 0], window_count[..., 0]
+        return cls(keys, values, key_mask, memory_sum, memory_count, window_sum, window_count, steps, cache.position,
+                   window)

@@ -1,8 +1,12 @@
 """Sampling from a trained model: the prompt in one forward pass, then one token at a time through the cache
-(constant size for LAVO, a growing key/value cache for softmax)."""
+(constant size for LAVO, a growing key/value cache for softmax). On CUDA, when every layer's cache has a fixed
+layout (:meth:`~lavo.model.LanguageModel.step_cache`), the one-token step is captured once as a CUDA graph and
+replayed for every token (:class:`StepDecoder`)."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -49,6 +53,77 @@ def sample_next(logits: torch.Tensor, generator: torch.Generator, temperature: f
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
+def capture_graph(fn: Callable[[], Any], state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``fn`` (CUDA work only, updating ``state`` in place) recorded as a CUDA graph, and its output (buffers
+    each replay rewrites). One call on a side stream first compiles and allocates what ``fn`` needs (recording
+    cannot); its effect on ``state`` is undone before recording, which runs nothing."""
+    saved = [t.clone() for t in state]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    for t, before in zip(state, saved):
+        t.copy_(before)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = fn()
+    return graph, output
+
+
+class StepDecoder:
+    r"""The model's one-token step on fixed-layout caches, from static buffers: the token ids are copied into
+    ``ids [B, 1]``, the step writes ``logits [B, 1, vocab]`` and updates the caches and the position in place.
+    With ``capture`` (CUDA only) the step is recorded once as a CUDA graph (:func:`capture_graph`) and each
+    :meth:`step` replays it: one launch per token instead of dozens per layer. Without, :meth:`step` runs the same
+    code eagerly. A generation captures once, for its batch size and the model's dtype.
+    """
+
+    def __init__(self, model, cache, capture: bool):
+        self.model, self.cache = model, cache  # cache: from model.step_cache
+        device = cache.tensors()[0].device
+        self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=device)
+        self.position = torch.tensor(cache.position, device=device)
+        self.graph = None
+        if capture:
+            self.graph, self.logits = capture_graph(self._run, self.state())
+
+    def _run(self) -> torch.Tensor:
+        logits = self.model.decode_step(self.ids, self.position, self.cache)
+        self.position.add_(1)
+        return logits
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [B, 1]`` -> ``logits [B, 1, vocab]`` (with a graph: its output buffer, overwritten next step)."""
+        self.ids.copy_(ids)
+        if self.graph is None:
+            logits = self._run()
+        else:
+            self.graph.replay()
+            logits = self.logits
+        return logits
+
+    def state(self) -> list[torch.Tensor]:
+        """What a step updates in place: the caches' tensors and the position."""
+        return self.cache.tensors() + [self.position]
+
+
+def graphed_decoder(model, cache) -> StepDecoder | None:
+    """A :class:`StepDecoder` with its CUDA graph for continuing ``cache`` (a model's cache, left as it is), or
+    None: off CUDA, when some layer's cache has no fixed layout, or (with a warning) when the step cannot be
+    recorded, e.g. because some op of it synchronises with the host; generation then steps through ``cache``."""
+    if cache is None or not cache.tensors()[0].is_cuda:
+        return None
+    fixed = model.step_cache(cache)
+    if fixed is None:
+        return None
+    try:
+        return StepDecoder(model, fixed, capture=True)
+    except RuntimeError as error:
+        warnings.warn(f"decoding without a CUDA graph: the step could not be recorded ({error})", stacklevel=2)
+        return None
+
+
 @torch.no_grad()
 def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, stop_id: int | None = None, num_samples: int = 1,
@@ -62,6 +137,7 @@ def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: floa
     ids = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
     use_cache = getattr(model, "supports_decoding", False)
     logits, cache = model(ids)
+    decoder = graphed_decoder(model, cache) if use_cache else None
     out = [[] for _ in range(num_samples)]
     done = torch.zeros(num_samples, dtype=torch.bool)
     for _ in range(max_new_tokens):
@@ -72,7 +148,9 @@ def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: floa
                 done[i] = stop_id is not None and token == stop_id
         if done.all():
             break
-        if use_cache:
+        if decoder is not None:
+            logits = decoder.step(next_ids[:, None])
+        elif use_cache:
             logits, cache = model(next_ids[:, None], cache=cache)
         else:  # no decoding form: run the whole sequence again
             ids = torch.cat([ids, next_ids[:, None]], 1)

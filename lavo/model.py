@@ -84,8 +84,9 @@ def model_config(preset: str | None = None, **overrides) -> ModelConfig:
 
 
 def sinusoidal_positions(start: int, length: int, dim: int, device=None) -> torch.Tensor:
-    """``[length, dim]`` sine/cosine features of positions ``start .. start + length - 1``."""
-    position = torch.arange(start, start + length, device=device, dtype=torch.float32)[:, None]
+    """``[length, dim]`` sine/cosine features of positions ``start .. start + length - 1`` (``start``: an int or a
+    0-d tensor)."""
+    position = (start + torch.arange(length, device=device))[:, None].to(torch.float32)
     frequency = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim))
     angle = position * frequency
     return torch.stack([angle.sin(), angle.cos()], -1).flatten(1)
@@ -171,6 +172,15 @@ class LanguageModel(nn.Module):
         if ids.dim() != 2:
             raise ValueError(f"ids must have shape [B, T], got {tuple(ids.shape)}")
         start = 0 if cache is None else cache.position
+        logits, layer_caches = self._run(ids, padding_mask, None if cache is None else cache.layers, start)
+        if any(c is None for c in layer_caches):
+            return logits, None
+        return logits, ModelCache(tuple(layer_caches), start + ids.shape[1])
+
+    def _run(self, ids: torch.Tensor, padding_mask: torch.Tensor | None, caches: tuple | None,
+             start: int | torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The logits of ``ids`` at positions from ``start`` (an int, or a 0-d tensor for a CUDA graph) on, and
+        each layer's cache."""
         x = self.embed(ids)
         if self.config.position == "sinusoidal":
             # scaled to the token embeddings' size at initialisation (RMS init_std); at amplitude 1 they were ~35x
@@ -180,12 +190,20 @@ class LanguageModel(nn.Module):
         x = self.dropout(x)
         layer_caches = []
         for i, block in enumerate(self.blocks):
-            x, layer_cache = block(x, padding_mask=padding_mask, cache=None if cache is None else cache.layers[i])
+            x, layer_cache = block(x, padding_mask=padding_mask, cache=None if caches is None else caches[i])
             layer_caches.append(layer_cache)
-        logits = F.linear(self.norm(x), self.embed.weight)
-        if any(c is None for c in layer_caches):
-            return logits, None
-        return logits, ModelCache(tuple(layer_caches), start + ids.shape[1])
+        return F.linear(self.norm(x), self.embed.weight), layer_caches
+
+    def step_cache(self, cache: ModelCache) -> ModelCache | None:
+        """``cache`` with every layer's cache in the fixed layout a one-token step updates in place
+        (:meth:`~lavo.layers.base.Mechanism.step_cache`), or None when a layer has none."""
+        layers = [block.attention.step_cache(layer) for block, layer in zip(self.blocks, cache.layers)]
+        return None if any(layer is None for layer in layers) else ModelCache(tuple(layers), cache.position)
+
+    def decode_step(self, ids: torch.Tensor, position: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """``ids [B, 1]`` at ``position`` (a 0-d tensor) -> ``logits [B, 1, vocab]``, updating ``cache`` (from
+        :meth:`step_cache`) in place. Reads nothing from the host, so a CUDA graph can capture it."""
+        return self._run(ids, None, cache.layers, position)[0]
 
 
 def count_parameters(model: nn.Module, exclude_embedding: bool = False) -> int:

@@ -57,8 +57,10 @@ def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
         assert r["ratio_to"] == "sdpa (op)" and r["ratio"] > 0
         assert r["peak_mib"] is None or r["peak_mib"] >= 0
     decode = [r for r in records if r["section"] == "decode"]
-    assert {r["mechanism"] for r in decode} == {"lavo", "softmax", "local"}
-    assert all(0 < r["cache_bytes"] <= r["cache_bound_bytes"] and r["ms"] > 0 for r in decode)
+    assert {r["mechanism"] for r in decode} == {"lavo", "lavo (step)", "softmax", "local"}
+    through_cache = [r for r in decode if r["mechanism"] != "lavo (step)"]
+    assert all(0 < r["cache_bytes"] <= r["cache_bound_bytes"] and r["ms"] > 0 for r in through_cache)
+    assert len({r["cache_bytes"] for r in decode if r["mechanism"] == "lavo (step)"}) == 1  # a fixed layout
     assert all(r["ratio_to"] == "softmax" for r in decode)
     model = [r for r in records if r["section"] == "model"]
     assert "softmax+rope" in {r["mechanism"] for r in model}
@@ -127,7 +129,7 @@ def test_the_first_quadratic_mechanism_is_the_reference_of_decode_and_model(monk
     decode.run(runner)
     model.run(runner)
     assert [(r["mechanism"], r["ratio_to"]) for r in runner.records] == [
-        ("quadratic_local", "quadratic_local"), ("lavo", "quadratic_local"),
+        ("quadratic_local", "quadratic_local"), ("lavo", "quadratic_local"), ("lavo (step)", "quadratic_local"),
         ("quadratic_local", "quadratic_local"), ("lavo", "quadratic_local")]
 
 
@@ -326,7 +328,16 @@ def test_gpu_check_dry_run_writes_its_summary(tmp_path):
     subprocess.run(["bash", str(root / "scripts/gpu_check.sh"), str(tmp_path), "--dry-run"], check=True,
                    env=dict(os.environ, PYTHON=sys.executable), capture_output=True)
     summary = json.loads((tmp_path / "cpu_dry_run_bf16.json").read_text())
-    assert [s["name"] for s in summary["steps"]] == ["tests", "ops", "decode", "model"]
+    assert [s["name"] for s in summary["steps"]] == ["tests", "ops", "decode", "decode_torch", "model"]
     assert all(s["status"] == "ok" for s in summary["steps"]), summary["steps"]
-    assert {r["step"] for r in summary["records"] if r["status"] == "ok"} == {"ops", "decode", "model"}
+    assert {r["step"] for r in summary["records"] if r["status"] == "ok"} == {"ops", "decode", "decode_torch", "model"}
+    assert {r["mechanism"] for r in summary["records"] if r["step"] == "decode_torch"} == {"lavo", "lavo (step)"}
     assert "## Targets" in (tmp_path / "cpu_dry_run_bf16.md").read_text()
+
+
+def test_decode_measures_the_fixed_layout_forms_of_the_layers_that_have_one():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert decode.forms("lavo", cuda) == ["cache", "step", "graph"]
+    assert decode.forms("lavo", cpu) == ["cache", "step"]  # a CUDA graph needs CUDA
+    assert decode.forms("softmax", cuda) == decode.forms("local", cuda) == ["cache"]
+    assert [decode.label("lavo", form) for form in ("cache", "graph")] == ["lavo", "lavo (graph)"]

@@ -42,7 +42,8 @@ class Runner:
     def autocast(self):
         if self.settings.dtype == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.settings.torch_dtype)
+        # No cast cache: it lives for one context, one call here, and a CUDA graph cannot record with it.
+        return torch.autocast(self.device.type, dtype=self.settings.torch_dtype, cache_enabled=False)
 
     def skip_reason(self, key: tuple, length: int, time_complexity: str) -> str | None:
         if key not in self._last:

@@ -94,6 +94,11 @@ class Mechanism(nn.Module):
         """The empty cache of a layer with a decoding form."""
         raise NotImplementedError
 
+    def step_cache(self, cache: Cache) -> Cache | None:
+        """``cache`` (one this layer returned) in a fixed layout that a one-token step updates in place, with no
+        host value read per step, so a CUDA graph of the step can be replayed; None where the layer has none."""
+        return None
+
     def check_call(self, x: torch.Tensor, padding_mask: torch.Tensor | None, cache: Any) -> None:
         """The checks every ``forward`` makes first."""
         if x.dim() != 3 or x.shape[-1] != self.dim:

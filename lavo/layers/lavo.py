@@ -8,8 +8,8 @@ from einops import rearrange
 from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
-from ..cache import LavoCache
-from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, orthogonal_basis
+from ..cache import LavoCache, LavoStepCache
+from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, lavo_decode_step, orthogonal_basis
 from ..ops.common import check_backend, check_padding_mask, check_window, pos_bias_size
 from ..ops.lavo.variants import check_variant, is_variant
 from .base import AttentionLayer, check_heads
@@ -82,12 +82,32 @@ class LavoAttention(AttentionLayer):
                            decay=None if self.log_decay is None else self.log_decay.exp())
         if self.log_read_scale is not None:
             options["read_scale"] = self.log_read_scale.exp()
+        if isinstance(cache, LavoStepCache):
+            return self._steps(q, k, v, padding_mask, cache, options)
         if cache is not None:
             return lavo_attention_cached(q, k, v, self.basis, cache, **options)
         if self.causal:
             return lavo_attention(q, k, v, self.basis, causal=True, return_cache=True, backend=self.backend,
                                   **options)
         return lavo_attention(q, k, v, self.basis, causal=False, backend=self.backend, **options), None
+
+    def _steps(self, q, k, v, padding_mask, cache: LavoStepCache, options: dict):
+        """The positions of ``q, k, v`` one decoding step each, on the fixed-layout cache."""
+        if self.is_variant:
+            raise ValueError("a LavoStepCache holds the paper's memory; this layer's memory variant decodes through "
+                             "LavoCache")
+        del options["window"]
+        outputs = []
+        for t in range(q.shape[1]):
+            options["padding_mask"] = None if padding_mask is None else padding_mask[:, t:t + 1]
+            out, cache = lavo_decode_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], self.basis, cache,
+                                          backend=self.backend, **options)
+            outputs.append(out)
+        return torch.cat(outputs, 1), cache
+
+    def step_cache(self, cache: LavoCache) -> LavoStepCache | None:
+        """A :class:`~lavo.cache.LavoStepCache` for the paper's memory; None for the variants."""
+        return None if self.is_variant else LavoStepCache.from_cache(cache, self.window)
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> LavoCache:
         if self.is_variant:

@@ -1,0 +1,223 @@
+"""One LAVO decoding step on the fixed-layout cache (lavo_decode_step: torch ops and the fused Triton kernel, the
+latter in Triton's CPU interpreter without a GPU) against the cached op and the token-by-token reference; the
+layer and model on that cache, and generation's CUDA-graph decoder (its fallback and its step without capture)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from reference_checks import random_inputs
+
+from lavo import LavoAttention
+from lavo.cache import LavoCache, LavoStepCache
+from lavo import generate as generation
+from lavo.generate import StepDecoder, generate, graphed_decoder
+from lavo.model import build_model
+from lavo.ops import lavo_attention_cached, lavo_attention_naive, lavo_decode_step
+from lavo.ops.lavo import step
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    __import__("importlib").util.find_spec("triton") is None, reason="needs triton"))]
+FLOAT32 = dict(atol=2e-5, rtol=1e-4)
+
+# (context, steps, window, D, rank): D = 60 (padded to 64 in the kernel) with r < D and w = 5 (a ring of 10, not a
+# power of two), a context shorter than the window, and steps across several window boundaries.
+SHAPES = [(7, 9, 5, 60, 20), (2, 7, 4, 32, 32), (0, 6, 3, 16, 8), (20, 12, 8, 64, 48)]
+
+
+def _inputs(context, steps, window, D, rank, padding, dtype=torch.float32):
+    q, k, v, basis, pos_bias, mask = random_inputs(context + steps, window, D, rank, True, True, padding, B=2, H=3)
+    q, k, v, basis, pos_bias = (x.detach().to(DEVICE, dtype) for x in (q, k, v, basis, pos_bias))
+    return q, k, v, basis, pos_bias, None if mask is None else mask.to(DEVICE)
+
+
+def _piece(mask, begin, end):
+    return None if mask is None else mask[:, begin:end]
+
+
+def _decode(q, k, v, basis, cache, context, backend, mask, **options):
+    """The outputs at positions ``context ..`` one lavo_decode_step each, and the final cache."""
+    outputs = []
+    for t in range(context, q.shape[1]):
+        out, cache = lavo_decode_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], basis, cache,
+                                      padding_mask=_piece(mask, t, t + 1), backend=backend, **options)
+        outputs.append(out)
+    return torch.cat(outputs, 1), cache
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dissection,padding,read_scale", [(True, False, False), (True, True, True),
+                                                            (False, True, False)])
+@pytest.mark.parametrize("context,steps,window,D,rank", SHAPES)
+def test_step_matches_the_cached_op(context, steps, window, D, rank, dissection, padding, read_scale, backend):
+    q, k, v, basis, pos_bias, mask = _inputs(context, steps, window, D, rank, padding)
+    options = dict(pos_bias=pos_bias, dissection=dissection,
+                   read_scale=torch.rand(3, device=DEVICE) + 0.5 if read_scale else None)
+    cache = LavoCache.empty(2, 3, D, rank, device=DEVICE, dtype=q.dtype)
+    if context:
+        _, cache = lavo_attention_cached(q[:, :context], k[:, :context], v[:, :context], basis, cache, window=window,
+                                         padding_mask=_piece(mask, 0, context), **options)
+    fixed = LavoStepCache.from_cache(cache, window)
+    expected, cache = lavo_attention_cached(q[:, context:], k[:, context:], v[:, context:], basis, cache,
+                                            window=window, padding_mask=_piece(mask, context, None), **options)
+    out, fixed = _decode(q, k, v, basis, fixed, context, backend, mask, **options)
+    torch.testing.assert_close(out, expected, **FLOAT32)
+    assert fixed.position == cache.position
+    assert fixed.steps.eq(cache.position).all()
+    for name in ("memory_sum", "window_sum"):
+        torch.testing.assert_close(getattr(fixed, name), getattr(cache, name), **FLOAT32)
+    for name in ("memory_count", "window_count"):
+        torch.testing.assert_close(getattr(fixed, name), getattr(cache, name)[:, None].expand(-1, 3))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dissection", [True, False])
+def test_steps_from_the_empty_cache_match_the_reference(dissection, backend):
+    q, k, v, basis, pos_bias, mask = _inputs(0, 13, 4, 60, 12, True)
+    fixed = LavoStepCache.from_cache(LavoCache.empty(2, 3, 60, 12, device=DEVICE), 4)
+    out, _ = _decode(q, k, v, basis, fixed, 0, backend, mask, pos_bias=pos_bias, dissection=dissection)
+    expected = lavo_attention_naive(*(x.double() for x in (q, k, v, basis)), window=4, pos_bias=pos_bias.double(),
+                                    dissection=dissection, padding_mask=mask)
+    real = mask[:, :, None, None]
+    torch.testing.assert_close((out * real).double(), expected * real, **FLOAT32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_step_is_close_to_the_float32_one(backend):
+    q, k, v, basis, pos_bias, mask = _inputs(9, 11, 5, 64, 32, True)
+    outputs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        cast = [x.to(dtype) for x in (q, k, v, basis, pos_bias)]
+        _, cache = lavo_attention_cached(*(x[:, :9] for x in cast[:3]), cast[3], LavoCache.empty(
+            2, 3, 64, 32, device=DEVICE, dtype=dtype), window=5, pos_bias=cast[4], padding_mask=mask[:, :9])
+        fixed = LavoStepCache.from_cache(cache, 5)
+        outputs.append(_decode(*cast[:4], fixed, 9, backend if dtype == torch.bfloat16 else "torch", mask,
+                               pos_bias=cast[4])[0].float())
+    torch.testing.assert_close(outputs[0], outputs[1], atol=3e-2, rtol=3e-2)
+
+
+def test_backend_auto_takes_the_kernel_only_on_cuda(monkeypatch):
+    q, k, v, basis, _, _ = _inputs(3, 1, 4, 16, 8, False)
+    fixed = LavoStepCache.from_cache(LavoCache.empty(2, 3, 16, 8, device=DEVICE), 4)
+    called = []
+    monkeypatch.setattr(step, "_decode_step_torch", lambda *a, **o: called.append("torch") or q[:, :1])
+    import lavo.ops.lavo.step_kernel as kernel
+    monkeypatch.setattr(kernel, "decode_step_triton", lambda *a, **o: called.append("triton") or q[:, :1])
+    for backend in ("auto", "torch", "triton"):
+        lavo_decode_step(q[:, :1], k[:, :1], v[:, :1], basis, fixed, backend=backend)
+    assert called == ["triton" if DEVICE == "cuda" else "torch", "torch", "triton"]
+
+
+def test_from_cache_copies_and_the_step_updates_in_place():
+    q, k, v, basis, _, _ = _inputs(6, 1, 4, 16, 8, False)
+    _, cache = lavo_attention_cached(q[:, :6], k[:, :6], v[:, :6], basis, LavoCache.empty(2, 3, 16, 8, device=DEVICE),
+                                     window=4)
+    before = [t.clone() for t in cache.tensors()]
+    fixed = LavoStepCache.from_cache(cache, 4)
+    _, after = lavo_decode_step(q[:, 6:], k[:, 6:], v[:, 6:], basis, fixed, backend="torch")
+    assert all(torch.equal(a, b) for a, b in zip(cache.tensors(), before))
+    assert all(a is b for a, b in zip(after.tensors(), fixed.tensors())) and after.position == 7
+    assert torch.equal(fixed.keys[:, :, 6], k[:, 6])  # position 6 in slot 6 mod 8
+    assert fixed.nbytes() == after.nbytes()
+
+
+def test_step_errors():
+    q, k, v, basis, _, _ = _inputs(2, 0, 4, 16, 8, False)
+    fixed = LavoStepCache.from_cache(LavoCache.empty(2, 3, 16, 8, device=DEVICE), 4)
+    with pytest.raises(ValueError, match=r"a decoding step takes one position, got q of shape \(2, 2, 3, 16\)"):
+        lavo_decode_step(q, k, v, basis, fixed)
+    with pytest.raises(ValueError, match="run it under torch.no_grad"):
+        lavo_decode_step(q[:, :1].requires_grad_(), k[:, :1], v[:, :1], basis, fixed)
+    with pytest.raises(ValueError, match=r"the cache holds \(batch, heads, head_dim, rank\) = \(2, 3, 16, 8\), the "
+                                         r"inputs \(1, 3, 16, 8\)"):
+        lavo_decode_step(q[:1, :1], k[:1, :1], v[:1, :1], basis, fixed)
+    with pytest.raises(ValueError, match="a memory variant decodes through LavoCache"):
+        LavoStepCache.from_cache(LavoCache.empty_variant(2, 3, 16, 8), 4)
+    with pytest.raises(ValueError, match="made by a layer with window 5, not 4"):
+        LavoStepCache.from_cache(LavoCache.empty(2, 3, 16, 8, window=5), 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_continues_a_step_cache_like_its_own_cache(backend):
+    torch.manual_seed(0)
+    layer = LavoAttention(48, 3, rank=10, window=4, backend=backend).to(DEVICE)
+    torch.nn.init.normal_(layer.pos_bias)
+    x = torch.randn(2, 15, 48, device=DEVICE)
+    with torch.no_grad():
+        _, cache = layer(x[:, :6])
+        fixed = layer.step_cache(cache)
+        expected, _ = layer(x[:, 6:], cache=cache)
+        out, fixed = layer(x[:, 6:], cache=fixed)
+    torch.testing.assert_close(out, expected, **FLOAT32)
+    assert isinstance(fixed, LavoStepCache) and fixed.position == 15
+    assert LavoAttention(48, 3, window=4, write="decay").step_cache(cache) is None
+
+
+def _model(attention="lavo", **options):
+    torch.manual_seed(0)
+    options = dict(window=4, **options) if attention == "lavo" else options
+    return build_model(dict(vocab_size=50, dim=32, depth=2, heads=2, attention=attention, position="sinusoidal",
+                            attention_options=options)).to(DEVICE).eval()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_decoder_without_capture_gives_the_model_logits(backend):
+    model = _model(backend=backend)
+    ids = torch.randint(0, 50, (2, 14), device=DEVICE)
+    with torch.no_grad():
+        _, cache = model(ids[:, :5])
+        decoder = StepDecoder(model, model.step_cache(cache), capture=False)
+        for t in range(5, 14):
+            expected, cache = model(ids[:, t:t + 1], cache=cache)
+            torch.testing.assert_close(decoder.step(ids[:, t:t + 1]), expected, **FLOAT32)
+    assert decoder.graph is None and decoder.position.item() == 14
+
+
+def test_graphed_decoder_engages_only_on_cuda_with_fixed_layout_caches():
+    with torch.no_grad():
+        for model, fixed in ((_model(), True), (_model(write="decay"), False), (_model("softmax"), False)):
+            _, cache = model(torch.zeros(1, 3, dtype=torch.long, device=DEVICE))
+            assert (model.step_cache(cache) is not None) == fixed
+            decoder = graphed_decoder(model, cache)
+            assert (decoder is not None) == (fixed and DEVICE == "cuda")
+            assert decoder is None or decoder.graph is not None
+
+
+def test_generation_through_the_step_decoder_is_generation_through_the_cache(monkeypatch):
+    model = _model()
+    through_cache = generate(model, [1, 2, 3], 12, temperature=0, num_samples=2, device=DEVICE)
+    monkeypatch.setattr(generation, "graphed_decoder",
+                        lambda model, cache: StepDecoder(model, model.step_cache(cache), capture=DEVICE == "cuda"))
+    assert generate(model, [1, 2, 3], 12, temperature=0, num_samples=2, device=DEVICE) == through_cache
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_of_one_step_may_continue_from_different_positions(backend):
+    """``steps`` is per row: a batch of two sequences at positions 3 and 10 steps as each does alone."""
+    q, k, v, basis, pos_bias, _ = _inputs(10, 1, 4, 32, 16, False)
+    alone, rows = [], []
+    for row, context in ((0, 3), (1, 10)):
+        part = [x[row:row + 1, :context + 1] for x in (q, k, v)]
+        _, cache = lavo_attention_cached(*(x[:, :context] for x in part), basis, LavoCache.empty(
+            1, 3, 32, 16, device=DEVICE), window=4, pos_bias=pos_bias)
+        rows.append(LavoStepCache.from_cache(cache, 4))
+        alone.append(lavo_decode_step(*(x[:, context:] for x in part), basis, rows[-1].select(
+            torch.tensor([0])), pos_bias=pos_bias, backend=backend)[0])
+    both = LavoStepCache(*(torch.cat(pair) for pair in zip(*(r.tensors() for r in rows))), position=-1, window=4)
+    new = [torch.cat([x[0:1, 3:4], x[1:2, 10:11]]) for x in (q, k, v)]
+    out, _ = lavo_decode_step(*new, basis, both, pos_bias=pos_bias, backend=backend)
+    torch.testing.assert_close(out, torch.cat(alone), **FLOAT32)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the other tests run the compiled kernel")
+def test_step_kernel_compiles_for_a_gpu(tmp_path):
+    """Compiled Triton, not its interpreter, for an sm_90 GPU (see tests/compile_step_kernel.py)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "compile_step_kernel.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip() == "compiled 3", done.stderr[-3000:]
