@@ -1,11 +1,6 @@
 """One LAVO decoding step on the fixed-layout cache (lavo_decode_step: torch ops and the fused Triton kernel, the
 latter in Triton's CPU interpreter without a GPU) against the cached op and the token-by-token reference; the
 layer and model on that cache, and generation's CUDA-graph decoder (its fallback and its step without capture)."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from reference_checks import random_inputs
@@ -210,14 +205,3 @@ def test_rows_of_one_step_may_continue_from_different_positions(backend):
     new = [torch.cat([x[0:1, 3:4], x[1:2, 10:11]]) for x in (q, k, v)]
     out, _ = lavo_decode_step(*new, basis, both, pos_bias=pos_bias, backend=backend)
     torch.testing.assert_close(out, torch.cat(alone), **FLOAT32)
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the other tests run the compiled kernel")
-def test_step_kernel_compiles_for_a_gpu(tmp_path):
-    """Compiled Triton, not its interpreter, for an sm_90 GPU (see tests/compile_step_kernel.py)."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, str(Path(__file__).parent / "compile_step_kernel.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.stdout.strip() == "compiled 3", done.stderr[-3000:]

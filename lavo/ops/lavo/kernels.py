@@ -111,9 +111,14 @@ def _backward(Q, COEF, BASIS, DO, DQ, DCOEF, DBASIS, stride_b, stride_t, stride_
 
 
 def _config(head_dim: int, rank: int, group: int, dtype: torch.dtype) -> dict:
+    """Tile sizes and launch options. A large basis tile (``D r > 4096``, e.g. ``D = r = 128``) takes 8 warps,
+    blocks of 32 queries and no software pipelining: otherwise the kernels need more shared memory than a block may
+    have (up to 360 KB, by tests/compile_kernels.py; an H100 has 227 KB, an A100 163 KB)."""
     block_d, block_r = (max(16, triton.next_power_of_2(n)) for n in (head_dim, rank))
-    return dict(BLOCK=max(16, min(64, triton.next_power_of_2(group))), BLOCK_D=block_d, BLOCK_R=block_r,
-                num_warps=4 if block_d * block_r <= 4096 else 8, **dot_options(dtype))
+    large = block_d * block_r > 4096
+    launch = dict(num_warps=8, num_stages=1) if large else dict(num_warps=4)
+    return dict(BLOCK=max(16, min(32 if large else 64, triton.next_power_of_2(group))), BLOCK_D=block_d,
+                BLOCK_R=block_r, **launch, **dot_options(dtype))
 
 
 class MemoryRead(torch.autograd.Function):

@@ -1,0 +1,220 @@
+"""``python compile_kernels.py [--fast]``: compile every Triton kernel of the package for real GPUs, without one.
+
+Triton's CPU interpreter runs what compiled Triton refuses (a plain global in a kernel, mismatched dtypes, ...),
+so the interpreter tests cannot vouch for a GPU. This script calls the package's own launchers
+(:func:`~lavo.ops.local.kernels.window_attention` forward and backward, :func:`~lavo.ops.lavo.kernels.read_memory`
+forward and backward, :func:`~lavo.ops.lavo.step_kernel.decode_step_triton`) on CPU tensors with every kernel
+launch intercepted: each launch's arguments, constexprs and options are exactly what a GPU call would pass, and
+Triton's own binder turns them into the signature and specialization it would compile. Each distinct one is then
+compiled to a cubin for an H100/H200 (sm_90) and an A100 (sm_80), and its resources checked against the
+hardware: shared memory per block (``metadata.shared``) and registers per block. Spilled bytes are reported.
+
+Cases: float32 and bfloat16 inputs, ``D`` in 32, 64, 128 and 60 (a padded block), each with two complementary
+settings of the launcher's switches (causal, bias, its gradient, padding mask; per-token rows, basis gradient, full
+rank; bias, read scale, dissection, a wide window), the first setting counting up in binary over the cases so that
+every combination shows up. ``--fast`` compiles one case per launcher for sm_90 only: bfloat16, ``D = 60``, every
+switch on, so every branch of every kernel is compiled once (the ``else`` branches are not).
+
+Prints a line per compiled kernel and ``compiled N kernels, F failed``; exits 1 on any failure. Run it with
+``TRITON_INTERPRET`` unset (the kernels are defined when their modules are imported). Nothing in the package
+knows of it; tests/test_compile_kernels.py runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+import lavo
+from lavo.cache import LavoStepCache
+from lavo.ops.lavo.kernels import read_memory
+from lavo.ops.lavo.step_kernel import decode_step_triton
+from lavo.ops.local.kernels import window_attention
+
+# What a block may use (CUDA's opt-in maximum of shared memory per block; the register file).
+LIMITS = {"sm_90": dict(shared=232448, registers=65536), "sm_80": dict(shared=166912, registers=65536)}
+TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HEAD_DIMS = (32, 64, 128, 60)
+WINDOW = 64  # the layers' default
+HEADS = 2
+
+
+def window_attention_case(dtype: torch.dtype, head_dim: int, switches: tuple[bool, ...]) -> None:
+    """Forward and backward of the sliding-window kernels; the length is a multiple of 16 or not with ``causal``
+    (Triton specializes integer arguments on that)."""
+    causal, bias, bias_grad, padding = switches
+    length = 128 if causal else 100
+    q, k, v = (torch.randn(2, length, HEADS, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+    # the table in the model's dtype or in float32 (kept by autocast)
+    table = torch.zeros(HEADS, 2 * WINDOW if causal else 4 * WINDOW - 1, dtype=dtype if bias_grad else torch.float32,
+                        requires_grad=bias_grad)
+    mask = torch.ones(2, length, dtype=torch.bool) if padding else None
+    out = window_attention(q, k, v, window=WINDOW, causal=causal, pos_bias=table if bias else None,
+                           padding_mask=mask, scale=head_dim ** -0.5)
+    out.backward(torch.ones_like(out))
+
+
+def memory_read_case(dtype: torch.dtype, head_dim: int, switches: tuple[bool, ...]) -> None:
+    """Forward and backward of the memory read: one coefficient row per query or per window; rank ``D``, the
+    layers' default, or ``D / 2``."""
+    per_token, basis_grad, full_rank = switches
+    length, rank = 100, head_dim if full_rank else head_dim // 2
+    group = 1 if per_token else WINDOW
+    q = torch.randn(2, length, HEADS, head_dim, dtype=dtype, requires_grad=True)
+    coefficients = torch.randn(2, HEADS, triton.cdiv(length, group), rank, requires_grad=True)
+    basis = torch.randn(HEADS, rank, head_dim, dtype=dtype, requires_grad=basis_grad)
+    out = read_memory(q, coefficients, basis, head_dim ** -0.5, group)
+    out.backward(torch.ones_like(out))
+
+
+def decode_step_case(dtype: torch.dtype, head_dim: int, switches: tuple[bool, ...]) -> None:
+    """One decoding step: the ring of the layers' window or of a window of 128 (the largest tile)."""
+    bias, read_scale, dissection, wide = switches
+    window, batch = 128 if wide else WINDOW, 3
+    rank = head_dim
+    q, k, v = (torch.randn(batch, 1, HEADS, head_dim, dtype=dtype) for _ in range(3))
+    ring = torch.zeros(batch, HEADS, 2 * window, head_dim, dtype=dtype)
+    sums = [torch.zeros(batch, HEADS, *shape) for shape in ((rank,), (), (rank,), ())]
+    cache = LavoStepCache(ring, ring.clone(), torch.zeros(batch, 2 * window, dtype=torch.bool), *sums,
+                          torch.zeros(batch, HEADS, dtype=torch.int64), position=0, window=window)
+    decode_step_triton(q, k, v, torch.randn(HEADS, rank, head_dim, dtype=dtype), cache,
+                       pos_bias=torch.zeros(HEADS, 2 * window) if bias else None, dissection=dissection,
+                       real=torch.ones(batch, dtype=torch.bool), scale=head_dim ** -0.5,
+                       read_scale=torch.ones(HEADS) if read_scale else None)
+
+
+CASES = {window_attention_case: 4, memory_read_case: 3, decode_step_case: 4}  # each with its number of switches
+
+
+def settings(switch_count: int, fast: bool):
+    """``(dtype, D, switches)`` for one launcher: per (dtype, D) two complementary switch settings; ``fast``: every
+    switch on, bfloat16, ``D = 60`` (all of a kernel's code, with the most conversions and padding)."""
+    if fast:
+        return [(torch.bfloat16, 60, (True,) * switch_count)]
+    chosen = []
+    for index, (dtype, d) in enumerate(itertools.product(DTYPES.values(), HEAD_DIMS)):
+        first = tuple(bool(index >> bit & 1) for bit in range(switch_count))
+        chosen += [(dtype, d, first), (dtype, d, tuple(not on for on in first))]
+    return chosen
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Within: ``kernel[grid](...)`` launches nothing and appends ``(kernel, args, kwargs)`` to the list."""
+    launches = []
+
+    def record(kernel, *args, grid, warmup, **kwargs):
+        launches.append((kernel, args, kwargs))
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original
+
+
+def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict, target: GPUTarget):
+    """What ``kernel[grid](*args, **kwargs)`` compiles on a ``target`` GPU (Triton's launch path, less the
+    driver), and the key of its specialization."""
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    key = repr((kernel.fn.__name__, signature, constexprs, attrs, sorted(options.__dict__.items())))
+    return key, lambda: triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                       options=options.__dict__)
+
+
+def registers_and_spills(cubin: bytes) -> tuple[int, int]:
+    """Registers per thread and bytes of local memory (spills) of a one-kernel cubin, by ``cuobjdump``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", file.name], check=True,
+                               capture_output=True, text=True).stdout
+    registers, local = (int(re.search(rf"\b{name}:(\d+)", usage).group(1)) for name in ("REG", "LOCAL"))
+    return registers, local
+
+
+def check(compiled, arch: str) -> tuple[str, list[str]]:
+    """A line on the compiled kernel's resources, and what exceeds the ``arch``'s limits."""
+    registers, spills = registers_and_spills(compiled.asm["cubin"])
+    threads = compiled.metadata.num_warps * 32
+    shared = compiled.metadata.shared
+    limits = LIMITS[arch]
+    over = [f"shared memory {shared} > {limits['shared']} bytes"] * (shared > limits["shared"])
+    over += [f"registers {registers} x {threads} threads > {limits['registers']}"] * (
+        registers * threads > limits["registers"])
+    return f"shared {shared:6d} B  registers {registers:3d} x {threads:3d} threads  spilled {spills:5d} B", over
+
+
+def describe(kernel: JITFunction, args: tuple, kwargs: dict) -> str:
+    """The kernel, its input dtype and its constexprs, for a reader."""
+    tensors = [x.dtype for x in args if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    switches = ", ".join(f"{name}={value}" for name, value in kwargs.items() if name in kernel.arg_names)
+    return f"{kernel.fn.__module__.removeprefix('lavo.ops.')}.{kernel.fn.__name__} {tensors[0]} ({switches})"
+
+
+def all_kernels() -> set[str]:
+    """Every kernel the package launches: ``name[`` in a module that defines ``@triton.jit`` functions."""
+    launched = set()
+    for path in Path(lavo.__file__).parent.rglob("*.py"):
+        source = path.read_text()
+        if "@triton.jit" in source:
+            module = ".".join(path.relative_to(Path(lavo.__file__).parent.parent).with_suffix("").parts)
+            launched |= {f"{module}.{name}" for name in re.findall(r"\b(\w+)\[", source)
+                         if f"@triton.jit\ndef {name}(" in source}
+    return launched
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fast", action="store_true", help="one case per launcher, every switch on, for sm_90 only")
+    fast = parser.parse_args().fast
+    with recorded_launches() as launches:
+        for case, switch_count in CASES.items():
+            for dtype, head_dim, switches in settings(switch_count, fast):
+                case(dtype, head_dim, switches)
+    reached = {f"{kernel.fn.__module__}.{kernel.fn.__name__}" for kernel, _, _ in launches}
+    failures = [f"never launched by a case: {name}" for name in sorted(all_kernels() - reached)]
+    seen, compiled_count = set(), 0
+    for arch in ["sm_90"] if fast else TARGETS:
+        for kernel, args, kwargs in launches:
+            key, build = compile_launch(kernel, args, kwargs, TARGETS[arch])
+            if (arch, key) in seen:
+                continue
+            seen.add((arch, key))
+            name = f"{arch} {describe(kernel, args, kwargs)}"
+            start = time.perf_counter()
+            try:
+                line, over = check(build(), arch)
+            except Exception:  # a compile error: reported with the kernel, the others still compiled
+                failures.append(f"{name}\n{traceback.format_exc(limit=0)}")
+                continue
+            compiled_count += 1
+            print(f"{line}  {time.perf_counter() - start:4.1f} s  {name}", flush=True)
+            failures += [f"{name}: {problem}" for problem in over]
+    for failure in failures:
+        print(f"FAILED {failure}", file=sys.stderr)
+    print(f"compiled {compiled_count} kernels, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Every Triton kernel of the package compiled for real GPUs (sm_90, sm_80) without one, as its launchers call it,
+and its shared memory and registers within the hardware's limits (tests/compile_kernels.py). The interpreter the
+other kernel tests run accepts code compiled Triton refuses."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia")
+
+
+def compile_kernels(tmp_path: Path, *options: str) -> str:
+    """Run the check with the interpreter off and a fresh Triton cache; its stdout, once it passed."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "compile_kernels.py"), *options], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-5000:]
+    return done.stdout
+
+
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    """One case per launcher, every switch on: each of the seven kernels compiled once."""
+    assert compile_kernels(tmp_path, "--fast").splitlines()[-1] == "compiled 7 kernels, 0 failed"
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_in_every_configuration(tmp_path):
+    """fp32 and bf16, D in 32, 64, 128 and 60, each switch on and off: each kernel for each target and dtype."""
+    out = compile_kernels(tmp_path).splitlines()
+    assert re.fullmatch(r"compiled \d+ kernels, 0 failed", out[-1])
+    compiled = {re.search(r"(sm_\d+) (\S+) torch\.(\w+)", line).groups() for line in out[:-1]}
+    kernels = {kernel for _, kernel, _ in compiled}
+    assert len(kernels) == 7
+    assert compiled == {(arch, kernel, dtype) for arch in ("sm_90", "sm_80") for kernel in kernels
+                        for dtype in ("float32", "bfloat16")}
