@@ -9,11 +9,11 @@ Triton's own binder turns them into the signature and specialization it would co
 compiled to a cubin for an H100/H200 (sm_90) and an A100 (sm_80), and its resources checked against the
 hardware: shared memory per block (``metadata.shared``) and registers per block. Spilled bytes are reported.
 
-Cases: float32 and bfloat16 inputs, ``D`` in 32, 64, 128 and 60 (a padded block), each with two complementary
-settings of the launcher's switches (causal, bias, its gradient, padding mask; per-token rows, basis gradient, full
-rank; bias, read scale, dissection, a wide window), the first setting counting up in binary over the cases so that
-every combination shows up. ``--fast`` compiles one case per launcher for sm_90 only: bfloat16, ``D = 60``, every
-switch on, so every branch of every kernel is compiled once (the ``else`` branches are not).
+Cases: float32 and bfloat16 inputs, ``D`` in 32, 64, 128 and 60 (a padded block), with the launcher's switches
+(causal, bias, its gradient, padding mask; full rank, per-token rows, basis gradient; a wide window, bias, read
+scale, dissection) each on and off in each dtype, the first one on at ``D = 128`` (the largest tiles). ``--fast`` compiles one case per launcher for sm_90 only:
+bfloat16, ``D = 60``, every switch on, so every branch of every kernel is compiled once (the ``else`` branches are
+not).
 
 Prints a line per compiled kernel and ``compiled N kernels, F failed``; exits 1 on any failure. Run it with
 ``TRITON_INTERPRET`` unset (the kernels are defined when their modules are imported). Nothing in the package
@@ -48,7 +48,7 @@ from lavo.ops.local.kernels import window_attention
 # What a block may use (CUDA's opt-in maximum of shared memory per block; the register file).
 LIMITS = {"sm_90": dict(shared=232448, registers=65536), "sm_80": dict(shared=166912, registers=65536)}
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (32, 64, 128, 60)
 WINDOW = 64  # the layers' default
 HEADS = 2
@@ -72,7 +72,7 @@ def window_attention_case(dtype: torch.dtype, head_dim: int, switches: tuple[boo
 def memory_read_case(dtype: torch.dtype, head_dim: int, switches: tuple[bool, ...]) -> None:
     """Forward and backward of the memory read: one coefficient row per query or per window; rank ``D``, the
     layers' default, or ``D / 2``."""
-    per_token, basis_grad, full_rank = switches
+    full_rank, per_token, basis_grad = switches
     length, rank = 100, head_dim if full_rank else head_dim // 2
     group = 1 if per_token else WINDOW
     q = torch.randn(2, length, HEADS, head_dim, dtype=dtype, requires_grad=True)
@@ -84,7 +84,7 @@ def memory_read_case(dtype: torch.dtype, head_dim: int, switches: tuple[bool, ..
 
 def decode_step_case(dtype: torch.dtype, head_dim: int, switches: tuple[bool, ...]) -> None:
     """One decoding step: the ring of the layers' window or of a window of 128 (the largest tile)."""
-    bias, read_scale, dissection, wide = switches
+    wide, bias, read_scale, dissection = switches
     window, batch = 128 if wide else WINDOW, 3
     rank = head_dim
     q, k, v = (torch.randn(batch, 1, HEADS, head_dim, dtype=dtype) for _ in range(3))
@@ -102,14 +102,17 @@ CASES = {window_attention_case: 4, memory_read_case: 3, decode_step_case: 4}  # 
 
 
 def settings(switch_count: int, fast: bool):
-    """``(dtype, D, switches)`` for one launcher: per (dtype, D) two complementary switch settings; ``fast``: every
-    switch on, bfloat16, ``D = 60`` (all of a kernel's code, with the most conversions and padding)."""
+    """``(dtype, D, switches)`` for one launcher. Per dtype, over its four ``D``: a setting, its complement, another
+    and its complement (the settings counting up in binary over the dtypes), so that every switch is on and off in
+    each dtype. ``fast``: every switch on, bfloat16, ``D = 60`` (all of a kernel's code, with the most conversions
+    and padding)."""
     if fast:
         return [(torch.bfloat16, 60, (True,) * switch_count)]
     chosen = []
-    for index, (dtype, d) in enumerate(itertools.product(DTYPES.values(), HEAD_DIMS)):
-        first = tuple(bool(index >> bit & 1) for bit in range(switch_count))
-        chosen += [(dtype, d, first), (dtype, d, tuple(not on for on in first))]
+    for dtype_index, dtype in enumerate(DTYPES):
+        for index, d in enumerate(HEAD_DIMS):
+            count, flip = 2 * dtype_index + index // 2, index % 2 == 1
+            chosen.append((dtype, d, tuple(bool(count >> bit & 1) != flip for bit in range(switch_count))))
     return chosen
 
 
