@@ -12,8 +12,8 @@ hardware: shared memory per block (``metadata.shared``) and registers per block.
 Cases: float32 and bfloat16 inputs, ``D`` in 32, 64, 128 and 60 (a padded block), with the launcher's switches
 (causal, bias, its gradient, padding mask; full rank, per-token rows, basis gradient; a wide window, bias, read
 scale, dissection) each on and off in each dtype, the first one on at ``D = 128`` (the largest tiles).
-``--fast`` compiles one case per launcher for sm_90 only: bfloat16, ``D = 60``, every switch on, so every branch
-of every kernel is compiled once (the ``else`` branches are not).
+``--fast`` compiles one case per launcher: bfloat16, ``D = 128`` (the largest tiles), every switch on, so every
+branch of every kernel is compiled once per target (the ``else`` branches are not).
 
 The launch path is Triton's own, less the driver: ``create_function_from_signature`` and
 ``JITFunction._pack_args`` are internals (Triton 3.9), the price of compiling what a launch would rather than a
@@ -107,10 +107,9 @@ CASES = {window_attention_case: 4, memory_read_case: 3, decode_step_case: 4}  # 
 def settings(switch_count: int, fast: bool):
     """``(dtype, D, switches)`` for one launcher. Per dtype, over its four ``D``: a setting, its complement, another
     and its complement (the settings counting up in binary over the dtypes), so that every switch is on and off in
-    each dtype. ``fast``: every switch on, bfloat16, ``D = 60`` (all of a kernel's code, with the most conversions
-    and padding)."""
+    each dtype. ``fast``: every switch on, bfloat16, ``D = 128`` (all of a kernel's code, the largest tiles)."""
     if fast:
-        return [(torch.bfloat16, 60, (True,) * switch_count)]
+        return [(torch.bfloat16, 128, (True,) * switch_count)]
     chosen = []
     for dtype_index, dtype in enumerate(DTYPES):
         for index, d in enumerate(HEAD_DIMS):
@@ -191,7 +190,7 @@ def all_kernels() -> set[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fast", action="store_true", help="one case per launcher, every switch on, for sm_90 only")
+    parser.add_argument("--fast", action="store_true", help="one case per launcher, every switch on")
     fast = parser.parse_args().fast
     with recorded_launches() as launches:
         for case, switch_count in CASES.items():
@@ -200,7 +199,7 @@ def main() -> int:
     reached = {f"{kernel.fn.__module__}.{kernel.fn.__name__}" for kernel, _, _ in launches}
     failures = [f"never launched by a case: {name}" for name in sorted(all_kernels() - reached)]
     seen, compiled_count = set(), 0
-    for arch in ["sm_90"] if fast else TARGETS:
+    for arch in TARGETS:
         for kernel, args, kwargs in launches:
             key, build = compile_launch(kernel, args, kwargs, TARGETS[arch])
             if (arch, key) in seen:
