@@ -158,3 +158,40 @@ def test_accuracy_counts_right_answers():
 
     model = Oracle(ListOpsRun(attention="softmax", dim=8, depth=1, heads=1).model_config(), CLASSES)
     assert accuracy(model, split, batch_size=3) == 1.0
+
+
+def planned_listops_runs() -> dict[str, ListOpsRun]:
+    """The runs experiments/listops/run.sh trains: its ``listops_run`` calls, read by running the script with
+    that function replaced by printing its arguments."""
+    import json
+    import subprocess
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from lavo.config import apply_overrides, deep_merge
+    root = Path(__file__).resolve().parents[1]
+    experiment = root / "experiments" / "listops"
+    listing = subprocess.run(
+        ["bash", "--norc", "-c", 'source() { :; }; PYTHONPATH=; python() { :; }; '
+         'listops_run() { printf "%s\\t" "$@"; printf "\\n"; }; . "$0"', str(experiment / "run.sh")], cwd=root, capture_output=True, text=True,
+        check=True).stdout
+    base = deep_merge(asdict(ListOpsRun()), json.loads((experiment / "base.json").read_text()))
+    runs = {}
+    for line in listing.splitlines():
+        if "\t" not in line:
+            continue
+        name, *options = line.rstrip("\t").split("\t")
+        pairs = dict(zip(options[::2], options[1::2]))
+        overrides = [value for flag, value in zip(options[::2], options[1::2]) if flag == "--set"]
+        values = apply_overrides(base, [f"attention={pairs['--attention']}", *overrides], allow_top_level=True)
+        runs[name] = ListOpsRun.from_dict(values)
+    return runs
+
+
+def test_every_listops_model_has_the_same_parameters_within_two_percent():
+    from lavo.model import count_parameters
+    runs = planned_listops_runs()
+    assert {"lavo", "lavo-no-dissection", "softmax", "local", "performer", "cosformer", "abc", "s4d"} <= set(runs)
+    assert not runs["lavo-no-dissection"].attention_options["dissection"]
+    counts = {name: count_parameters(run.build_model()) for name, run in runs.items()}
+    assert max(counts.values()) <= 1.02 * min(counts.values()), counts

@@ -1,0 +1,99 @@
+"""Collect experiments/listops/runs/*/results.json into results.json, the accuracy table beside the published
+numbers (tables.md and REPORT.md) and the plot of validation accuracy against steps.
+
+    python experiments/listops/report.py experiments/listops
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from lavo.files import write_json, write_text
+from lavo.report import line_plot, markdown_table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from report_tools import fill  # noqa: E402  (experiments/ is not a package)
+
+# ListOps test accuracy (%) as published. LRA: Tay et al. 2020 (arXiv 2011.04006), Table 1, ListOps column.
+LRA_TABLE_1 = {"softmax": ("Transformer", 36.37), "local": ("Local Attention", 15.82),
+               "performer": ("Performer", 18.01)}
+# The other rows of LRA Table 1, for the spread of the transformers there.
+LRA_OTHERS = {"Sparse Trans.": 17.07, "Longformer": 35.63, "Linformer": 35.70, "Reformer": 37.27,
+              "Sinkhorn Trans.": 33.67, "Synthesizer": 36.99, "BigBird": 36.05, "Linear Trans.": 16.13}
+# S4 (Gu et al. 2022, arXiv 2111.00396, Table 4): the state-space model family s4d belongs to.
+S4_TABLE_4 = ("S4", 59.60)
+
+
+def collect(exp: Path) -> dict:
+    runs = {}
+    for path in sorted((exp / "runs").glob("*/results.json")):
+        runs[path.parent.name] = json.loads(path.read_text())
+    return runs
+
+
+def percent(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def published(name: str, attention: str) -> str:
+    if name == "s4d":
+        return f"{S4_TABLE_4[1]:.2f} ({S4_TABLE_4[0]}, S4 paper Table 4)"
+    if name in LRA_TABLE_1:
+        label, value = LRA_TABLE_1[name]
+        return f"{value:.2f} ({label})"
+    return "—"
+
+
+def accuracy_table(runs: dict) -> str:
+    header = ["model", "parameters", "train s", "valid acc % (final)", "valid acc % (best)", "test acc %",
+              "majority-class test %", "published ListOps %"]
+    rows = [[name, f"{r['parameters']:,}", f"{r['train_seconds']:.0f}", percent(r["valid_accuracy"]),
+             percent(r["best_valid_accuracy"]), percent(r["test_accuracy"]), percent(r["test_majority_accuracy"]),
+             published(name, r["run"]["attention"])] for name, r in runs.items()]
+    return markdown_table(header, rows)
+
+
+def others_table() -> str:
+    rows = [[name, f"{value:.2f}"] for name, value in LRA_OTHERS.items()]
+    return markdown_table(["LRA Table 1 model", "ListOps %"], rows)
+
+
+def setup_table(runs: dict) -> str:
+    first = next(iter(runs.values()))["run"]
+    spec = first["spec"]
+    rows = [["sequence length (tokens)", f"{spec['min_length']}-{spec['max_length']}", "500-2,000"],
+            ["max depth / max arguments", f"{spec['max_depth']} / {spec['max_args']}", "10 / 10"],
+            ["train / valid / test sequences", f"{first['train_size']:,} / {first['valid_size']:,} / "
+             f"{first['test_size']:,}", "96,000 / 2,000 / 2,000"],
+            ["layers x width (heads)", f"{first['depth']} x {first['dim']} ({first['heads']})", "6 x 512 (8)"],
+            ["pooling", "mean over real tokens", "CLS token"],
+            ["steps x batch", f"{first['steps']:,} x {first['batch_size']}", "5,000 x 32"],
+            ["mean train length (tokens)", f"{next(iter(runs.values()))['mean_train_length']:.0f}", "—"]]
+    return markdown_table(["setting", "here", "LRA"], rows)
+
+
+def plot(exp: Path, runs: dict) -> Path | None:
+    series = {name: [(p["step"], 100 * p["valid_accuracy"]) for p in r["curve"]] for name, r in runs.items()}
+    floor = 100 * next(iter(runs.values()))["test_majority_accuracy"]
+    steps = max(p["step"] for r in runs.values() for p in r["curve"])
+    series["majority class"] = [(0, floor), (steps, floor)]
+    return line_plot(series, exp / "listops.png", xlabel="training step", ylabel="validation accuracy (%)",
+                     title="ListOps: validation accuracy during training", logx=False,
+                     dashed=["majority class", "lavo-no-dissection"])
+
+
+def main(exp: Path) -> None:
+    runs = collect(exp)
+    if not runs:
+        raise SystemExit(f"no finished runs under {exp / 'runs'}")
+    write_json(exp / "results.json", runs)
+    plot(exp, runs)
+    tables = {"accuracy": accuracy_table(runs), "setup": setup_table(runs), "lra": others_table()}
+    write_text(exp / "tables.md", "".join(f"## {k}\n\n{v}\n\n" for k, v in tables.items()))
+    fill(exp / "REPORT.md", tables)
+    print(f"{exp}: results.json, listops.png, tables.md ({len(runs)} runs)")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
