@@ -50,21 +50,15 @@ class SequenceClassifier(nn.Module):
         return self.head((x * weights).sum(1) / weights.sum(1).clamp_min(1))
 
 
-# positions each mechanism is given: those with their own (a relative bias, a recurrence) get none
-OWN_POSITIONS = ("lavo", "local", "s4d")
-
-
-def default_position(attention: str) -> str:
-    return "none" if attention in OWN_POSITIONS else "sinusoidal"
-
-
 @dataclass
 class ListOpsRun:
     """Everything one ListOps run depends on (written to results.json with the results)."""
 
     attention: str = "lavo"
     attention_options: dict = field(default_factory=dict)
-    position: str | None = None  # None: default_position(attention)
+    # every mechanism gets absolute positions, as in LRA: without them a non-causal softmax, Performer or ABC
+    # layer sees a bag of tokens, and LAVO stayed at the majority class (docs/DESIGN.md, decision 11)
+    position: str = "sinusoidal"
     dim: int = 64
     depth: int = 2
     heads: int = 4
@@ -97,7 +91,7 @@ class ListOpsRun:
     def model_config(self) -> ModelConfig:
         return ModelConfig(vocab_size=len(VOCAB), dim=self.dim, depth=self.depth, heads=self.heads,
                            attention=self.attention, attention_options=dict(self.attention_options),
-                           position=self.position or default_position(self.attention), mlp_ratio=self.mlp_ratio)
+                           position=self.position, mlp_ratio=self.mlp_ratio)
 
     def build_model(self) -> SequenceClassifier:
         return SequenceClassifier(self.model_config(), CLASSES)

@@ -14,4 +14,6 @@ listops_run abc                --attention abc --set attention_options.slots=12
 listops_run s4d                --attention s4d --set attention_options.state_size=42
 listops_run longshort          --attention longshort --set attention_options.window=32 \
                                --set attention_options.landmarks=8
+# LAVO with its relative-position bias only (no sinusoidal positions), as in the language-model experiments
+listops_run lavo-no-positions  --attention lavo --set attention_options.window=32 --set position=none
 PYTHONPATH="$ROOT" python experiments/listops/report.py experiments/listops
