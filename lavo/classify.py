@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from .files import write_json
 from .listops import CLASSES, VOCAB, ListOpsSpec, Split, make_splits
 from .model import Block, ModelConfig, add_positions, count_parameters, initialise, parameter_groups
+from .settings import check_known
 from .train import learning_rate
 
 
@@ -79,10 +80,7 @@ class ListOpsRun:
 
     @classmethod
     def from_dict(cls, values: dict) -> "ListOpsRun":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown listops settings {unknown}; known: {', '.join(sorted(known))}")
+        check_known(cls, values, "listops")
         values = dict(values)
         if "spec" in values:
             values["spec"] = ListOpsSpec(**values["spec"])

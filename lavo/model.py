@@ -10,7 +10,7 @@ long text piece by piece).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 from .cache import Cache
 from .layers.base import Mechanism
 from .registry import attention_class, available_attentions, build_attention, check_options
-from .settings import above, at_least, between, check_settings, one_of, setting
+from .settings import above, at_least, between, check_known, check_settings, one_of, setting
 
 POSITIONS = ("none", "sinusoidal", "rope")
 
@@ -57,10 +57,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown model settings {unknown}; known: {', '.join(sorted(known))}")
+        check_known(cls, values, "model")
         return cls(**values)
 
 

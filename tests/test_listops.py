@@ -195,3 +195,31 @@ def test_every_listops_model_has_the_same_parameters_within_two_percent():
     assert not runs["lavo-no-dissection"].attention_options["dissection"]
     counts = {name: count_parameters(run.build_model()) for name, run in runs.items()}
     assert max(counts.values()) <= 1.02 * min(counts.values()), counts
+
+
+def test_listops_command_trains_tests_and_skips_a_finished_run(tmp_path, capsys):
+    import json
+
+    from lavo.cli import main
+    config = tmp_path / "small.json"
+    config.write_text(json.dumps({"spec": {"min_length": 10, "max_length": 40, "max_depth": 4},
+                                  "dim": 16, "depth": 1, "heads": 2, "train_size": 40, "valid_size": 10,
+                                  "test_size": 10, "steps": 4, "batch_size": 4, "warmup": 1, "eval_interval": 2}))
+    out = tmp_path / "run"
+    arguments = ["listops", "--config", str(config), "--attention", "softmax", "--seed", "1", "--out", str(out),
+                 "--quiet"]
+    assert main([*arguments, "--set", "attention_options.rotary=false"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    results = json.loads((out / "results.json").read_text())
+    assert [point["step"] for point in results["curve"]] == [2, 4]
+    assert results["run"]["attention"] == "softmax" and results["run"]["seed"] == 1
+    assert results["run"]["spec"] == {"min_length": 10, "max_length": 40, "max_depth": 4, "max_args": 10}
+    assert printed["test_accuracy"] == results["test_accuracy"]
+    assert main(arguments) == 0  # finished: skipped, the same results printed
+    assert "[skip]" in capsys.readouterr().out
+
+
+def test_listops_command_names_an_unknown_setting(tmp_path, capsys):
+    from lavo.cli import main
+    assert main(["listops", "--out", str(tmp_path), "--set", "stpes=3"]) == 2
+    assert "unknown listops settings ['stpes']; known: attention, attention_options," in capsys.readouterr().err
