@@ -12,6 +12,8 @@ listops_run performer          --attention performer --set attention_options.fea
 listops_run cosformer          --attention cosformer
 listops_run abc                --attention abc --set attention_options.slots=12
 listops_run s4d                --attention s4d --set attention_options.state_size=42
+# a second seed (other splits, initialisation and batches) for LAVO: how much of its result is the seed
+listops_run lavo-seed1         --attention lavo --set attention_options.window=32 --seed 1
 listops_run longshort          --attention longshort --set attention_options.window=32 \
                                --set attention_options.landmarks=8
 # LAVO with its relative-position bias only (no sinusoidal positions), as in the language-model experiments
