@@ -6,10 +6,12 @@ numbers (tables.md and REPORT.md) and the plot of validation accuracy against st
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 from lavo.files import write_json, write_text
+from lavo.listops import ListOpsSpec, make_splits
 from lavo.report import line_plot, markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,9 +28,19 @@ S4_TABLE_4 = ("S4", 59.60)
 
 
 def collect(exp: Path) -> dict:
+    """``{run name: its results.json}`` in run.sh's order, each with ``wall_seconds`` (the whole process, data
+    generation included) from wall_times.jsonl."""
+    walls = {}
+    if (exp / "wall_times.jsonl").exists():
+        for line in (exp / "wall_times.jsonl").read_text().splitlines():
+            entry = json.loads(line)
+            walls[entry["what"].removeprefix("listops ")] = entry["wall_s"]
+    order = re.findall(r"^listops_run (\S+)", (exp / "run.sh").read_text(), re.M)
     runs = {}
-    for path in sorted((exp / "runs").glob("*/results.json")):
-        runs[path.parent.name] = json.loads(path.read_text())
+    for name in order:
+        path = exp / "runs" / name / "results.json"
+        if path.exists():
+            runs[name] = json.loads(path.read_text()) | {"wall_seconds": walls.get(name)}
     return runs
 
 
@@ -46,9 +58,9 @@ def published(name: str, attention: str) -> str:
 
 
 def accuracy_table(runs: dict) -> str:
-    header = ["model", "parameters", "train s", "valid acc % (final)", "valid acc % (best)", "test acc %",
+    header = ["model", "parameters", "wall s", "train s", "valid acc % (final)", "valid acc % (best)", "test acc %",
               "majority-class test %", "published ListOps %"]
-    rows = [[name, f"{r['parameters']:,}", f"{r['train_seconds']:.0f}", percent(r["valid_accuracy"]),
+    rows = [[name, f"{r['parameters']:,}", r["wall_seconds"] or "—", f"{r['train_seconds']:.0f}", percent(r["valid_accuracy"]),
              percent(r["best_valid_accuracy"]), percent(r["test_accuracy"]), percent(r["test_majority_accuracy"]),
              published(name, r["run"]["attention"])] for name, r in runs.items()]
     return markdown_table(header, rows)
@@ -70,17 +82,19 @@ def setup_table(runs: dict) -> str:
             ["pooling", "mean over real tokens", "CLS token"],
             ["steps x batch", f"{first['steps']:,} x {first['batch_size']}", "5,000 x 32"],
             ["mean train length (tokens)", f"{next(iter(runs.values()))['mean_train_length']:.0f}", "—"]]
-    return markdown_table(["setting", "here", "LRA"], rows)
+    return markdown_table(["setting", "here", "LRA (data script; base_listops_config.py)"], rows)
 
 
 def plot(exp: Path, runs: dict) -> Path | None:
     series = {name: [(p["step"], 100 * p["valid_accuracy"]) for p in r["curve"]] for name, r in runs.items()}
-    floor = 100 * next(iter(runs.values()))["test_majority_accuracy"]
+    first = next(iter(runs.values()))["run"]
+    valid = make_splits({"valid": first["valid_size"]}, first["seed"], ListOpsSpec(**first["spec"]))["valid"]
+    floor = 100 * valid.majority_accuracy()
     steps = max(p["step"] for r in runs.values() for p in r["curve"])
-    series["majority class"] = [(0, floor), (steps, floor)]
+    series[f"majority class (seed {first['seed']})"] = [(0, floor), (steps, floor)]
     return line_plot(series, exp / "listops.png", xlabel="training step", ylabel="validation accuracy (%)",
                      title="ListOps: validation accuracy during training", logx=False,
-                     dashed=["majority class", "lavo-no-dissection"])
+                     dashed=[f"majority class (seed {first['seed']})", "lavo-no-dissection"])
 
 
 def main(exp: Path) -> None:
