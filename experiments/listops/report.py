@@ -57,12 +57,21 @@ def published(name: str, attention: str) -> str:
     return "—"
 
 
+# validation accuracy a model must reach to count as past the plateau at the majority class (about 15-17%)
+PAST_PLATEAU = 0.25
+
+
+def first_step_past_plateau(curve: list[dict]) -> str:
+    steps = [point["step"] for point in curve if point["valid_accuracy"] >= PAST_PLATEAU]
+    return f"{steps[0]:,}" if steps else "never"
+
+
 def accuracy_table(runs: dict) -> str:
     header = ["model", "parameters", "wall s", "train s", "valid acc % (final)", "valid acc % (best)", "test acc %",
-              "majority-class test %", "published ListOps %"]
+              "majority-class test %", f"first step at >= {100 * PAST_PLATEAU:.0f}% valid", "published ListOps %"]
     rows = [[name, f"{r['parameters']:,}", r["wall_seconds"] or "—", f"{r['train_seconds']:.0f}", percent(r["valid_accuracy"]),
              percent(r["best_valid_accuracy"]), percent(r["test_accuracy"]), percent(r["test_majority_accuracy"]),
-             published(name, r["run"]["attention"])] for name, r in runs.items()]
+             first_step_past_plateau(r["curve"]), published(name, r["run"]["attention"])] for name, r in runs.items()]
     return markdown_table(header, rows)
 
 
