@@ -119,10 +119,10 @@ def train_listops(run: ListOpsRun, out_dir: str | Path, progress: bool = True, l
     if out.exists():
         log(f"[skip] {out} exists")
         return json.loads(out.read_text())
+    torch.manual_seed(run.seed)
+    model = run.build_model()  # first, so that a bad setting fails before the data is drawn
     splits = make_splits({"train": run.train_size, "valid": run.valid_size, "test": run.test_size},
                          run.seed, run.spec)
-    torch.manual_seed(run.seed)
-    model = run.build_model()
     optimizer = torch.optim.AdamW(parameter_groups(model, run.weight_decay, run.lr), betas=(0.9, 0.98))
     sampler = torch.Generator().manual_seed(run.seed)
     train = splits["train"]

@@ -223,3 +223,14 @@ def test_listops_command_names_an_unknown_setting(tmp_path, capsys):
     from lavo.cli import main
     assert main(["listops", "--out", str(tmp_path), "--set", "stpes=3"]) == 2
     assert "unknown listops settings ['stpes']; known: attention, attention_options," in capsys.readouterr().err
+
+
+def test_a_bad_mechanism_setting_fails_before_the_data_is_drawn(tmp_path, monkeypatch):
+    import lavo.classify
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the splits were drawn")
+
+    monkeypatch.setattr(lavo.classify, "make_splits", no_data)
+    with pytest.raises(ValueError, match="attention 'lavo' has no option 'windw'"):
+        lavo.classify.train_listops(ListOpsRun(attention_options={"windw": 8}), tmp_path, progress=False)
