@@ -99,11 +99,10 @@ def plot(exp: Path, runs: dict) -> Path | None:
     first = next(iter(runs.values()))["run"]
     valid = make_splits({"valid": first["valid_size"]}, first["seed"], ListOpsSpec(**first["spec"]))["valid"]
     floor = 100 * valid.majority_accuracy()
-    steps = max(p["step"] for r in runs.values() for p in r["curve"])
-    series[f"majority class (seed {first['seed']})"] = [(0, floor), (steps, floor)]
     return line_plot(series, exp / "listops.png", xlabel="training step", ylabel="validation accuracy (%)",
                      title="ListOps: validation accuracy during training", logx=False,
-                     dashed=[f"majority class (seed {first['seed']})", "lavo-no-dissection"])
+                     hline=(floor, f"majority class (seed {first['seed']})"),
+                     dashed=[name for name in runs if name.startswith("lavo-")])
 
 
 def main(exp: Path) -> None:
