@@ -1,11 +1,11 @@
 # Shared by the experiments' run.sh scripts: pinned, single-threaded, resumable training and evaluation.
-# Every process runs on core 0 with one thread (core 1 is kept free).
+# Every process runs on one core (core 0, or LAVO_CORE) with one thread, so two experiments can share two cores.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 source "$ROOT/.venv/bin/activate"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
-PIN="taskset -c 0"
+PIN="taskset -c ${LAVO_CORE:-0}"
 
 # train_run EXP_DIR NAME [--set key=value ...]: trains EXP_DIR/runs/NAME unless it already finished;
 # an interrupted run resumes from its last checkpoint.
@@ -35,4 +35,19 @@ eval_runs() {
   local t1=$(date +%s)
   echo "{\"what\": \"eval $out\", \"wall_s\": $((t1 - t0))}" >> "$exp/wall_times.jsonl"
   echo "[done] eval $out in $((t1 - t0)) s"
+}
+
+# listops_run NAME ARGS...: `lavo listops` with experiments/listops/base.json and ARGS into
+# experiments/listops/runs/NAME, unless it has results.json already. This checkout's code runs (PYTHONPATH).
+listops_run() {
+  local exp=experiments/listops name="$1"; shift
+  local dir="$exp/runs/$name"
+  if [ -f "$dir/results.json" ]; then echo "[skip] $dir done"; return 0; fi
+  mkdir -p "$dir"
+  local t0=$(date +%s)
+  PYTHONPATH="$ROOT" $PIN python -m lavo.cli listops --config "$exp/base.json" --out "$dir" --quiet "$@" \
+    > "$dir/train.log" 2>&1
+  local t1=$(date +%s)
+  echo "{\"what\": \"listops $name\", \"wall_s\": $((t1 - t0))}" >> "$exp/wall_times.jsonl"
+  echo "[done] $dir in $((t1 - t0)) s"
 }

@@ -214,8 +214,42 @@ def add_bench(commands) -> None:
     p.set_defaults(handler=cmd_bench)
 
 
+def cmd_listops(args) -> None:
+    from dataclasses import asdict
+
+    from .classify import ListOpsRun, train_listops
+    from .config import apply_overrides, deep_merge, read_config_file
+    values = asdict(ListOpsRun())
+    if args.config:
+        values = deep_merge(values, read_config_file(args.config))
+    flags = [f"{name}={value}" for name, value in (("attention", args.attention), ("seed", args.seed))
+             if value is not None]
+    values = apply_overrides(values, flags + args.set, allow_top_level=True)
+    results = train_listops(ListOpsRun.from_dict(values), args.out, progress=not args.quiet)
+    print(json.dumps({key: results[key] for key in ("parameters", "train_seconds", "valid_accuracy",
+                                                     "test_accuracy", "test_majority_accuracy")}))
+
+
+def add_listops(commands) -> None:
+    p = commands.add_parser("listops", help="train and test a non-causal classifier on seeded ListOps",
+                            description="Generate the seeded ListOps splits (nested MAX, MIN, MED, SM over digits; "
+                            "10 classes), train a non-causal encoder with mean pooling over --attention, report "
+                            "validation accuracy during training and test accuracy at the end, and write "
+                            "OUT/results.json (a rerun with results.json present skips). Settings: the fields of "
+                            "lavo.classify.ListOpsRun, from --config (JSON) and --set, e.g. --set steps=2000 "
+                            "--set spec.max_length=500 --set attention_options.dissection=false.")
+    p.add_argument("--attention", help="a registered mechanism (default: lavo, or the config's)")
+    p.add_argument("--seed", type=int, help="seeds the data splits, the initialisation and the batches "
+                   "(default: 0, or the config's)")
+    p.add_argument("--config", help="a JSON file of ListOpsRun settings")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
+    p.add_argument("--out", required=True, help="directory for results.json")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=cmd_listops)
+
+
 # the commands, in the order `lavo --help` lists them
-COMMANDS = (add_data, add_train, add_eval, add_generate, add_export, add_demo, add_bench)
+COMMANDS = (add_data, add_train, add_eval, add_generate, add_export, add_demo, add_bench, add_listops)
 
 
 def build_parser() -> argparse.ArgumentParser:

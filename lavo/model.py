@@ -10,7 +10,7 @@ long text piece by piece).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 from .cache import Cache
 from .layers.base import Mechanism
 from .registry import attention_class, available_attentions, build_attention, check_options
-from .settings import above, at_least, between, check_settings, one_of, setting
+from .settings import above, at_least, between, check_known, check_settings, one_of, setting
 
 POSITIONS = ("none", "sinusoidal", "rope")
 
@@ -57,10 +57,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown model settings {unknown}; known: {', '.join(sorted(known))}")
+        check_known(cls, values, "model")
         return cls(**values)
 
 
@@ -100,14 +97,28 @@ class ModelCache(Cache):
     position: int
 
 
+def add_positions(x: torch.Tensor, config: ModelConfig, start: int | torch.Tensor = 0) -> torch.Tensor:
+    """``x [B, T, dim]`` plus the sinusoidal features of positions ``start ..`` when ``config.position`` asks for
+    them (otherwise ``x`` unchanged)."""
+    if config.position != "sinusoidal":
+        return x
+    # scaled to the token embeddings' size at initialisation (RMS init_std); at amplitude 1 they were ~35x
+    # larger and swamped the tokens (a small model stayed at the unigram loss)
+    scale = config.init_std * math.sqrt(2)
+    return x + scale * sinusoidal_positions(start, x.shape[1], config.dim, x.device).to(x.dtype)
+
+
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """LayerNorm -> attention -> residual; LayerNorm -> MLP -> residual. ``causal=False`` builds the attention's
+    non-causal form (an encoder)."""
+
+    def __init__(self, config: ModelConfig, causal: bool = True):
         super().__init__()
         options = dict(config.attention_options)
         if config.position == "rope":
             options["rotary"] = True
         self.norm1 = nn.LayerNorm(config.dim)
-        self.attention = build_attention(config.attention, config.dim, config.heads, causal=True, **options)
+        self.attention = build_attention(config.attention, config.dim, config.heads, causal=causal, **options)
         self.norm2 = nn.LayerNorm(config.dim)
         hidden = config.mlp_ratio * config.dim
         self.mlp = nn.Sequential(nn.Linear(config.dim, hidden), nn.GELU(), nn.Linear(hidden, config.dim))
@@ -123,6 +134,35 @@ class Block(nn.Module):
         return x, cache
 
 
+def initialise(model: nn.Module, blocks: nn.ModuleList, config: ModelConfig) -> None:
+    """Normal(0, init_std) linear and embedding weights, zero biases; GPT-2's scaling of the projections that
+    write into the residual stream by 1/sqrt(2 depth)."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, 0.0, config.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    for block in blocks:
+        for weight in block.residual_weights():
+            nn.init.normal_(weight, 0.0, config.init_std / math.sqrt(2 * config.depth))
+
+
+def parameter_groups(model: nn.Module, weight_decay: float, lr: float) -> list[dict]:
+    """Optimizer groups: weight decay on matrices, none on vectors and on what the mechanisms exclude, and
+    the peak learning rate ``lr`` except where a mechanism caps it. Each group's ``lr_scale`` is its peak
+    rate over ``lr``: a schedule sets every group's rate to ``lr_scale`` times the scheduled rate."""
+    mechanisms = [module for module in model.modules() if isinstance(module, Mechanism)]
+    excluded = {id(p) for module in mechanisms for p in module.no_weight_decay()}
+    scale = {id(p): min(1.0, cap / lr) for module in mechanisms
+             for parameters, cap in module.learning_rate_caps() for p in parameters}
+    groups: dict[tuple[float, float], list[nn.Parameter]] = {}
+    for p in model.parameters():
+        decay = weight_decay if p.dim() >= 2 and id(p) not in excluded else 0.0
+        groups.setdefault((decay, scale.get(id(p), 1.0)), []).append(p)
+    return [{"params": params, "weight_decay": decay, "lr": lr * lr_scale, "lr_scale": lr_scale}
+            for (decay, lr_scale), params in groups.items()]
+
+
 class LanguageModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -131,17 +171,7 @@ class LanguageModel(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
         self.norm = nn.LayerNorm(config.dim)
-        self.apply(self._init)
-        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 depth)
-        for block in self.blocks:
-            for weight in block.residual_weights():
-                nn.init.normal_(weight, 0.0, config.init_std / math.sqrt(2 * config.depth))
-
-    def _init(self, module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, 0.0, self.config.init_std)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        initialise(self, self.blocks, config)
 
     @property
     def supports_decoding(self) -> bool:
@@ -149,19 +179,7 @@ class LanguageModel(nn.Module):
         return all(b.attention.supports_decoding for b in self.blocks)
 
     def parameter_groups(self, weight_decay: float, lr: float) -> list[dict]:
-        """Optimizer groups: weight decay on matrices, none on vectors and on what the mechanisms exclude, and
-        the peak learning rate ``lr`` except where a mechanism caps it. Each group's ``lr_scale`` is its peak
-        rate over ``lr``: a schedule sets every group's rate to ``lr_scale`` times the scheduled rate."""
-        mechanisms = [module for module in self.modules() if isinstance(module, Mechanism)]
-        excluded = {id(p) for module in mechanisms for p in module.no_weight_decay()}
-        scale = {id(p): min(1.0, cap / lr) for module in mechanisms
-                 for parameters, cap in module.learning_rate_caps() for p in parameters}
-        groups: dict[tuple[float, float], list[nn.Parameter]] = {}
-        for p in self.parameters():
-            decay = weight_decay if p.dim() >= 2 and id(p) not in excluded else 0.0
-            groups.setdefault((decay, scale.get(id(p), 1.0)), []).append(p)
-        return [{"params": params, "weight_decay": decay, "lr": lr * lr_scale, "lr_scale": lr_scale}
-                for (decay, lr_scale), params in groups.items()]
+        return parameter_groups(self, weight_decay, lr)
 
     def forward(self, ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 cache: ModelCache | None = None) -> tuple[torch.Tensor, ModelCache | None]:
@@ -181,13 +199,7 @@ class LanguageModel(nn.Module):
              start: int | torch.Tensor) -> tuple[torch.Tensor, list]:
         """The logits of ``ids`` at positions from ``start`` (an int, or a 0-d tensor for a CUDA graph) on, and
         each layer's cache."""
-        x = self.embed(ids)
-        if self.config.position == "sinusoidal":
-            # scaled to the token embeddings' size at initialisation (RMS init_std); at amplitude 1 they were ~35x
-            # larger and swamped the tokens (a small model stayed at the unigram loss)
-            scale = self.config.init_std * math.sqrt(2)
-            x = x + scale * sinusoidal_positions(start, ids.shape[1], self.config.dim, ids.device).to(x.dtype)
-        x = self.dropout(x)
+        x = self.dropout(add_positions(self.embed(ids), self.config, start))
         layer_caches = []
         for i, block in enumerate(self.blocks):
             x, layer_cache = block(x, padding_mask=padding_mask, cache=None if caches is None else caches[i])

@@ -155,6 +155,14 @@ def check_settings(instance: Any, section: str) -> None:
         raise SettingsError("; ".join(problems))
 
 
+def check_known(cls: type, values: dict, section: str) -> None:
+    """Raise ``ValueError`` naming the keys of ``values`` that are not fields of the dataclass ``cls``."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {section} settings {unknown}; known: {', '.join(sorted(known))}")
+
+
 def flag_type(cls: type, name: str) -> Callable[[str], Any]:
     """An argparse ``type=`` for a flag that sets the field ``name`` of the dataclass ``cls``: it parses the
     text as the field's type (a list is comma-separated) and checks the field's allowed values."""

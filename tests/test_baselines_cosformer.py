@@ -44,6 +44,14 @@ def test_noncausal_matches_quadratic_form(length, padded):
     assert_same_outputs_and_grads(out, cosformer_attention_naive(q, k, v, causal=False, padding_mask=mask), [q, k, v], mask)
 
 
+def test_noncausal_right_padding_equals_the_shorter_sequence():
+    q, k, v = _qkv(20)
+    mask = torch.ones(q.shape[:2], dtype=torch.bool)
+    mask[:, 13:] = False
+    padded = cosformer_attention(q, k, v, padding_mask=mask)
+    torch.testing.assert_close(padded[:, :13], cosformer_attention(q[:, :13], k[:, :13], v[:, :13]))
+
+
 def test_cache_continues_the_sequence():
     q, k, v = _qkv(40)
     full, _ = cosformer_attention_causal(q, k, v, 50, chunk=8)

@@ -11,7 +11,8 @@ from .base import AttentionLayer, element_size
 class CosformerAttention(AttentionLayer):
     r"""Linear attention with ReLU features and the cos re-weighting ``cos(pi/2 (i - j) / M)``.
 
-    Non-causal layers take ``M`` = the (padded) sequence length, as in the paper. Causal layers fix
+    Non-causal layers take ``M`` = the sequence length, as in the paper: one past the last real token when
+    padded, so that right padding changes nothing. Causal layers fix
     ``M = max_length`` so that decoding never changes earlier weights; a sequence (all cached calls together)
     longer than ``max_length`` raises an error. Causal layers return a
     :class:`~lavo.ops.cosformer.CosformerCache` of constant size ``H (2D (D + 1))`` per sequence, plus the position.

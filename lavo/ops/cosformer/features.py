@@ -3,8 +3,9 @@ r"""cosFormer (Qin et al. 2022): ReLU features with a cos re-weighting that deca
 The weight of key ``j`` for query ``i`` is ``relu(q_i) . relu(k_j) cos(pi/2 (i - j) / M)``; since
 ``cos(a - b) = cos a cos b + sin a sin b`` it is a product of the ``2D`` features
 ``phi(x_i) = [relu(x_i) cos(pi i / 2M), relu(x_i) sin(pi i / 2M)]``. Weights stay non-negative while
-``|i - j| < M``: non-causal attention takes ``M = T``; causal attention a fixed ``M`` (``max_length``), since a
-decoder does not know the final length, and positions from ``M`` on are refused. Denominators are clamped at
+``|i - j| < M``: non-causal attention takes ``M`` = the sequence's length: one past its last real token when
+padded, so that right padding changes nothing and weights stay non-negative whatever the mask; causal attention a fixed ``M`` (``max_length``), since a decoder does not know the
+final length, and positions from ``M`` on are refused. Denominators are clamped at
 ``1e-6`` as in the paper.
 """
 from __future__ import annotations
@@ -36,10 +37,11 @@ class CosformerCache(Cache):
         return cls(torch.zeros(batch, heads, 2 * head_dim, head_dim, dtype=dtype, device=device), k_sum, 0)
 
 
-def cosformer_features(x: torch.Tensor, positions: torch.Tensor, horizon: int,
+def cosformer_features(x: torch.Tensor, positions: torch.Tensor, horizon: int | torch.Tensor,
                        padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [B, T, H, D]`` at ``positions [T]`` -> ``[B, T, H, 2D]``; zero at padded positions when masked."""
-    angle = (math.pi / 2 * positions / horizon).to(x.dtype)[:, None, None]
+    """``x [B, T, H, D]`` at ``positions [T]`` with ``M = horizon`` (a number, or ``[B, 1]`` one per sequence)
+    -> ``[B, T, H, 2D]``; zero at padded positions when masked."""
+    angle = (math.pi / 2 * positions / horizon).to(x.dtype)[..., None, None]
     relu = torch.relu(x)
     if padding_mask is not None:
         relu = relu * padding_mask[:, :, None, None]
@@ -48,9 +50,10 @@ def cosformer_features(x: torch.Tensor, positions: torch.Tensor, horizon: int,
 
 def cosformer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Non-causal cosFormer with ``M = T``. ``q, k, v [B, T, H, D]`` -> ``[B, T, H, D]``."""
-    length = q.shape[1]
-    positions = torch.arange(length, device=q.device)
+    """Non-causal cosFormer with ``M`` = one past each sequence's last real token (``T`` without padding).
+    ``q, k, v [B, T, H, D]`` -> ``[B, T, H, D]``."""
+    positions = torch.arange(q.shape[1], device=q.device)
+    length = q.shape[1] if padding_mask is None else (positions * padding_mask).amax(1, keepdim=True) + 1
     return feature_attention(cosformer_features(q, positions, length),
                              cosformer_features(k, positions, length, padding_mask), v, eps=EPS)
 

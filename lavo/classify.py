@@ -1,0 +1,164 @@
+"""Sequence classification with a non-causal encoder over any mechanism, and its training on ListOps.
+
+token embedding (+ positions) -> depth x Block(causal=False) -> LayerNorm -> mean over the real (non-pad)
+tokens -> linear head. The blocks, initialisation, optimizer groups and learning-rate schedule are the language
+model's (:mod:`lavo.model`, :func:`lavo.train.learning_rate`); only the causal flag and the head differ.
+
+:func:`train_listops` trains one model on a seeded ListOps task, validates every ``eval_interval`` steps, scores
+the test split at the end and writes ``results.json`` (a finished ``results.json`` makes a rerun skip).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .files import write_json
+from .listops import CLASSES, VOCAB, ListOpsSpec, Split, make_splits
+from .model import Block, ModelConfig, add_positions, count_parameters, initialise, parameter_groups
+from .settings import check_known
+from .train import learning_rate
+
+
+class SequenceClassifier(nn.Module):
+    """``forward(ids [B, T], padding_mask [B, T] | None) -> logits [B, classes]`` (True in the mask = token)."""
+
+    def __init__(self, config: ModelConfig, classes: int):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, causal=False) for _ in range(config.depth))
+        self.norm = nn.LayerNorm(config.dim)
+        self.head = nn.Linear(config.dim, classes)
+        initialise(self, self.blocks, config)
+
+    def forward(self, ids: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if ids.dim() != 2:
+            raise ValueError(f"ids must have shape [B, T], got {tuple(ids.shape)}")
+        x = self.dropout(add_positions(self.embed(ids), self.config))
+        for block in self.blocks:
+            x, _ = block(x, padding_mask=padding_mask)
+        x = self.norm(x)
+        if padding_mask is None:
+            return self.head(x.mean(1))
+        weights = padding_mask.to(x.dtype)[..., None]
+        return self.head((x * weights).sum(1) / weights.sum(1).clamp_min(1))
+
+
+@dataclass
+class ListOpsRun:
+    """Everything one ListOps run depends on (written to results.json with the results)."""
+
+    attention: str = "lavo"
+    attention_options: dict = field(default_factory=dict)
+    # every mechanism gets absolute positions, as in LRA: without them a non-causal softmax, Performer or ABC
+    # layer sees a bag of tokens, and LAVO stayed at the majority class (docs/DESIGN.md, decision 11)
+    position: str = "sinusoidal"
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: int = 4
+    spec: ListOpsSpec = ListOpsSpec()
+    train_size: int = 20000
+    valid_size: int = 1000
+    test_size: int = 1000
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 100
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    eval_interval: int = 100
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ListOpsRun":
+        check_known(cls, values, "listops")
+        values = dict(values)
+        if "spec" in values:
+            values["spec"] = ListOpsSpec(**values["spec"])
+        return cls(**values)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(vocab_size=len(VOCAB), dim=self.dim, depth=self.depth, heads=self.heads,
+                           attention=self.attention, attention_options=dict(self.attention_options),
+                           position=self.position, mlp_ratio=self.mlp_ratio)
+
+    def build_model(self) -> SequenceClassifier:
+        return SequenceClassifier(self.model_config(), CLASSES)
+
+
+@torch.no_grad()
+def accuracy(model: SequenceClassifier, split: Split, batch_size: int) -> float:
+    """Fraction of ``split`` whose value the model ranks first (batches of similar lengths, for speed)."""
+    was_training = model.training
+    model.eval()
+    order = torch.argsort(split.lengths)
+    correct = 0
+    for start in range(0, len(split), batch_size):
+        ids, mask, labels = split.batch(order[start:start + batch_size])
+        correct += int((model(ids, mask).argmax(-1) == labels).sum())
+    model.train(was_training)
+    return correct / len(split)
+
+
+def train_listops(run: ListOpsRun, out_dir: str | Path, progress: bool = True, log=print) -> dict:
+    """Train ``run`` on its seeded splits, write ``out_dir/results.json`` and return it; a finished
+    ``results.json`` is returned as it is (the run is skipped)."""
+    import json
+
+    from tqdm import tqdm
+    out = Path(out_dir) / "results.json"
+    if out.exists():
+        log(f"[skip] {out} exists")
+        return json.loads(out.read_text())
+    torch.manual_seed(run.seed)
+    model = run.build_model()  # first, so that a bad setting fails before the data is drawn
+    splits = make_splits({"train": run.train_size, "valid": run.valid_size, "test": run.test_size},
+                         run.seed, run.spec)
+    optimizer = torch.optim.AdamW(parameter_groups(model, run.weight_decay, run.lr), betas=(0.9, 0.98))
+    sampler = torch.Generator().manual_seed(run.seed)
+    train = splits["train"]
+    curve, losses = [], []
+    started = time.perf_counter()
+    for step in tqdm(range(run.steps), disable=not progress, desc=run.attention, mininterval=10):
+        rate = learning_rate(step, run)
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr_scale"] * rate
+        ids, mask, labels = train.batch(torch.randint(len(train), (run.batch_size,), generator=sampler))
+        loss = F.cross_entropy(model(ids, mask), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), run.clip)
+        optimizer.step()
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            raise ValueError(f"{run.attention}: the training loss is {losses[-1]} at step {step + 1}")
+        if (step + 1) % run.eval_interval == 0 or step + 1 == run.steps:
+            recent = losses[-run.eval_interval:]
+            curve.append({"step": step + 1, "train_loss": sum(recent) / len(recent),
+                          "valid_accuracy": accuracy(model, splits["valid"], 2 * run.batch_size)})
+            log(f"{run.attention} step {step + 1}: train loss {curve[-1]['train_loss']:.4f}, "
+                f"valid accuracy {curve[-1]['valid_accuracy']:.4f}")
+    train_seconds = time.perf_counter() - started
+    results = {
+        "run": asdict(run),
+        "parameters": count_parameters(model),
+        "train_seconds": round(train_seconds, 1),
+        "curve": curve,
+        "valid_accuracy": curve[-1]["valid_accuracy"],
+        "best_valid_accuracy": max(point["valid_accuracy"] for point in curve),
+        "test_accuracy": accuracy(model, splits["test"], 2 * run.batch_size),
+        "test_majority_accuracy": splits["test"].majority_accuracy(),
+        "mean_train_length": float(train.lengths.float().mean()),
+    }
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_json(out, results)
+    return results

@@ -1,0 +1,236 @@
+"""ListOps: the generator's answers against an independent evaluator, its determinism and bounds; the encoder
+classifier's padding invariance and equal sizes across mechanisms."""
+import statistics
+
+import pytest
+import torch
+
+from lavo.classify import ListOpsRun, SequenceClassifier, accuracy
+from lavo.listops import (CLASSES, CLOSE, OPERATORS, PAD, TOKEN_ID, VOCAB, ListOpsSpec, apply_operator, generate,
+                          make_splits, to_split)
+
+SPEC = ListOpsSpec(min_length=20, max_length=120, max_depth=6, max_args=5)
+
+
+def evaluate_tokens(tokens: list[str]) -> int:
+    """An evaluator that shares nothing with the generator: a stack of open lists, each reduced with the
+    statistics module and plain arithmetic when its bracket closes."""
+    reduce = {"[MAX": max, "[MIN": min, "[MED": lambda xs: int(statistics.median(xs)),
+              "[SM": lambda xs: sum(xs) % 10}
+    stack: list[tuple[str, list[int]]] = []
+    result = None
+    for token in tokens:
+        if token.startswith("["):
+            stack.append((token, []))
+        elif token == "]":
+            operator, arguments = stack.pop()
+            value = reduce[operator](arguments)
+            if stack:
+                stack[-1][1].append(value)
+            else:
+                result = value
+        else:
+            stack[-1][1].append(int(token))
+    assert not stack and result is not None, "unbalanced expression"
+    return result
+
+
+def test_the_independent_evaluator_on_hand_written_expressions():
+    expression = "[MAX 4 3 [MIN 2 3 ] 1 0 [MED 1 5 8 9 2 ] ]".split()
+    assert evaluate_tokens(expression) == 5
+    assert evaluate_tokens("[SM 9 8 [MED 1 4 ] ]".split()) == (9 + 8 + 2) % 10  # median of 1, 4 rounds down
+
+
+@pytest.mark.parametrize("operator, values, expected", [
+    ("[MAX", [3, 9, 1], 9), ("[MIN", [3, 9, 1], 1), ("[SM", [7, 8, 9], 4),
+    ("[MED", [5, 1, 3], 3), ("[MED", [1, 4], 2), ("[MED", [9, 2, 7, 8], 7)])
+def test_operators(operator, values, expected):
+    assert apply_operator(operator, values) == expected
+
+
+def test_unknown_operator_is_named():
+    with pytest.raises(ValueError, match=r"unknown operator '\[AVG'; operators: \[MAX, \[MIN, \[MED, \[SM"):
+        apply_operator("[AVG", [1, 2])
+
+
+def test_generated_answers_agree_with_the_independent_evaluator():
+    examples = generate(400, 3, SPEC)
+    for tokens, value in examples:
+        assert evaluate_tokens(tokens) == value
+
+
+def test_lra_sized_expressions_agree_too():
+    spec = ListOpsSpec()  # LRA's: 500..2000 tokens, depth 10, 10 arguments
+    for tokens, value in generate(20, 0, spec):
+        assert spec.min_length <= len(tokens) <= spec.max_length
+        assert evaluate_tokens(tokens) == value
+
+
+def test_lengths_depth_and_arguments_stay_within_the_spec():
+    for tokens, _ in generate(300, 4, SPEC):
+        assert SPEC.min_length <= len(tokens) <= SPEC.max_length
+        assert tokens[0] in OPERATORS and tokens[-1] == CLOSE
+        depth, deepest, counts = 0, 0, []
+        for token in tokens:
+            if token in OPERATORS:
+                if counts:
+                    counts[-1] += 1
+                counts.append(0)
+                depth += 1
+                deepest = max(deepest, depth)
+            elif token == CLOSE:
+                assert 2 <= counts.pop() <= SPEC.max_args
+                depth -= 1
+            else:
+                counts[-1] += 1
+        assert deepest <= SPEC.max_depth
+
+
+def test_a_split_is_a_function_of_its_seed():
+    assert generate(50, 7, SPEC) == generate(50, 7, SPEC)
+    assert generate(50, 7, SPEC) != generate(50, 8, SPEC)
+    small = make_splits({"train": 30, "test": 20}, 0, SPEC)
+    large = make_splits({"train": 60, "test": 20}, 0, SPEC)
+    assert torch.equal(small["test"].ids, large["test"].ids)  # one split's size leaves the others alone
+    assert torch.equal(small["train"].ids, large["train"].ids[:30, :small["train"].ids.shape[1]])
+    assert not torch.equal(small["train"].ids[:20], small["test"].ids[:20])
+
+
+def test_every_class_occurs():
+    labels = make_splits({"train": 1000}, 0, SPEC)["train"].labels
+    assert set(labels.tolist()) == set(range(CLASSES))
+
+
+def test_split_tensors_decode_to_the_examples():
+    examples = generate(20, 1, SPEC)
+    split = to_split(examples)
+    ids, mask, labels = split.batch(torch.arange(20))
+    for row, (tokens, value) in enumerate(examples):
+        assert [VOCAB[i] for i in ids[row][mask[row]]] == tokens
+        assert not (ids[row][~mask[row]] != TOKEN_ID[PAD]).any()
+        assert labels[row] == value
+    assert split.majority_accuracy() == max(labels.tolist().count(c) for c in range(CLASSES)) / 20
+
+
+def test_spec_is_checked():
+    with pytest.raises(ValueError, match="need 1 <= min_length <= max_length, got 50, 10"):
+        ListOpsSpec(min_length=50, max_length=10)
+
+
+MECHANISMS = ["lavo", "softmax", "local", "performer", "cosformer", "abc", "s4d", "longshort"]
+
+
+@pytest.mark.parametrize("attention", MECHANISMS)
+def test_padding_does_not_change_a_sequences_logits(attention):
+    torch.manual_seed(0)
+    model = ListOpsRun(attention=attention, dim=32, depth=2, heads=2,
+                       attention_options={"window": 8} if attention in ("lavo", "local", "longshort") else {}
+                       ).build_model().eval()
+    examples = generate(2, 5, SPEC)
+    split = to_split(examples)
+    ids, mask, _ = split.batch(torch.arange(2))
+    short = int(split.lengths.argmin())
+    alone = model(split.ids[short:short + 1, :int(split.lengths[short])])
+    together = model(ids, mask)[short:short + 1]
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-4)
+
+
+def test_the_classifier_is_non_causal():
+    torch.manual_seed(0)
+    model = ListOpsRun(attention="lavo", dim=32, depth=1, heads=2, attention_options={"window": 4}).build_model()
+    assert all(not block.attention.causal for block in model.blocks)
+    ids = torch.randint(1, len(VOCAB), (1, 40))
+    x = model.embed(ids)
+    y, _ = model.blocks[0](x)
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] % (len(VOCAB) - 1)) + 1
+    y_changed, _ = model.blocks[0](model.embed(changed))
+    assert (y_changed[0, 0] - y[0, 0]).abs().max() > 0  # the first position sees the last
+
+
+def test_accuracy_counts_right_answers():
+    split = to_split(generate(10, 2, SPEC))
+
+    class Oracle(SequenceClassifier):
+        def forward(self, ids, padding_mask=None):
+            values = [evaluate_tokens([VOCAB[i] for i in row[mask]]) for row, mask in zip(ids, padding_mask)]
+            return torch.nn.functional.one_hot(torch.tensor(values), CLASSES).float()
+
+    model = Oracle(ListOpsRun(attention="softmax", dim=8, depth=1, heads=1).model_config(), CLASSES)
+    assert accuracy(model, split, batch_size=3) == 1.0
+
+
+def planned_listops_runs() -> dict[str, ListOpsRun]:
+    """The runs experiments/listops/run.sh trains: its ``listops_run`` calls, read by running the script with
+    that function replaced by printing its arguments."""
+    import json
+    import subprocess
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from lavo.config import apply_overrides, deep_merge
+    root = Path(__file__).resolve().parents[1]
+    experiment = root / "experiments" / "listops"
+    listing = subprocess.run(
+        ["bash", "--norc", "-c", 'source() { :; }; PYTHONPATH=; python() { :; }; '
+         'listops_run() { printf "%s\\t" "$@"; printf "\\n"; }; . "$0"', str(experiment / "run.sh")], cwd=root, capture_output=True, text=True,
+        check=True).stdout
+    base = deep_merge(asdict(ListOpsRun()), json.loads((experiment / "base.json").read_text()))
+    runs = {}
+    for line in listing.splitlines():
+        if "\t" not in line:
+            continue
+        name, *options = line.rstrip("\t").split("\t")
+        pairs = dict(zip(options[::2], options[1::2]))
+        overrides = [value for flag, value in zip(options[::2], options[1::2]) if flag == "--set"]
+        values = apply_overrides(base, [f"attention={pairs['--attention']}", *overrides], allow_top_level=True)
+        runs[name] = ListOpsRun.from_dict(values)
+    return runs
+
+
+def test_every_listops_model_has_the_same_parameters_within_two_percent():
+    from lavo.model import count_parameters
+    runs = planned_listops_runs()
+    assert {"lavo", "lavo-no-dissection", "softmax", "local", "performer", "cosformer", "abc", "s4d"} <= set(runs)
+    assert not runs["lavo-no-dissection"].attention_options["dissection"]
+    counts = {name: count_parameters(run.build_model()) for name, run in runs.items()}
+    assert max(counts.values()) <= 1.02 * min(counts.values()), counts
+
+
+def test_listops_command_trains_tests_and_skips_a_finished_run(tmp_path, capsys):
+    import json
+
+    from lavo.cli import main
+    config = tmp_path / "small.json"
+    config.write_text(json.dumps({"spec": {"min_length": 10, "max_length": 40, "max_depth": 4},
+                                  "dim": 16, "depth": 1, "heads": 2, "train_size": 40, "valid_size": 10,
+                                  "test_size": 10, "steps": 4, "batch_size": 4, "warmup": 1, "eval_interval": 2}))
+    out = tmp_path / "run"
+    arguments = ["listops", "--config", str(config), "--attention", "softmax", "--seed", "1", "--out", str(out),
+                 "--quiet"]
+    assert main([*arguments, "--set", "attention_options.rotary=false"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    results = json.loads((out / "results.json").read_text())
+    assert [point["step"] for point in results["curve"]] == [2, 4]
+    assert results["run"]["attention"] == "softmax" and results["run"]["seed"] == 1
+    assert results["run"]["spec"] == {"min_length": 10, "max_length": 40, "max_depth": 4, "max_args": 10}
+    assert printed["test_accuracy"] == results["test_accuracy"]
+    assert main(arguments) == 0  # finished: skipped, the same results printed
+    assert "[skip]" in capsys.readouterr().out
+
+
+def test_listops_command_names_an_unknown_setting(tmp_path, capsys):
+    from lavo.cli import main
+    assert main(["listops", "--out", str(tmp_path), "--set", "stpes=3"]) == 2
+    assert "unknown listops settings ['stpes']; known: attention, attention_options," in capsys.readouterr().err
+
+
+def test_a_bad_mechanism_setting_fails_before_the_data_is_drawn(tmp_path, monkeypatch):
+    import lavo.classify
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the splits were drawn")
+
+    monkeypatch.setattr(lavo.classify, "make_splits", no_data)
+    with pytest.raises(ValueError, match="attention 'lavo' has no option 'windw'"):
+        lavo.classify.train_listops(ListOpsRun(attention_options={"windw": 8}), tmp_path, progress=False)
