@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import Cache
+from ..common import accumulation_dtype
 from ..feature_attention import causal_feature_attention, feature_attention
 
 EPS = 1e-6
@@ -40,7 +41,7 @@ def cosformer_features(x: torch.Tensor, positions: torch.Tensor, horizon: int | 
                        padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``x [B, T, H, D]`` at ``positions [T]`` (or ``[B, T]``, with ``horizon`` ``[B, 1]``) -> ``[B, T, H, 2D]``;
     zero at padded positions when masked."""
-    angle = (math.pi / 2 * positions / horizon).to(x.dtype)[..., None, None]
+    angle = (math.pi / 2 * positions.to(accumulation_dtype(x.dtype)) / horizon).to(x.dtype)[..., None, None]
     relu = torch.relu(x)
     if padding_mask is not None:
         relu = relu * padding_mask[:, :, None, None]
