@@ -42,7 +42,7 @@ class Settings:
     eval_every: int = 20
     patience: int = 2  # evaluations without a better validation loss before training stops
     val_windows: int = 128  # evenly spaced validation windows scored at each evaluation
-    eval_batch: int = 256
+    eval_batch: int = 32
     cross_options: dict = field(default_factory=lambda: {"abc": {"slots": 8}, "performer": {"features": 32}})
 
 
