@@ -124,10 +124,10 @@ def read_member(path: Path, member: str) -> bytes:
 class FrameUnpickler(pickle.Unpickler):
     """Unpickles a pandas DataFrame and refuses every other global, so the pickle can build nothing else."""
 
-    ALLOWED_PREFIXES = ("pandas.", "numpy")
+    ALLOWED_PACKAGES = ("pandas", "numpy")
 
     def find_class(self, module: str, name: str):
-        if module.startswith(self.ALLOWED_PREFIXES) or (module, name) == ("builtins", "slice"):
+        if module.split(".")[0] in self.ALLOWED_PACKAGES or (module, name) == ("builtins", "slice"):
             if module.startswith("numpy.core."):  # the pickle predates numpy 2's rename to numpy._core
                 module = "numpy._core." + module.removeprefix("numpy.core.")
             return super().find_class(module, name)
