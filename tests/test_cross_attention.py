@@ -93,12 +93,16 @@ def _trained(name, steps=3, dim=24, heads=3):
     return layer
 
 
+def _queries_and_source(g):
+    """``y [2, 6, 24]`` and ``source [2, 8, 24]``, float64."""
+    return (torch.randn(2, n, 24, generator=g, dtype=torch.float64) for n in (6, 8))
+
+
 @pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))
 def test_padded_source_positions_change_nothing(name):
     layer = _trained(name)
     g = torch.Generator().manual_seed(4)
-    y, source = torch.randn(2, 6, 24, generator=g, dtype=torch.float64), torch.randn(2, 8, 24, generator=g,
-                                                                                      dtype=torch.float64)
+    y, source = _queries_and_source(g)
     expected = layer(y, source)
     # padding with arbitrary content before, between and after the real tokens
     padded = torch.randn(2, 13, 24, generator=g, dtype=torch.float64) * 100
@@ -112,8 +116,7 @@ def test_padded_source_positions_change_nothing(name):
 def test_permuting_the_source(name):
     layer = _trained(name)
     g = torch.Generator().manual_seed(5)
-    y, source = torch.randn(2, 6, 24, generator=g, dtype=torch.float64), torch.randn(2, 8, 24, generator=g,
-                                                                                      dtype=torch.float64)
+    y, source = _queries_and_source(g)
     mask = torch.ones(2, 8, dtype=torch.bool)
     mask[1, 6:] = False
     order = torch.randperm(8, generator=g)

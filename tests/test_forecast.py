@@ -1,6 +1,5 @@
 """Forecasting: the dataset parsers on small generated files, the split and window boundaries, standardisation
 fitted on training steps only, the baselines, the model's equal parameter counts, and one cell end to end."""
-import io
 import lzma
 import pickle
 import subprocess
@@ -16,7 +15,7 @@ from lavo.forecast import data as forecast_data
 from lavo.forecast.baselines import DLinear, RepeatLast, SeasonalNaive, moving_average
 from lavo.forecast.data import (Archive, Series, fetch_archive, gather_windows, parse_elecdemand, parse_nyc_weather,
                                 parse_tmy3, split_bounds, standardise, window_starts)
-from lavo.forecast.experiment import Settings, Windows, run_cell, run_cells
+from lavo.forecast.experiment import Settings, run_cell, run_cells
 from lavo.forecast.model import Forecaster, count_parameters
 from lavo.registry import CROSS_ATTENTIONS
 

@@ -114,7 +114,8 @@ class Forecaster(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def embed(self, values: torch.Tensor, calendar: torch.Tensor, start: int) -> torch.Tensor:
-        """Steps ``start ..`` of the shared timeline: ``values [B, T, C]``, ``calendar [B, T, 2]`` -> ``[B, T, dim]``."""
+        """Steps ``start ..`` of the shared timeline: ``values [B, T, C]``, ``calendar [B, T, 2]`` ->
+        ``[B, T, dim]``."""
         place = self.timeline[start:start + values.shape[1]]
         return self.dropout(self.value_embedding(values) + self.calendar_embedding(calendar_features(calendar))
                             + place)
