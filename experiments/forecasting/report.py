@@ -68,7 +68,8 @@ def score_table(grouped: dict, data: str, input_len: int) -> str:
                     row.append("—")
                     continue
                 mean, std = summary(runs, metric)
-                text = f"{mean:.3f}" + (f" ± {std:.3f}" if len(runs) > 1 else "")
+                trained = "steps" in runs[0]  # the other baselines are deterministic
+                text = f"{mean:.3f}" + (f" ± {std:.3f}" if len(runs) > 1 and trained else "")
                 best_transformer, best_overall = best[h, metric]
                 if method == best_transformer:
                     text = f"**{text}**"
@@ -96,12 +97,38 @@ def verdict_table(grouped: dict, input_len: int) -> str:
                 continue
             t, b = min(transformers, key=mse.get), min(baselines, key=mse.get)
             lavo_rank = sorted(transformers, key=mse.get).index("lavo") + 1 if "lavo" in mse else None
-            rows.append([data, h, f"{t} {mse[t]:.3f}", f"{b} {mse[b]:.3f}",
-                         "transformer" if mse[t] < mse[b] else "baseline",
+            spread = summary(grouped[data, input_len, h, t], "mse")[1]
+            winner = "transformer" if mse[t] < mse[b] else "baseline"
+            rows.append([data, h, f"{t} {mse[t]:.3f} ± {spread:.3f}", f"{b} {mse[b]:.3f}",
+                         winner + (" (within the seed std)" if abs(mse[t] - mse[b]) < spread else ""),
                          f"{mse['lavo'] / mse['softmax']:.3f}" if "lavo" in mse and "softmax" in mse else "—",
                          f"{lavo_rank} of {len(transformers)}" if lavo_rank else "—"])
     return markdown_table(["data", "horizon", "best transformer (MSE)", "best baseline (MSE)", "winner",
                            "LAVO / softmax MSE", "LAVO's rank"], rows)
+
+
+def ranking_table(grouped: dict, input_len: int) -> str:
+    """Per transformer, over every (dataset, horizon): its mean rank among the transformers by mean MSE, how often
+    it is the best, how often it beats the best baseline, and its MSE relative to softmax (geometric mean)."""
+    ranks, best, beats, ratios = defaultdict(list), defaultdict(int), defaultdict(int), defaultdict(list)
+    for data in DATASETS:
+        for h in horizons_of(grouped, data, input_len):
+            mse = {m: summary(runs, "mse")[0] for m in CROSS + BASELINES
+                   if (runs := grouped.get((data, input_len, h, m)))}
+            order = sorted((m for m in CROSS if m in mse), key=mse.get)
+            if len(order) < len(CROSS):
+                continue
+            best[order[0]] += 1
+            baseline = min(mse[m] for m in BASELINES if m in mse)
+            for rank, method in enumerate(order, 1):
+                ranks[method].append(rank)
+                beats[method] += mse[method] < baseline
+                ratios[method].append(mse[method] / mse["softmax"])
+    cells = len(ranks["softmax"])
+    rows = [[m, f"{statistics.mean(ranks[m]):.2f}", f"{best[m]} of {cells}", f"{beats[m]} of {cells}",
+             f"{statistics.geometric_mean(ratios[m]):.3f}"] for m in CROSS if ranks[m]]
+    return markdown_table(["cross attention", "mean rank (1 = best)", "best transformer", "beats every baseline",
+                           "MSE / softmax's (geometric mean)"], rows)
 
 
 def wall_table(grouped: dict, input_len: int) -> str:
@@ -153,6 +180,7 @@ def main(exp: Path) -> None:
     tables |= {f"scores-{data}-input{LONG_INPUT}": score_table(grouped, data, LONG_INPUT) for data in DATASETS
                if horizons_of(grouped, data, LONG_INPUT)}
     tables["verdict"] = verdict_table(grouped, input_len)
+    tables["ranking"] = ranking_table(grouped, input_len)
     tables["wall"] = wall_table(grouped, input_len)
     write_text(exp / "tables.md", "".join(f"## {name}\n\n{table}\n\n" for name, table in tables.items()))
     fill(exp / "REPORT.md", tables)
