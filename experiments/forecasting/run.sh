@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 14, part 1: multivariate forecasting, input 96 (and 336 for weather_nc), horizons 96..720, five cross attentions and three
-# baselines on three datasets; seed by seed (every cell of seed 0 first), one thread. Cells already in
-# results.json are skipped, so an interrupted run resumes. Then the tables and the plot.
+# Issue 14, part 1: multivariate forecasting, input 96 (and 336 for weather_nc), horizons 96..720, five cross
+# attentions and three baselines on three datasets; seed by seed (every cell of seed 0 first), one thread. Cells
+# already in results.json are skipped, so an interrupted run resumes. Then the tables and the plots.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 PY="${PYTHON:-python}"
