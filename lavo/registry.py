@@ -9,17 +9,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from torch import nn
-
-from .layers.abc import ABCAttention
-from .layers.base import Mechanism
-from .layers.cosformer import CosformerAttention
+from .layers.abc import ABCAttention, ABCCrossAttention
+from .layers.base import CrossAttentionLayer, Mechanism
+from .layers.cosformer import CosformerAttention, CosformerCrossAttention
 from .layers.lavo import LavoAttention, LavoCrossAttention
 from .layers.local import LocalAttention
 from .layers.longshort import LongShortAttention
-from .layers.performer import PerformerAttention
+from .layers.performer import PerformerAttention, PerformerCrossAttention
 from .layers.s4d import S4DLayer
-from .layers.softmax import SoftmaxAttention
+from .layers.softmax import SoftmaxAttention, SoftmaxCrossAttention
 
 ATTENTIONS: dict[str, type[Mechanism]] = {
     "abc": ABCAttention,
@@ -31,8 +29,12 @@ ATTENTIONS: dict[str, type[Mechanism]] = {
     "s4d": S4DLayer,
     "softmax": SoftmaxAttention,
 }
-CROSS_ATTENTIONS: dict[str, type[nn.Module]] = {
+CROSS_ATTENTIONS: dict[str, type[CrossAttentionLayer]] = {
+    "abc": ABCCrossAttention,
+    "cosformer": CosformerCrossAttention,
     "lavo": LavoCrossAttention,
+    "performer": PerformerCrossAttention,
+    "softmax": SoftmaxCrossAttention,
 }
 
 
@@ -74,7 +76,7 @@ def build_attention(name: str, dim: int, heads: int, *, causal: bool = True, **o
     return attention_class(name)(dim, heads, causal=causal, **options)
 
 
-def build_cross_attention(name: str, dim: int, heads: int, **options) -> nn.Module:
+def build_cross_attention(name: str, dim: int, heads: int, **options) -> CrossAttentionLayer:
     """Build the cross-attention registered as ``name`` (the source is compressed, the targets read it)."""
     if name not in CROSS_ATTENTIONS:
         raise ValueError(f"unknown cross attention {name!r}; available: {', '.join(sorted(CROSS_ATTENTIONS))}")

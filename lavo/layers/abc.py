@@ -4,9 +4,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.abc import ABCCache, abc_attention
+from ..ops.abc import ABCCache, abc_attention, abc_cross_attention
 from ..ops.common import accumulation_dtype
-from .base import AttentionLayer, element_size
+from .base import AttentionLayer, CrossAttentionLayer, element_size
+
+
+def add_control(module: nn.Module, slots: int) -> None:
+    """Give ``module.control [H, slots, D]``, the learned control ``W_phi``, and ``module.slots``."""
+    if not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"slots must be a positive integer, got {slots!r}")
+    module.slots = slots
+    module.control = nn.Parameter(torch.randn(module.heads, slots, module.head_dim) * module.head_dim ** -0.5)
 
 
 class ABCAttention(AttentionLayer):
@@ -19,10 +27,7 @@ class ABCAttention(AttentionLayer):
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True, slots: int = 64):
         super().__init__(dim, heads, causal=causal)
-        if not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots must be a positive integer, got {slots!r}")
-        self.slots = slots
-        self.control = nn.Parameter(torch.randn(heads, slots, self.head_dim) * self.head_dim ** -0.5)
+        add_control(self, slots)
 
     def attend(self, q, k, v, padding_mask, cache):
         return abc_attention(q, k, v, self.control, causal=self.causal, padding_mask=padding_mask, cache=cache)
@@ -37,3 +42,21 @@ class ABCAttention(AttentionLayer):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, slots={self.slots}, causal={self.causal}"
+
+
+class ABCCrossAttention(CrossAttentionLayer):
+    r"""ABC cross attention: ``slots`` memory slots per head written from the whole source (a softmax over the
+    source per slot), read by every query. Invariant to permuting the source (the control sees content only).
+
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
+    """
+
+    def __init__(self, dim: int, heads: int, *, slots: int = 64):
+        super().__init__(dim, heads)
+        add_control(self, slots)
+
+    def attend(self, q, k, v, source_padding_mask):
+        return abc_cross_attention(q, k, v, self.control, padding_mask=source_padding_mask)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}, slots={self.slots}"

@@ -136,3 +136,38 @@ class AttentionLayer(Mechanism):
     def key_value_nbytes(self, batch_size: int, positions: int, dtype: torch.dtype) -> int:
         """Bytes of ``positions`` cached keys and values of ``dtype`` plus their bool mask."""
         return batch_size * positions * (2 * self.heads * self.head_dim * element_size(dtype) + 1)
+
+
+class CrossAttentionLayer(nn.Module):
+    r"""Base of the cross attentions (a decoder reading an encoder's output):
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
+
+    ``y`` gives per-head queries ``q [B, Tq, H, D]``; the source gives ``source_projections`` per-head tensors
+    ``[B, S, H, D]`` (keys and values: 2; LAVO's features: 1). Subclasses implement :meth:`attend`
+    ``(q, *source_heads, source_padding_mask) -> [B, Tq, H, D]``.
+    """
+
+    def __init__(self, dim: int, heads: int, *, source_projections: int = 2):
+        super().__init__()
+        self.head_dim = check_heads(dim, heads)
+        self.dim, self.heads, self.source_projections = dim, heads, source_projections
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_source = nn.Linear(dim, source_projections * dim, bias=False)
+        self.to_out = nn.Linear(dim, dim, bias=False)
+
+    def attend(self, q: torch.Tensor, *source_heads: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, y: torch.Tensor, source: torch.Tensor,
+                source_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        for name, t in (("y", y), ("source", source)):
+            if t.dim() != 3 or t.shape[-1] != self.dim:
+                raise ValueError(f"{name} must have shape [B, T, {self.dim}], got {tuple(t.shape)}")
+        if y.shape[0] != source.shape[0]:
+            raise ValueError(f"y and source must have the same batch size, got {y.shape[0]} and {source.shape[0]}")
+        check_padding_mask(source_padding_mask, source.shape[0], source.shape[1], "source_padding_mask")
+        q = rearrange(self.to_q(y), "b t (h d) -> b t h d", h=self.heads)
+        source_heads = rearrange(self.to_source(source), "b s (n h d) -> n b s h d", n=self.source_projections,
+                                 h=self.heads)
+        out = self.attend(q, *source_heads, source_padding_mask)
+        return self.to_out(rearrange(out, "b t h d -> b t (h d)"))

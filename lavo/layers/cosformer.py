@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 from ..ops.common import check_positive
-from ..ops.cosformer import CosformerCache, cosformer_attention, cosformer_attention_causal
-from .base import AttentionLayer, element_size
+from ..ops.cosformer import (CosformerCache, cosformer_attention, cosformer_attention_causal,
+                             cosformer_cross_attention)
+from .base import AttentionLayer, CrossAttentionLayer, element_size
 
 
 class CosformerAttention(AttentionLayer):
@@ -40,3 +41,15 @@ class CosformerAttention(AttentionLayer):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, max_length={self.max_length}, causal={self.causal}"
+
+
+class CosformerCrossAttention(CrossAttentionLayer):
+    r"""cosFormer cross attention: query ``i`` of ``Tq`` and real source token ``j`` of ``n`` re-weighted by
+    ``cos(pi/2 (i / Tq - j / n))`` (:func:`~lavo.ops.cosformer.cosformer_cross_attention`). Not invariant to
+    permuting the source: the re-weighting is positional.
+
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
+    """
+
+    def attend(self, q, k, v, source_padding_mask):
+        return cosformer_cross_attention(q, k, v, padding_mask=source_padding_mask)

@@ -4,15 +4,14 @@ from __future__ import annotations
 import math
 
 import torch
-from einops import rearrange
 from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
 from ..cache import LavoCache, LavoStepCache
 from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, lavo_decode_step, orthogonal_basis
-from ..ops.common import check_backend, check_padding_mask, check_window, pos_bias_size
+from ..ops.common import check_backend, check_window, pos_bias_size
 from ..ops.lavo.variants import check_variant, is_variant
-from .base import AttentionLayer, check_heads
+from .base import AttentionLayer, CrossAttentionLayer
 
 
 def add_basis(module: nn.Module, heads: int, rank: int, head_dim: int, kind: str) -> None:
@@ -130,34 +129,21 @@ class LavoAttention(AttentionLayer):
                 f"backend={self.backend!r}")
 
 
-class LavoCrossAttention(nn.Module):
+class LavoCrossAttention(CrossAttentionLayer):
     r"""LAVO cross attention: the source is compressed into ``rank`` orthogonal slots per head, read by ``y``.
 
-    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``; the
+    source has one projection per head (the features written into the memory). Invariant to permuting the
+    source: the memory is a mean over it.
     """
 
     def __init__(self, dim: int, heads: int, *, rank: int | None = None, basis: str = "fixed",
                  backend: str = "auto"):
-        super().__init__()
+        super().__init__(dim, heads, source_projections=1)
         check_backend(backend)
         self.backend = backend
-        self.head_dim = check_heads(dim, heads)
-        self.dim, self.heads = dim, heads
         self.rank = self.head_dim if rank is None else rank
-        self.to_q = nn.Linear(dim, dim, bias=False)
-        self.to_features = nn.Linear(dim, dim, bias=False)
-        self.to_out = nn.Linear(dim, dim, bias=False)
         add_basis(self, heads, self.rank, self.head_dim, basis)
 
-    def forward(self, y: torch.Tensor, source: torch.Tensor,
-                source_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        for name, t in (("y", y), ("source", source)):
-            if t.dim() != 3 or t.shape[-1] != self.dim:
-                raise ValueError(f"{name} must have shape [B, T, {self.dim}], got {tuple(t.shape)}")
-        if y.shape[0] != source.shape[0]:
-            raise ValueError(f"y and source must have the same batch size, got {y.shape[0]} and {source.shape[0]}")
-        check_padding_mask(source_padding_mask, source.shape[0], source.shape[1], "source_padding_mask")
-        q = rearrange(self.to_q(y), "b t (h d) -> b t h d", h=self.heads)
-        x = rearrange(self.to_features(source), "b s (h d) -> b s h d", h=self.heads)
-        out = code_cross_attention(q, x, self.basis, padding_mask=source_padding_mask, backend=self.backend)
-        return self.to_out(rearrange(out, "b t h d -> b t (h d)"))
+    def attend(self, q, x, source_padding_mask):
+        return code_cross_attention(q, x, self.basis, padding_mask=source_padding_mask, backend=self.backend)

@@ -6,7 +6,7 @@ import torch
 from ..ops.common import check_positive
 from ..ops.performer import (PerformerCache, orthogonal_random_features, performer_attention,
                              performer_attention_causal)
-from .base import AttentionLayer, element_size
+from .base import AttentionLayer, CrossAttentionLayer, element_size
 
 
 class PerformerAttention(AttentionLayer):
@@ -58,3 +58,24 @@ class PerformerAttention(AttentionLayer):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, features={self.features}, "
                 f"redraw_interval={self.redraw_interval}, causal={self.causal}")
+
+
+class PerformerCrossAttention(CrossAttentionLayer):
+    r"""FAVOR+ cross attention: ``features`` positive orthogonal random features of the queries and of the
+    source's keys (the projection drawn once, from the global RNG, and kept as a buffer). Invariant to permuting
+    the source (it has no source positions).
+
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
+    """
+
+    def __init__(self, dim: int, heads: int, *, features: int = 256):
+        super().__init__(dim, heads)
+        check_positive("PerformerCrossAttention", features=features)
+        self.features = features
+        self.register_buffer("projection", orthogonal_random_features(features, self.head_dim))
+
+    def attend(self, q, k, v, source_padding_mask):
+        return performer_attention(q, k, v, self.projection, padding_mask=source_padding_mask)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}, features={self.features}"

@@ -5,7 +5,7 @@ import torch
 
 from ..cache import KVCache
 from ..ops.softmax import apply_rotary, softmax_attention
-from .base import AttentionLayer
+from .base import AttentionLayer, CrossAttentionLayer
 
 
 class SoftmaxAttention(AttentionLayer):
@@ -54,3 +54,14 @@ class SoftmaxAttention(AttentionLayer):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, causal={self.causal}, rotary={self.rotary}"
+
+
+class SoftmaxCrossAttention(CrossAttentionLayer):
+    r"""Softmax cross attention through SDPA: every query over every real source token. Invariant to permuting
+    the source (it has no source positions).
+
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
+    """
+
+    def attend(self, q, k, v, source_padding_mask):
+        return softmax_attention(q, k, v, causal=False, key_mask=source_padding_mask)

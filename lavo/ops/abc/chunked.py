@@ -139,7 +139,43 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, control: to
             outputs.append(out)
         out = torch.cat(outputs, 1)
     else:
-        weights = torch.exp(logits - logits.amax(1, keepdim=True).detach()) * real[:, :, None, None]
-        keys, values = (torch.einsum("bthr,bthd->bhrd", weights, x)[:, None] for x in (k, v))
-        out = _read(q, keys, values, weights.sum(1)[:, None], scale)
+        out = _read(q, *_whole_memory(k, v, logits, real), scale)
     return (out * real[:, :, None, None]).to(out_dtype), cache if causal else None
+
+
+def _whole_memory(k: torch.Tensor, v: torch.Tensor, logits: torch.Tensor,
+                  real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The memory written by every real token of ``k, v [B, S, H, D]`` (control ``logits [B, S, H, r]``, ``real
+    [B, S]``): unnormalised keys and values ``[B, 1, H, r, D]`` and the normaliser ``[B, 1, H, r]``, as
+    :func:`_read` takes them."""
+    weights = torch.exp(logits - logits.amax(1, keepdim=True).detach()) * real[:, :, None, None]
+    keys, values = (torch.einsum("bshr,bshd->bhrd", weights, x)[:, None] for x in (k, v))
+    return keys, values, weights.sum(1)[:, None]
+
+
+def abc_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, control: torch.Tensor, *,
+                        padding_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    r"""ABC cross attention: the memory is written from the whole source, every query reads it.
+
+    Args:
+        q: ``[B, Tq, H, D]``.
+        k, v: ``[B, S, H, D]`` the source's keys and values.
+        control: ``W_phi``, ``[H, r, D]``.
+        padding_mask: ``[B, S]`` bool over the source, True for real tokens (padding is never written; a
+            source with no real token is an empty memory and reads zeros).
+    Returns:
+        ``[B, Tq, H, D]``.
+    """
+    check_same_shape(k=k, v=v)
+    B, S, H, D = k.shape
+    if q.dim() != 4 or q.shape[0] != B or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"q [B, Tq, H, D] and k [B, S, H, D] must agree on B, H and D, got q {tuple(q.shape)} "
+                         f"and k {tuple(k.shape)}")
+    check_padding_mask(padding_mask, B, S)
+    if control.dim() != 3 or control.shape[0] != H or control.shape[2] != D:
+        raise ValueError(f"control must have shape [H, r, D] with H={H}, D={D}, got {tuple(control.shape)}")
+    scale = D ** -0.5 if scale is None else scale
+    out_dtype = q.dtype
+    q, k, v, control = (x.to(accumulation_dtype(out_dtype)) for x in (q, k, v, control))
+    real = torch.ones(B, S, dtype=q.dtype, device=q.device) if padding_mask is None else padding_mask.to(q.dtype)
+    return _read(q, *_whole_memory(k, v, _logits(k, control, padding_mask), real), scale).to(out_dtype)

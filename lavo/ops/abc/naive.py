@@ -24,3 +24,16 @@ def abc_attention_naive(q, k, v, control, *, causal=True, padding_mask=None, sca
         weights = torch.einsum("bhd,bhrd->bhr", q[:, t] * scale, memory_k).softmax(-1)
         out[:, t] = torch.einsum("bhr,bhrd->bhd", weights, memory_v) * mask[:, t, None, None]
     return out
+
+
+def abc_cross_attention_naive(q, k, v, control, *, padding_mask=None, scale=None):
+    """Reference for :func:`abc_cross_attention`: ``q [B, Tq, H, D]`` reads the memory written from every real
+    token of ``k, v [B, S, H, D]``, with an explicit softmax over the source per slot."""
+    B, S, H, D = k.shape
+    scale = D ** -0.5 if scale is None else scale
+    mask = torch.ones(B, S, dtype=torch.bool) if padding_mask is None else padding_mask
+    logits = torch.einsum("bshd,hrd->bshr", k, control)
+    alpha = torch.nan_to_num(logits.masked_fill(~mask[:, :, None, None], float("-inf")).softmax(1))
+    memory_k, memory_v = (torch.einsum("bshr,bshd->bhrd", alpha, x) for x in (k, v))
+    weights = torch.einsum("bthd,bhrd->bthr", q * scale, memory_k).softmax(-1)
+    return torch.einsum("bthr,bhrd->bthd", weights, memory_v)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import Cache
+from ..common import accumulation_dtype
 from ..feature_attention import causal_feature_attention, feature_attention
 
 EPS = 1e-6
@@ -39,9 +40,9 @@ class CosformerCache(Cache):
 
 def cosformer_features(x: torch.Tensor, positions: torch.Tensor, horizon: int | torch.Tensor,
                        padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [B, T, H, D]`` at ``positions [T]`` with ``M = horizon`` (a number, or ``[B, 1]`` one per sequence)
-    -> ``[B, T, H, 2D]``; zero at padded positions when masked."""
-    angle = (math.pi / 2 * positions / horizon).to(x.dtype)[..., None, None]
+    """``x [B, T, H, D]`` at ``positions [T]`` (or ``[B, T]``) with ``M = horizon`` (a number, or ``[B, 1]`` one
+    per sequence) -> ``[B, T, H, 2D]``; zero at padded positions when masked."""
+    angle = (math.pi / 2 * positions.to(accumulation_dtype(x.dtype)) / horizon).to(x.dtype)[..., None, None]
     relu = torch.relu(x)
     if padding_mask is not None:
         relu = relu * padding_mask[:, :, None, None]
@@ -56,6 +57,33 @@ def cosformer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     length = q.shape[1] if padding_mask is None else (positions * padding_mask).amax(1, keepdim=True) + 1
     return feature_attention(cosformer_features(q, positions, length),
                              cosformer_features(k, positions, length, padding_mask), v, eps=EPS)
+
+
+def source_fractions(padding_mask: torch.Tensor | None, batch: int, length: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each source token's place among the real ones and their number: positions ``[B, S]`` (a padded token
+    repeats its predecessor's; its features are zeroed anyway) and counts ``[B, 1]`` (at least 1)."""
+    if padding_mask is None:
+        return torch.arange(length, device=device).expand(batch, length), torch.full((batch, 1), length,
+                                                                                      device=device)
+    real = padding_mask.long()
+    return (real.cumsum(1) - 1).clamp(min=0), real.sum(1, keepdim=True).clamp(min=1)
+
+
+def cosformer_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                              padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    r"""cosFormer cross attention. Query ``i`` of ``Tq`` and real source token ``j`` of ``n`` are re-weighted
+    by ``cos(pi/2 (i / Tq - j / n))``: each side's position is its fraction of its own sequence, so weights stay
+    non-negative whatever the two lengths and, for ``Tq = n``, equal the self-attention form with ``M = T``.
+    Positions count real source tokens only, so padding changes nothing.
+
+    ``q [B, Tq, H, D]``, ``k, v [B, S, H, D]``, ``padding_mask [B, S]`` -> ``[B, Tq, H, D]``.
+    """
+    B, S = k.shape[:2]
+    length = q.shape[1]
+    positions, counts = source_fractions(padding_mask, B, S, k.device)
+    return feature_attention(cosformer_features(q, torch.arange(length, device=q.device), length),
+                             cosformer_features(k, positions, counts, padding_mask), v, eps=EPS)
 
 
 def cosformer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_length: int, *,

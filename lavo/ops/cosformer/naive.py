@@ -32,3 +32,23 @@ def cosformer_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         weights = weights.tril()
     out = torch.einsum("bhts,bshd->bthd", weights, v)
     return out / weights.sum(-1).transpose(1, 2).clamp(min=EPS)[..., None]
+
+
+def cosformer_cross_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                                    padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for :func:`cosformer_cross_attention`: explicit weights
+    ``relu(q_i) . relu(k_j) cos(pi/2 (i / Tq - j / n))`` over the real source tokens (``j`` counts real tokens,
+    ``n`` their number), one batch element at a time."""
+    length = q.shape[1]
+    outputs = []
+    for b in range(q.shape[0]):
+        real = torch.ones(k.shape[1], dtype=torch.bool) if padding_mask is None else padding_mask[b]
+        keys, values = k[b, real], v[b, real]  # [n, H, D]
+        count = max(1, keys.shape[0])
+        query_place = torch.arange(length, dtype=q.dtype) / length
+        key_place = torch.arange(keys.shape[0], dtype=q.dtype) / count
+        weights = torch.einsum("thd,shd->hts", torch.relu(q[b]), torch.relu(keys))
+        weights = weights * torch.cos(math.pi / 2 * (query_place[:, None] - key_place[None, :]))
+        out = torch.einsum("hts,shd->thd", weights, values)
+        outputs.append(out / weights.sum(-1).transpose(0, 1).clamp(min=EPS)[..., None])
+    return torch.stack(outputs)

@@ -1,0 +1,192 @@
+"""The forecasting tables and plots from results.json: MSE and MAE (mean ± std over the seeds that finished) per
+dataset, method and horizon, wins against the baselines, wall time, and one forecast against the truth per
+dataset. Tables go to tables.md and into REPORT.md between its ``<!-- BEGIN name -->`` / ``<!-- END name -->``
+markers.
+
+    python experiments/forecasting/report.py experiments/forecasting
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from lavo.files import write_text
+from lavo.report import line_plot, markdown_table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from report_tools import fill  # noqa: E402  (experiments/ is not a package)
+
+DATASETS = ("weather_nc", "weather_nyc", "elecdemand")
+CROSS = ("softmax", "lavo", "abc", "performer", "cosformer")
+BASELINES = ("repeat_last", "seasonal_naive", "dlinear")
+EXAMPLE_HORIZON = 192
+LONG_INPUT = 336  # the second input length of the protocol
+PLOTTED = ("softmax", "lavo", "dlinear", "seasonal_naive")  # more lines than these hide the truth
+
+
+def gather(cells: dict) -> dict:
+    """``(data, input, horizon, method) -> [cell, ...]`` over seeds."""
+    grouped = defaultdict(list)
+    for key, cell in cells.items():
+        data, input_len, horizon, method, _ = key.split("|")
+        grouped[data, int(input_len[1:]), int(horizon[1:]), method].append(cell)
+    return grouped
+
+
+def summary(runs: list[dict], metric: str) -> tuple[float, float]:
+    values = [run[metric] for run in runs]
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def horizons_of(grouped: dict, data: str, input_len: int) -> list[int]:
+    return sorted({h for d, L, h, _ in grouped if d == data and L == input_len})
+
+
+def score_table(grouped: dict, data: str, input_len: int) -> str:
+    """Rows: methods; columns: MSE and MAE at each horizon. The best transformer of a column is bold, the best
+    method of a column in italics when it is a baseline."""
+    horizons = horizons_of(grouped, data, input_len)
+    header = ["method"] + [f"{metric} {h}" for h in horizons for metric in ("MSE", "MAE")]
+    best = {}
+    for h in horizons:
+        for metric in ("mse", "mae"):
+            scores = {m: summary(grouped[data, input_len, h, m], metric)[0]
+                      for m in CROSS + BASELINES if grouped.get((data, input_len, h, m))}
+            transformers = [m for m in CROSS if m in scores]
+            best[h, metric] = (min(transformers, key=scores.get) if transformers else None,
+                               min(scores, key=scores.get) if scores else None)
+    rows = []
+    for method in CROSS + BASELINES:
+        row = [method]
+        for h in horizons:
+            for metric in ("mse", "mae"):
+                runs = grouped.get((data, input_len, h, method))
+                if not runs:
+                    row.append("—")
+                    continue
+                mean, std = summary(runs, metric)
+                trained = "steps" in runs[0]  # the other baselines are deterministic
+                text = f"{mean:.3f}" + (f" ± {std:.3f}" if len(runs) > 1 and trained else "")
+                best_transformer, best_overall = best[h, metric]
+                if method == best_transformer:
+                    text = f"**{text}**"
+                elif method == best_overall:
+                    text = f"*{text}*"
+                row.append(text)
+        rows.append(row)
+    seeds = sorted({len(runs) for (d, L, _, m), runs in grouped.items() if d == data and L == input_len
+                    and m in CROSS})
+    notes = [f"mean ± std over {'/'.join(map(str, seeds))} seeds (the seeds that finished); repeat_last and "
+             "seasonal_naive are deterministic. Bold: the best transformer of the column; italics: a baseline "
+             "better than every transformer."]
+    return markdown_table(header, rows, notes=notes)
+
+
+def verdict_table(grouped: dict, input_len: int) -> str:
+    """Per dataset and horizon: the best transformer, the best baseline, and who wins (MSE)."""
+    rows = []
+    for data in DATASETS:
+        for h in horizons_of(grouped, data, input_len):
+            mse = {m: summary(runs, "mse")[0] for m in CROSS + BASELINES
+                   if (runs := grouped.get((data, input_len, h, m)))}
+            transformers, baselines = [m for m in CROSS if m in mse], [m for m in BASELINES if m in mse]
+            if not transformers or not baselines:
+                continue
+            t, b = min(transformers, key=mse.get), min(baselines, key=mse.get)
+            lavo_rank = sorted(transformers, key=mse.get).index("lavo") + 1 if "lavo" in mse else None
+            spread = summary(grouped[data, input_len, h, t], "mse")[1]
+            winner = "transformer" if mse[t] < mse[b] else "baseline"
+            rows.append([data, h, f"{t} {mse[t]:.3f} ± {spread:.3f}", f"{b} {mse[b]:.3f}",
+                         winner + (" (within the seed std)" if abs(mse[t] - mse[b]) < spread else ""),
+                         f"{mse['lavo'] / mse['softmax']:.3f}" if "lavo" in mse and "softmax" in mse else "—",
+                         f"{lavo_rank} of {len(transformers)}" if lavo_rank else "—"])
+    return markdown_table(["data", "horizon", "best transformer (MSE)", "best baseline (MSE)", "winner",
+                           "LAVO / softmax MSE", "LAVO's rank"], rows)
+
+
+def ranking_table(grouped: dict, input_len: int) -> str:
+    """Per transformer, over every (dataset, horizon): its mean rank among the transformers by mean MSE, how often
+    it is the best, how often it beats the best baseline, and its MSE relative to softmax (geometric mean)."""
+    ranks, best, beats, ratios = defaultdict(list), defaultdict(int), defaultdict(int), defaultdict(list)
+    for data in DATASETS:
+        for h in horizons_of(grouped, data, input_len):
+            mse = {m: summary(runs, "mse")[0] for m in CROSS + BASELINES
+                   if (runs := grouped.get((data, input_len, h, m)))}
+            order = sorted((m for m in CROSS if m in mse), key=mse.get)
+            if len(order) < len(CROSS):
+                continue
+            best[order[0]] += 1
+            baseline = min(mse[m] for m in BASELINES if m in mse)
+            for rank, method in enumerate(order, 1):
+                ranks[method].append(rank)
+                beats[method] += mse[method] < baseline
+                ratios[method].append(mse[method] / mse["softmax"])
+    cells = len(ranks["softmax"])
+    rows = [[m, f"{statistics.mean(ranks[m]):.2f}", f"{best[m]} of {cells}", f"{beats[m]} of {cells}",
+             f"{statistics.geometric_mean(ratios[m]):.3f}"] for m in CROSS if ranks[m]]
+    return markdown_table(["cross attention", "mean rank (1 = best)", "best transformer", "beats every baseline",
+                           "MSE / softmax's (geometric mean)"], rows)
+
+
+def wall_table(grouped: dict, input_len: int) -> str:
+    """Mean wall seconds of a cell (training and scoring every test window), over datasets and seeds."""
+    horizons = sorted({h for _, L, h, _ in grouped if L == input_len})
+    rows = []
+    for method in CROSS + ("dlinear",):
+        row = [method]
+        for h in horizons:
+            walls = [c["wall_s"] for (d, L, hh, m), runs in grouped.items() if L == input_len and hh == h
+                     and m == method for c in runs]
+            row.append(f"{statistics.mean(walls):.1f}" if walls else "—")
+        steps = [c["steps"] for (d, L, hh, m), runs in grouped.items() if L == input_len and m == method
+                 for c in runs]
+        row.append(f"{statistics.mean(steps):.0f}" if steps else "—")
+        rows.append(row)
+    return markdown_table(["method"] + [f"H {h} (s)" for h in horizons] + ["mean steps"], rows)
+
+
+def plot_examples(grouped: dict, exp: Path, input_len: int) -> list[Path]:
+    """One plot per dataset: the example variable's last inputs, the truth and the forecasts of :data:`PLOTTED`
+    (seed 0; every method's example forecast is in results.json)."""
+    paths = []
+    for data in DATASETS:
+        examples = {m: runs[0]["example"] for m in PLOTTED
+                    if (runs := grouped.get((data, input_len, EXAMPLE_HORIZON, m))) and "example" in runs[0]}
+        if not examples:
+            continue
+        first = next(iter(examples.values()))
+        history = first["history"]
+        series = {"input": [(i - len(history), y) for i, y in enumerate(history)],
+                  "truth": [(i, y) for i, y in enumerate(first["truth"])]}
+        for method, example in examples.items():
+            series[method] = [(i, y) for i, y in enumerate(example["forecast"])]
+        path = line_plot(series, exp / f"forecast_{data}.png", xlabel="step (0 = first forecast step)",
+                         ylabel=f"{first['column']} (standardised)", logx=False,
+                         title=f"{data}: test window at step {first['window_start']}, horizon {EXAMPLE_HORIZON}",
+                         dashed=BASELINES)
+        paths.append(path)
+    return paths
+
+
+def main(exp: Path) -> None:
+    results = json.loads((exp / "results.json").read_text())
+    grouped = gather(results["cells"])
+    input_len = 96
+    tables = {f"scores-{data}": score_table(grouped, data, input_len) for data in DATASETS
+              if horizons_of(grouped, data, input_len)}
+    tables |= {f"scores-{data}-input{LONG_INPUT}": score_table(grouped, data, LONG_INPUT) for data in DATASETS
+               if horizons_of(grouped, data, LONG_INPUT)}
+    tables["verdict"] = verdict_table(grouped, input_len)
+    tables["ranking"] = ranking_table(grouped, input_len)
+    tables["wall"] = wall_table(grouped, input_len)
+    write_text(exp / "tables.md", "".join(f"## {name}\n\n{table}\n\n" for name, table in tables.items()))
+    fill(exp / "REPORT.md", tables)
+    plots = plot_examples(grouped, exp, input_len)
+    print(f"{exp}: {len(results['cells'])} cells; tables.md, {', '.join(p.name for p in plots)}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

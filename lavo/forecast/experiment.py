@@ -1,0 +1,177 @@
+r"""One forecasting cell (dataset, input length, horizon, method, seed): train with early stopping on the
+validation windows, score MSE and MAE on every test window (standardised values), record it.
+
+A *method* is a cross attention of :data:`lavo.registry.CROSS_ATTENTIONS` (the transformer of
+:mod:`.model`) or a baseline of :data:`BASELINES`. Results go to one JSON file, a cell at a time as each
+finishes; cells already in it are skipped, so an interrupted sweep resumes.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..files import write_json
+from ..registry import CROSS_ATTENTIONS
+from .baselines import DLinear, RepeatLast, SeasonalNaive
+from .data import TARGET_COLUMN, Series, Standardised, gather_windows, standardise, window_starts
+from .model import Forecaster, count_parameters
+
+BASELINES = ("repeat_last", "seasonal_naive", "dlinear")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Model size and training budget, the same for every transformer cell."""
+
+    dim: int = 32
+    heads: int = 4
+    layers: int = 1
+    hidden: int = 64
+    label_len: int = 48
+    dropout: float = 0.05
+    batch_size: int = 16
+    learning_rate: float = 1e-3
+    max_steps: int = 80
+    eval_every: int = 20
+    patience: int = 2  # evaluations without a better validation loss before training stops
+    val_windows: int = 128  # evenly spaced validation windows scored at each evaluation
+    eval_batch: int = 32
+    cross_options: dict = field(default_factory=lambda: {"abc": {"slots": 8}, "performer": {"features": 32}})
+
+
+def cell_key(data: str, input_len: int, horizon: int, method: str, seed: int) -> str:
+    return f"{data}|L{input_len}|H{horizon}|{method}|seed{seed}"
+
+
+def build_method(method: str, channels: int, input_len: int, horizon: int, steps_per_day: int,
+                 settings: Settings) -> torch.nn.Module:
+    if method == "repeat_last":
+        return RepeatLast(horizon)
+    if method == "seasonal_naive":
+        return SeasonalNaive(horizon, steps_per_day, input_len)
+    if method == "dlinear":
+        return DLinear(input_len, horizon)
+    if method not in CROSS_ATTENTIONS:
+        raise ValueError(f"unknown method {method!r}; cross attentions: {', '.join(sorted(CROSS_ATTENTIONS))}; "
+                         f"baselines: {', '.join(BASELINES)}")
+    return Forecaster(channels, input_len, min(settings.label_len, input_len), horizon, cross=method,
+                      cross_options=settings.cross_options.get(method, {}), dim=settings.dim, heads=settings.heads,
+                      layers=settings.layers, hidden=settings.hidden, dropout=settings.dropout)
+
+
+class Windows:
+    """The windows of one split as tensors: ``inputs [N, L, C]``, ``targets [N, H, C]``, ``calendar [N, L+H, 2]``."""
+
+    def __init__(self, data: Standardised, calendar: np.ndarray, split: str, input_len: int, horizon: int,
+                 limit: int | None = None):
+        starts = window_starts(data.bounds[split], input_len, horizon)
+        if limit is not None and len(starts) > limit:
+            starts = starts[np.linspace(0, len(starts) - 1, limit).round().astype(int)]
+        self.starts = starts
+        self.inputs, self.targets, self.calendar = (
+            torch.from_numpy(a) for a in gather_windows(data.values, calendar, starts, input_len, horizon))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, windows: Windows, batch: int) -> torch.Tensor:
+    model.eval()
+    return torch.cat([model(windows.inputs[i:i + batch], windows.calendar[i:i + batch])
+                      for i in range(0, len(windows), batch)])
+
+
+def errors(prediction: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    difference = (prediction - targets).double()
+    return {"mse": difference.square().mean().item(), "mae": difference.abs().mean().item()}
+
+
+def fit(model: torch.nn.Module, train: Windows, val: Windows, settings: Settings, seed: int,
+        progress: bool) -> dict:
+    """Adam on random training windows for at most ``max_steps``, scoring the validation windows every
+    ``eval_every`` steps; stops after ``patience`` evaluations without improvement and keeps the best weights."""
+    generator = torch.Generator().manual_seed(seed)
+    optimiser = torch.optim.Adam(model.parameters(), lr=settings.learning_rate)
+    best, best_state, best_step, waited, step = float("inf"), None, 0, 0, 0
+    bar = tqdm(total=settings.max_steps, disable=not progress, leave=False, desc="train")
+    while step < settings.max_steps and waited < settings.patience:
+        model.train()
+        index = torch.randint(len(train), (settings.batch_size,), generator=generator)
+        loss = torch.nn.functional.mse_loss(model(train.inputs[index], train.calendar[index]), train.targets[index])
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        optimiser.step()
+        step += 1
+        bar.update()
+        if step % settings.eval_every == 0 or step == settings.max_steps:
+            val_mse = errors(predict(model, val, settings.eval_batch), val.targets)["mse"]
+            bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{val_mse:.3f}")
+            if val_mse < best:
+                best, best_state, best_step, waited = val_mse, copy.deepcopy(model.state_dict()), step, 0
+            else:
+                waited += 1
+    bar.close()
+    model.load_state_dict(best_state)
+    return {"steps": step, "best_step": best_step, "val_mse": best}
+
+
+def run_cell(series: Series, input_len: int, horizon: int, method: str, seed: int, settings: Settings,
+             example_window: int = 0, progress: bool = False) -> dict:
+    """Train (when the method has parameters) and score one cell; the result includes the forecast of the
+    dataset's example variable on test window ``example_window``."""
+    started = time.perf_counter()
+    torch.manual_seed(seed)
+    data = standardise(series)
+    test = Windows(data, series.calendar, "test", input_len, horizon)
+    model = build_method(method, len(series.columns), input_len, horizon, series.steps_per_day, settings)
+    result = {"parameters": count_parameters(model)}
+    if result["parameters"]:
+        train = Windows(data, series.calendar, "train", input_len, horizon)
+        val = Windows(data, series.calendar, "val", input_len, horizon, limit=settings.val_windows)
+        result.update(fit(model, train, val, settings, seed, progress))
+    prediction = predict(model, test, settings.eval_batch)
+    result.update(errors(prediction, test.targets))
+    column = series.columns.index(TARGET_COLUMN[series.name])
+    example = {"history": test.inputs, "truth": test.targets, "forecast": prediction}
+    result["example"] = {"column": TARGET_COLUMN[series.name], "window_start": int(test.starts[example_window]),
+                         **{name: [round(x, 4) for x in t[example_window, :, column].tolist()]
+                            for name, t in example.items()}}
+    result.update(test_windows=len(test), wall_s=round(time.perf_counter() - started, 2))
+    return result
+
+
+def load_results(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {"settings": None, "cells": {}}
+
+
+def run_cells(series: Series, input_lens: list[int], horizons: list[int], methods: list[str], seeds: list[int],
+              settings: Settings, results_path: str | Path | None = None, progress: bool = True) -> dict[str, dict]:
+    """Every cell of the grid, skipping those already in ``results_path`` (written after each cell); the
+    settings must match the file's."""
+    results_path = None if results_path is None else Path(results_path)
+    results = load_results(results_path) if results_path else {"settings": None, "cells": {}}
+    recorded = results["settings"]
+    if recorded is not None and recorded != asdict(settings):
+        raise ValueError(f"{results_path} was written with other settings ({recorded}); use another file")
+    results["settings"] = asdict(settings)
+    done = {}
+    grid = [(L, H, m, s) for L in input_lens for H in horizons for m in methods for s in seeds]
+    for L, H, method, seed in tqdm(grid, disable=not progress, desc=series.name):
+        key = cell_key(series.name, L, H, method, seed)
+        if key not in results["cells"]:
+            cell = run_cell(series, L, H, method, seed, settings, progress=progress)
+            if seed != 0:
+                del cell["example"]  # one example forecast per method is enough for the plot
+            results["cells"][key] = cell
+            if results_path:
+                write_json(results_path, results)
+        done[key] = results["cells"][key]
+    return done

@@ -1,0 +1,141 @@
+"""Cross attention of every mechanism: the fast ops against their references on outputs and gradients, and the
+layers' padding and permutation properties, checked again after training steps (trained weights, not only
+initial ones)."""
+import pytest
+import torch
+
+from lavo.ops import code_cross_attention, code_cross_attention_naive, orthogonal_basis
+from lavo.ops.abc import abc_cross_attention, abc_cross_attention_naive
+from lavo.ops.cosformer import (cosformer_attention, cosformer_attention_naive, cosformer_cross_attention,
+                                cosformer_cross_attention_naive)
+from lavo.ops.performer import orthogonal_random_features, performer_attention, performer_attention_naive
+from lavo.ops.softmax import softmax_attention
+from lavo.registry import CROSS_ATTENTIONS, build_cross_attention
+from reference_checks import assert_same_outputs_and_grads
+
+# the mechanisms without source positions: their output is a function of the set of source tokens
+PERMUTATION_INVARIANT = {"softmax", "lavo", "abc", "performer"}
+OPTIONS = {"abc": {"slots": 5}, "performer": {"features": 16}, "lavo": {"rank": 3}}
+
+
+def explicit_softmax(q, k, v, padding_mask):
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / q.shape[-1] ** 0.5
+    if padding_mask is not None:
+        scores = scores.masked_fill(~padding_mask[:, None, None, :], float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", torch.nan_to_num(scores.softmax(-1)), v)
+
+
+def _inputs(T, S, H=3, D=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, T, H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, S, H, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.ones(2, S, dtype=torch.bool)
+    mask[0, : S // 3] = False  # a gap at the start of one source, and at its end in the other
+    mask[1, S - S // 2:] = False
+    return q, k, v, mask
+
+
+def _control(H=3, r=4, D=5):
+    return torch.randn(H, r, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64,
+                       requires_grad=True)
+
+
+# each case: (fast, reference) as functions of (q, k, v, mask, parameter) and the parameter's factory
+OPS = {
+    "softmax": (lambda q, k, v, m, p: softmax_attention(q, k, v, causal=False, key_mask=m),
+                lambda q, k, v, m, p: explicit_softmax(q, k, v, m), lambda: None),
+    "abc": (lambda q, k, v, m, p: abc_cross_attention(q, k, v, p, padding_mask=m),
+            lambda q, k, v, m, p: abc_cross_attention_naive(q, k, v, p, padding_mask=m), _control),
+    "performer": (lambda q, k, v, m, p: performer_attention(q, k, v, p, padding_mask=m),
+                  lambda q, k, v, m, p: performer_attention_naive(q, k, v, p, causal=False, padding_mask=m),
+                  lambda: orthogonal_random_features(7, 5, torch.Generator().manual_seed(1)).double()),
+    "cosformer": (lambda q, k, v, m, p: cosformer_cross_attention(q, k, v, padding_mask=m),
+                  lambda q, k, v, m, p: cosformer_cross_attention_naive(q, k, v, padding_mask=m), lambda: None),
+    "lavo": (lambda q, k, v, m, p: code_cross_attention(q, k, p, padding_mask=m),
+             lambda q, k, v, m, p: code_cross_attention_naive(q, k, p, padding_mask=m),
+             lambda: orthogonal_basis(3, 4, 5).double()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("T, S", [(7, 11), (1, 5), (9, 1), (4, 4)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_cross_op_matches_reference(name, T, S, padded):
+    fast, reference, parameter = OPS[name]
+    q, k, v, mask = _inputs(T, S)
+    mask = mask if padded and S > 2 else None
+    p = parameter()
+    inputs = [q, k, v] + ([p] if p is not None and p.requires_grad else [])
+    assert_same_outputs_and_grads(fast(q, k, v, mask, p), reference(q, k, v, mask, p), inputs)
+
+
+def test_cosformer_cross_with_equal_lengths_is_the_self_attention_form():
+    q, k, v, _ = _inputs(6, 6)
+    torch.testing.assert_close(cosformer_cross_attention(q, k, v), cosformer_attention(q, k, v))
+    torch.testing.assert_close(cosformer_cross_attention(q, k, v),
+                               cosformer_attention_naive(q, k, v, causal=False))
+
+
+def _trained(name, steps=3, dim=24, heads=3):
+    """A layer after ``steps`` Adam steps on a random regression (its weights moved from the initial ones)."""
+    torch.manual_seed(0)
+    layer = build_cross_attention(name, dim, heads, **OPTIONS.get(name, {})).double()
+    optimiser = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    y, source, target = (torch.randn(2, n, dim, generator=g, dtype=torch.float64) for n in (5, 9, 5))
+    before = [p.detach().clone() for p in layer.parameters()]
+    for _ in range(steps):
+        loss = (layer(y, source) - target).square().mean()
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+    return layer
+
+
+def _queries_and_source(g):
+    """``y [2, 6, 24]`` and ``source [2, 8, 24]``, float64."""
+    return (torch.randn(2, n, 24, generator=g, dtype=torch.float64) for n in (6, 8))
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))
+def test_padded_source_positions_change_nothing(name):
+    layer = _trained(name)
+    g = torch.Generator().manual_seed(4)
+    y, source = _queries_and_source(g)
+    expected = layer(y, source)
+    # padding with arbitrary content before, between and after the real tokens
+    padded = torch.randn(2, 13, 24, generator=g, dtype=torch.float64) * 100
+    mask = torch.zeros(2, 13, dtype=torch.bool)
+    real = torch.tensor([1, 2, 4, 5, 7, 9, 10, 11])
+    padded[:, real], mask[:, real] = source, True
+    torch.testing.assert_close(layer(y, padded, mask), expected)
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))
+def test_permuting_the_source(name):
+    layer = _trained(name)
+    g = torch.Generator().manual_seed(5)
+    y, source = _queries_and_source(g)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, 6:] = False
+    order = torch.randperm(8, generator=g)
+    same = torch.allclose(layer(y, source, mask), layer(y, source[:, order], mask[:, order]))
+    assert same == (name in PERMUTATION_INVARIANT)
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))
+def test_cross_layers_share_the_call(name):
+    layer = build_cross_attention(name, 16, 2)
+    assert layer(torch.randn(3, 4, 16), torch.randn(3, 7, 16), torch.ones(3, 7, dtype=torch.bool)).shape == (3, 4, 16)
+    with pytest.raises(ValueError, match=r"source must have shape \[B, T, 16\], got \(3, 7, 8\)"):
+        layer(torch.randn(3, 4, 16), torch.randn(3, 7, 8))
+    with pytest.raises(ValueError, match="y and source must have the same batch size, got 3 and 2"):
+        layer(torch.randn(3, 4, 16), torch.randn(2, 7, 16))
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))
+def test_an_all_padding_source_reads_zeros(name):
+    layer = build_cross_attention(name, 16, 2)
+    out = layer(torch.randn(2, 4, 16), torch.randn(2, 5, 16), torch.zeros(2, 5, dtype=torch.bool))
+    torch.testing.assert_close(out, torch.zeros_like(out))

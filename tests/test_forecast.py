@@ -1,0 +1,235 @@
+"""Forecasting: the dataset parsers on small generated files, the split and window boundaries, standardisation
+fitted on training steps only, the baselines, the model's equal parameter counts, and one cell end to end."""
+import lzma
+import pickle
+import subprocess
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from lavo.cli import main
+from lavo.data import DataError
+from lavo.forecast import data as forecast_data
+from lavo.forecast.baselines import DLinear, RepeatLast, SeasonalNaive, moving_average
+from lavo.forecast.data import (Archive, Series, fetch_archive, gather_windows, parse_elecdemand, parse_nyc_weather,
+                                parse_tmy3, split_bounds, standardise, window_starts)
+from lavo.forecast.experiment import Settings, run_cell, run_cells
+from lavo.forecast.model import Forecaster, count_parameters
+from lavo.registry import CROSS_ATTENTIONS
+
+
+def generated_series(length=400, channels=3, name="weather_nc", seed=0) -> Series:
+    """A daily sine per variable plus noise, hourly, with the example variable of ``name`` among its columns."""
+    g = np.random.default_rng(seed)
+    hours = np.arange(length)
+    values = np.stack([np.sin(2 * np.pi * hours / 24 + c) * (c + 1) + 0.1 * g.standard_normal(length) + c
+                       for c in range(channels)], 1).astype(np.float32)
+    columns = (forecast_data.TARGET_COLUMN[name],) + tuple(f"x{c}" for c in range(1, channels))
+    calendar = np.stack([hours % 24 / 24, hours // 24 / 365], 1).astype(np.float32)
+    return Series(name, values, columns, calendar, 24)
+
+
+# ------------------------------------------------------------------------------------------------- parsers
+
+def test_tmy3_is_read_in_hour_order_with_its_variables():
+    header = ",".join(["Date (MM/DD/YYYY)", "Time (HH:MM)", *forecast_data.TMY3_COLUMNS, "Alb (unitless)"])
+    rows = [f"01/01/1988,{h:02d}:00," + ",".join(str(h * 100 + c) for c in range(12)) + ",0.2" for h in (1, 2, 24)]
+    raw = ("723170,\"SITE\",NC,-5.0,36.1,-79.9,273\n" + header + "\n" + "\n".join(rows) + "\n").encode()
+    series = parse_tmy3(raw)
+    assert series.columns == forecast_data.TMY3_COLUMNS and series.steps_per_day == 24
+    np.testing.assert_array_equal(series.values[:, 0], [100, 200, 2400])
+    # the hour ending at 01:00 starts at 00:00; the one ending at 24:00 at 23:00
+    np.testing.assert_allclose(series.calendar[:, 0], [0, 1 / 24, 23 / 24])
+
+
+def test_nyc_weather_is_one_row_per_hour_with_gaps_interpolated():
+    rows = []
+    for origin in ("JFK", "EWR"):
+        for hour in (0, 1, 3):  # hour 2 is missing at both airports
+            values = {c: (10 if origin == "JFK" else 20) + hour for c in forecast_data.NYC_COLUMNS}
+            rows.append({"origin": origin, **values, "time_hour": f"2013-01-01T{hour + 5:02d}:00:00Z"})
+    series = parse_nyc_weather(pd.DataFrame(rows).to_csv(index=False).encode())
+    assert series.values.shape == (4, 14)
+    assert series.columns[:2] == ("temp EWR", "dewp EWR") and series.columns[7] == "temp JFK"
+    np.testing.assert_allclose(series.values[:, 7], [10, 11, 12, 13])  # hour 2 interpolated
+    np.testing.assert_allclose(series.calendar[:, 0], [0, 1 / 24, 2 / 24, 3 / 24])  # 05:00 UTC is midnight
+
+
+def _pickled(frame) -> bytes:
+    return lzma.compress(pickle.dumps(frame))
+
+
+def test_elecdemand_reads_a_pickled_frame():
+    frame = pd.DataFrame({"rownames": [1, 2, 3], "Demand": [3.9, 3.7, 3.5], "WorkDay": [0, 0, 1],
+                          "Temperature": [18.2, 17.9, 17.6]})
+    series = parse_elecdemand(_pickled(frame))
+    assert series.columns == ("Demand", "WorkDay", "Temperature") and series.steps_per_day == 48
+    np.testing.assert_allclose(series.values[:, 0], [3.9, 3.7, 3.5], rtol=1e-6)
+    np.testing.assert_allclose(series.calendar[:, 0], [0, 1 / 48, 2 / 48])
+
+
+class Exploit:
+    def __reduce__(self):
+        return (subprocess.call, (["true"],))
+
+
+def test_a_data_pickle_builds_nothing_but_a_frame():
+    with pytest.raises(DataError, match="refusing to load subprocess.call from a data pickle"):
+        parse_elecdemand(_pickled(Exploit()))
+
+
+def test_a_failed_download_says_what_to_do(tmp_path, monkeypatch):
+    def failing(command, **kwargs):
+        return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found")
+    monkeypatch.setattr(forecast_data.subprocess, "run", failing)
+    archive = Archive("pvlib==0.16.1", "pvlib-0.16.1-py3-none-any.whl", "0" * 64, "pvlib/data/723170TYA.CSV")
+    with pytest.raises(DataError, match=r"(?s)could not download pvlib==0.16.1 .*No matching distribution found\n"
+                       r"Check the connection to PyPI, or put pvlib-0.16.1-py3-none-any.whl in"):
+        fetch_archive(archive, tmp_path)
+
+
+def test_an_archive_with_another_hash_is_refused(tmp_path):
+    (tmp_path / "x.whl").write_bytes(b"not the pinned file")
+    archive = Archive("x==1", "x.whl", "0" * 64, "x/data.csv")
+    with pytest.raises(DataError, match=r"x.whl has SHA-256 [0-9a-f]{64}, not the pinned 0{64}: delete it"):
+        fetch_archive(archive, tmp_path)
+
+
+def test_an_unknown_dataset_lists_the_known_ones(tmp_path):
+    with pytest.raises(DataError, match="unknown forecasting dataset 'ett'; available: weather_nc, weather_nyc, "
+                       "elecdemand"):
+        forecast_data.load_series("ett", tmp_path)
+
+
+# ---------------------------------------------------------------------------------- splits and normalisation
+
+def test_splits_are_chronological_70_10_20():
+    assert split_bounds(8760) == {"train": (0, 6132), "val": (6132, 7008), "test": (7008, 8760)}
+    assert split_bounds(17520) == {"train": (0, 12264), "val": (12264, 14016), "test": (14016, 17520)}
+
+
+def test_window_targets_stay_inside_their_split():
+    bounds = split_bounds(1000)
+    for split, (start, end) in bounds.items():
+        starts = window_starts((start, end), 96, 48)
+        assert starts[0] == max(start, 96) and starts[-1] == end - 48
+        assert (np.diff(starts) == 1).all()
+    with pytest.raises(DataError, match=r"a split of steps \[700, 800\) holds no window of 96 inputs and 192 "
+                       "targets"):
+        window_starts(bounds["val"], 96, 192)
+
+
+def test_windows_are_the_steps_before_and_after_their_start():
+    values = np.arange(40, dtype=np.float32)[:, None].repeat(2, 1)
+    calendar = np.zeros((40, 2), np.float32)
+    inputs, targets, times = gather_windows(values, calendar, np.array([10, 30]), 6, 4)
+    np.testing.assert_array_equal(inputs[1, :, 0], np.arange(24, 30))
+    np.testing.assert_array_equal(targets[1, :, 0], np.arange(30, 34))
+    assert times.shape == (2, 10, 2)
+
+
+def test_standardisation_sees_only_the_training_steps():
+    series = generated_series(1000)
+    data = standardise(series)
+    train = data.values[:700]
+    np.testing.assert_allclose(train.mean(0), 0, atol=1e-5)
+    np.testing.assert_allclose(train.std(0), 1, atol=1e-5)
+    # changing every validation and test value leaves the statistics and the training values as they were
+    changed = Series(series.name, series.values.copy(), series.columns, series.calendar, 24)
+    changed.values[700:] = 1e6
+    other = standardise(changed)
+    np.testing.assert_array_equal(other.mean, data.mean)
+    np.testing.assert_array_equal(other.std, data.std)
+    np.testing.assert_array_equal(other.values[:700], train)
+
+
+def test_a_constant_variable_is_centred_not_divided_by_zero():
+    series = generated_series(200)
+    series.values[:, 1] = 5.0
+    assert (standardise(series).values[:, 1] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------- baselines
+
+def test_repeat_last_and_seasonal_naive():
+    inputs = torch.arange(2 * 10 * 1, dtype=torch.float32).reshape(2, 10, 1)
+    assert (RepeatLast(5)(inputs) == inputs[:, -1:]).all()
+    seasonal = SeasonalNaive(7, period=3, input_len=10)(inputs)
+    torch.testing.assert_close(seasonal[0, :, 0], torch.tensor([7., 8, 9, 7, 8, 9, 7]))
+    with pytest.raises(ValueError, match=r"the seasonal period must be in \[1, input_len=10\], got 24"):
+        SeasonalNaive(7, period=24, input_len=10)
+
+
+def test_dlinear_moving_average_keeps_a_line_inside_and_repeats_the_ends():
+    line = torch.arange(30, dtype=torch.float64).reshape(1, 30, 1)
+    average = moving_average(line, 5)
+    torch.testing.assert_close(average[:, 2:-2], line[:, 2:-2])
+    torch.testing.assert_close(average[0, 0, 0], torch.tensor((0 + 0 + 0 + 1 + 2) / 5, dtype=torch.float64))
+    assert DLinear(30, 12)(line.float()).shape == (1, 12, 1)
+
+
+# ----------------------------------------------------------------------------------------------------- model
+
+def test_every_cross_attention_gets_the_softmax_models_parameter_count():
+    counts = {name: count_parameters(Forecaster(7, 96, 48, 96, cross=name, cross_options=options))
+              for name, options in [(n, Settings().cross_options.get(n, {})) for n in CROSS_ATTENTIONS]}
+    reference = counts["softmax"]
+    assert all(abs(count - reference) <= 0.02 * reference for count in counts.values()), counts
+
+
+def test_the_forecast_has_the_horizon_and_windows_of_a_batch_are_independent():
+    torch.manual_seed(0)
+    model = Forecaster(3, 12, 6, 5, cross="lavo").eval()
+    inputs, calendar = torch.randn(2, 12, 3, requires_grad=True), torch.rand(2, 17, 2)
+    out = model(inputs, calendar)
+    assert out.shape == (2, 5, 3)
+    grad = torch.autograd.grad(out[0].sum(), inputs)[0]
+    assert grad[0].abs().sum() > 0 and grad[1].abs().sum() == 0  # windows of a batch are independent
+    with pytest.raises(ValueError, match=r"inputs must be \[B, 12, C\] and calendar \[B, 17, 2\]"):
+        model(inputs[:, :10], calendar)
+
+
+# -------------------------------------------------------------------------------------------------- cells
+
+SMALL = Settings(dim=16, heads=2, hidden=16, label_len=8, batch_size=8, max_steps=6, eval_every=3, val_windows=16)
+
+
+def test_a_cell_trains_scores_every_test_window_and_beats_repeating_the_last_value():
+    series = generated_series(600)
+    cell = run_cell(series, 48, 24, "dlinear", 0, Settings(max_steps=60, eval_every=30, learning_rate=1e-2))
+    last = run_cell(series, 48, 24, "repeat_last", 0, SMALL)
+    assert cell["test_windows"] == last["test_windows"] == len(window_starts(split_bounds(600)["test"], 48, 24))
+    assert cell["mse"] < 0.5 * last["mse"]
+    assert len(cell["example"]["forecast"]) == 24 and len(cell["example"]["history"]) == 48
+
+
+def test_cells_are_recorded_and_skipped_on_a_rerun(tmp_path):
+    series, path = generated_series(300), tmp_path / "results.json"
+    first = run_cells(series, [24], [12], ["softmax", "seasonal_naive"], [0, 1], SMALL, path, progress=False)
+    assert list(first) == ["weather_nc|L24|H12|softmax|seed0", "weather_nc|L24|H12|softmax|seed1",
+                           "weather_nc|L24|H12|seasonal_naive|seed0", "weather_nc|L24|H12|seasonal_naive|seed1"]
+    assert "example" in first["weather_nc|L24|H12|softmax|seed0"]
+    assert "example" not in first["weather_nc|L24|H12|softmax|seed1"]
+    again = run_cells(series, [24], [12], ["softmax"], [0], SMALL, path, progress=False)
+    assert again["weather_nc|L24|H12|softmax|seed0"]["wall_s"] == first["weather_nc|L24|H12|softmax|seed0"]["wall_s"]
+    with pytest.raises(ValueError, match="was written with other settings"):
+        run_cells(series, [24], [12], ["softmax"], [0], Settings(), path, progress=False)
+
+
+def test_training_is_reproducible_per_seed():
+    series = generated_series(300)
+    first, second = (run_cell(series, 24, 12, "performer", 3, SMALL) for _ in range(2))
+    assert first["mse"] == second["mse"] and first["val_mse"] == second["val_mse"]
+
+
+def test_cli_forecast_prints_the_scores(monkeypatch, capsys):
+    monkeypatch.setattr(forecast_data, "load_series", lambda name, cache_dir: generated_series(300, name=name))
+    assert main(["forecast", "--data", "elecdemand", "--horizon", "12", "--input", "24", "--baseline",
+                 "repeat_last", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "elecdemand|L24|H12|repeat_last|seed0" in out and "MSE" in out
+    with pytest.raises(SystemExit):
+        main(["forecast", "--data", "elecdemand", "--horizon", "12", "--cross", "nope"])
+    assert "unknown nope; choose from abc, cosformer, lavo, performer, softmax" in capsys.readouterr().err
