@@ -1,5 +1,5 @@
-"""``lavo`` command line: data, train, eval, generate, export, demo, bench, forecast (``lavo COMMAND --help`` for
-each).
+"""``lavo`` command line: data, train, eval, generate, export, demo, bench, forecast, listops (``lavo COMMAND --help``
+for each).
 
 Each command is a handler ``cmd_NAME(args)`` and a function ``add_NAME(commands)`` that adds its parser; a new
 command is those two and an entry in :data:`COMMANDS`."""
