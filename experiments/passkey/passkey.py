@@ -10,6 +10,7 @@ forced). Fine-tuning examples come from the training split, scored ones from the
 """
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,8 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=16, help="scored examples per length")
     args = parser.parse_args(argv)
     multiples = [int(m) for m in args.multiples.split(",")]
-    results = {}
-    for name, model, config, tokenizer, splits in load_runs(args.runs, args.data_dir, ("train", "valid")):
+    out = Path(args.out)
+    settings = {"steps": args.steps, "samples": args.samples, "multiples": multiples}
+    results = finished_runs(out / "results.json", settings)
+    todo = [run for run in args.runs if Path(run).name not in results]
+    for name, model, config, tokenizer, splits in load_runs(todo, args.data_dir, ("train", "valid")):
         prompt = Prompt.of(tokenizer)
         length = config.train.train_length
         finetune(model, splits["train"], prompt, tokenizer, length, args.steps, args.batch_size, args.lr, seed=0)
@@ -116,13 +120,29 @@ def main(argv: list[str] | None = None) -> None:
                                                            args.samples, seed=1)
                          for m in multiples}
         print(name, results[name], flush=True)
-    out = Path(args.out)
+        write_results(out, settings, args.runs, results)
+
+
+def finished_runs(path: Path, settings: dict) -> dict:
+    """The accuracies already in ``path`` when it was written with the same settings (a rerun skips those
+    models), else none."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    if any(earlier[key] != value for key, value in settings.items()):
+        raise ValueError(f"{path} holds a run with other settings; choose another --out")
+    return earlier["accuracy"]
+
+
+def write_results(out: Path, settings: dict, runs: list[str], results: dict) -> None:
+    """``results.json`` and the plot, rewritten after every model so an interrupted probe keeps what it did."""
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", {"steps": args.steps, "samples": args.samples, "multiples": multiples,
-                                      "runs": {Path(r).name: str(r) for r in args.runs}, "accuracy": results})
+    paths = {Path(r).name: str(r) for r in runs}
+    write_json(out / "results.json", {**settings, "runs": {name: paths.get(name, "") for name in results},
+                                      "accuracy": results})
     series = {name: [(int(k), v) for k, v in per.items()] for name, per in results.items()}
     line_plot(series, out / "passkey.png", xlabel="example length (tokens)", ylabel="passkey accuracy",
-              title=f"passkey retrieval after {args.steps} fine-tuning steps", length_ticks=True)
+              title=f"passkey retrieval after {settings['steps']} fine-tuning steps", length_ticks=True)
 
 
 if __name__ == "__main__":
