@@ -110,22 +110,22 @@ def main(argv: list[str] | None = None) -> None:
     multiples = [int(m) for m in args.multiples.split(",")]
     out = Path(args.out)
     settings = {"steps": args.steps, "samples": args.samples, "multiples": multiples}
-    results = finished_runs(out / "results.json", settings)
-    todo = [run for run in args.runs if Path(run).name not in results]
-    for name, model, config, tokenizer, splits in load_runs(todo, args.data_dir, ("train", "valid")):
+    for name, model, config, tokenizer, splits in load_runs(args.runs, args.data_dir, ("train", "valid")):
+        if name in finished_runs(out / "results.json", settings):  # scored before, or by a second process
+            continue
         prompt = Prompt.of(tokenizer)
         length = config.train.train_length
         finetune(model, splits["train"], prompt, tokenizer, length, args.steps, args.batch_size, args.lr, seed=0)
-        results[name] = {str(m * length): passkey_accuracy(model, splits["valid"], prompt, tokenizer, m * length,
-                                                           args.samples, seed=1)
-                         for m in multiples}
-        print(name, results[name], flush=True)
-        write_results(out, settings, args.runs, results)
+        accuracy = {str(m * length): passkey_accuracy(model, splits["valid"], prompt, tokenizer, m * length,
+                                                      args.samples, seed=1)
+                    for m in multiples}
+        print(name, accuracy, flush=True)
+        write_results(out, settings, args.runs, {**finished_runs(out / "results.json", settings), name: accuracy})
 
 
 def finished_runs(path: Path, settings: dict) -> dict:
-    """The accuracies already in ``path`` when it was written with the same settings (a rerun skips those
-    models), else none."""
+    """The accuracies already in ``path`` when it was written with the same settings, else none: a rerun skips
+    those models, and processes sharing one ``--out`` add to each other's results."""
     if not path.exists():
         return {}
     earlier = json.loads(path.read_text())
