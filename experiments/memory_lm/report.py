@@ -27,7 +27,7 @@ def context_table(result: dict) -> str:
 
 def passkey_table(result: dict) -> str:
     lengths = list(next(iter(result["accuracy"].values())))
-    rows = [[name] + [f"{per[k]:.2f}" for k in lengths] for name, per in result["accuracy"].items()]
+    rows = [[name] + [f"{per[k]:.3f}" for k in lengths] for name, per in result["accuracy"].items()]
     return markdown_table(["model"] + [f"{int(k):,} tokens" for k in lengths], rows)
 
 
