@@ -136,3 +136,14 @@ def test_passkey_finetune_and_score_run_through_the_cache():
         whole = model(ids[:, :-1])[0][0, -answered:]
     torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=1e-4)
     assert 0 <= passkey.passkey_accuracy(model, prose, prompt, tokenizer, 200, samples=2, seed=3) <= 1
+
+
+def test_passkey_results_are_kept_per_model_and_a_rerun_with_other_settings_is_refused(tmp_path):
+    settings = {"steps": 5, "samples": 2, "multiples": [1, 4]}
+    passkey.write_results(tmp_path, settings, ["runs/a", "runs/b"], {"a": {"8": 0.5, "32": 0.0}})
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["runs"] == {"a": "runs/a"} and written["steps"] == 5
+    assert passkey.finished_runs(tmp_path / "results.json", settings) == {"a": {"8": 0.5, "32": 0.0}}
+    assert passkey.finished_runs(tmp_path / "missing.json", settings) == {}
+    with pytest.raises(ValueError, match="holds a run with other settings; choose another --out"):
+        passkey.finished_runs(tmp_path / "results.json", {**settings, "steps": 6})

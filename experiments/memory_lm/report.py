@@ -1,5 +1,6 @@
 """The tables of experiments/memory_lm beyond experiments/report_tools.py's (which makes the perplexity tables):
-perplexity against local attention's, context use and passkey, into probes.md and REPORT.md.
+perplexity against local attention's, context use and passkey (each probe's folder and the folders of its
+kept earlier runs, e.g. passkey-60steps), into probes.md and REPORT.md under the folder's name.
 
     python experiments/memory_lm/report.py experiments/memory_lm
 """
@@ -26,7 +27,7 @@ def context_table(result: dict) -> str:
 
 def passkey_table(result: dict) -> str:
     lengths = list(next(iter(result["accuracy"].values())))
-    rows = [[name] + [f"{per[k]:.2f}" for k in lengths] for name, per in result["accuracy"].items()]
+    rows = [[name] + [f"{per[k]:.3f}" for k in lengths] for name, per in result["accuracy"].items()]
     return markdown_table(["model"] + [f"{int(k):,} tokens" for k in lengths], rows)
 
 
@@ -41,10 +42,9 @@ def versus_table(result: dict, reference: str) -> str:
 def main(argv: list[str]) -> None:
     exp = Path(argv[0])
     tables = {"versus_local": versus_table(json.loads((exp / "results.json").read_text()), "local")}
-    for name, table in (("context_use", context_table), ("passkey", passkey_table)):
-        path = exp / name / "results.json"
-        if path.exists():
-            tables[name] = table(json.loads(path.read_text()))
+    for probe, table in (("context_use", context_table), ("passkey", passkey_table)):
+        for path in sorted(exp.glob(f"{probe}*/results.json")):  # the probe's folder and its kept earlier runs
+            tables[path.parent.name] = table(json.loads(path.read_text()))
     write_text(exp / "probes.md", "".join(f"## {k}\n\n{v}\n\n" for k, v in tables.items()))
     fill(exp / "REPORT.md", tables)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The memory variants as language models on Austen (experiment 1's model, budget and window), then three probes
 # of the trained models: perplexity at 1x..16x the training length, context use (the same last 256 tokens given
-# 0..4K tokens before them), and passkey retrieval after brief fine-tuning. Core 1, one thread.
+# 0..16K tokens before them), and passkey retrieval after brief fine-tuning. Core 1, one thread.
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 export PYTHONPATH="$ROOT"  # this checkout's lavo, not an installed one
 PIN="taskset -c 1"
@@ -24,13 +24,19 @@ RUNS=($E/runs/lavo $E/runs/lavo-decay $E/runs/lavo-gated $E/runs/lavo-vector $E/
       $E/runs/local $E/runs/softmax-rope)
 eval_runs $E all --lengths 256,512,1024,2048,4096 --max-tokens 24576 --batch-size 16 --chunk-size 1024 -- "${RUNS[@]}"
 python experiments/report_tools.py results $E
-probe() {  # probe NAME SCRIPT ARGS...: skipped when NAME/results.json exists
+probe() {  # probe NAME SCRIPT RUN_DIRS_AND_ARGS...: skipped when NAME/results.json exists
   local name="$1" script="$2"; shift 2
   if [ -f "$E/$name/results.json" ]; then echo "[skip] $E/$name"; return 0; fi
   local t0=$(date +%s)
-  $PIN python "$script" "${RUNS[@]}" "$@" --out "$E/$name" > "$E/$name.log" 2>&1
+  mkdir -p "$E/$name"
+  $PIN python "$script" "$@" --out "$E/$name" > "$E/$name/$(basename "$script" .py).log" 2>&1
   echo "{\"what\": \"probe $name\", \"wall_s\": $(($(date +%s) - t0))}" >> "$E/wall_times.jsonl"
 }
-probe context_use experiments/context_use/context_use.py --contexts 0,256,1024,4096 --segments 16
-probe passkey experiments/passkey/passkey.py --multiples 1,4,16 --steps 400 --samples 16
+# The held-out split has 131,148 tokens: 7 spans of 16,384 + 257 tokens fit (context_use-4k/ keeps the first
+# run, 16 spans with contexts 0..4,096).
+probe context_use experiments/context_use/context_use.py "${RUNS[@]}" --contexts 0,256,1024,4096,16384 --segments 7
+probe passkey experiments/passkey/passkey.py "${RUNS[@]}" --multiples 1,4,16 --steps 400 --samples 16
+# Longer fine-tuning, for the paper's memory, the vector memory and the two references only (the time it takes).
+probe passkey-1000steps experiments/passkey/passkey.py $E/runs/lavo-vector $E/runs/softmax-rope $E/runs/lavo \
+  $E/runs/local --multiples 1,4,16,32,64 --steps 1000 --samples 16
 python experiments/memory_lm/report.py $E

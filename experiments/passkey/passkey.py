@@ -10,6 +10,7 @@ forced). Fine-tuning examples come from the training split, scored ones from the
 """
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,22 +108,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=16, help="scored examples per length")
     args = parser.parse_args(argv)
     multiples = [int(m) for m in args.multiples.split(",")]
-    results = {}
+    out = Path(args.out)
+    settings = {"steps": args.steps, "samples": args.samples, "multiples": multiples}
     for name, model, config, tokenizer, splits in load_runs(args.runs, args.data_dir, ("train", "valid")):
+        if name in finished_runs(out / "results.json", settings):  # scored before, or by a second process
+            continue
         prompt = Prompt.of(tokenizer)
         length = config.train.train_length
         finetune(model, splits["train"], prompt, tokenizer, length, args.steps, args.batch_size, args.lr, seed=0)
-        results[name] = {str(m * length): passkey_accuracy(model, splits["valid"], prompt, tokenizer, m * length,
-                                                           args.samples, seed=1)
-                         for m in multiples}
-        print(name, results[name], flush=True)
-    out = Path(args.out)
+        accuracy = {str(m * length): passkey_accuracy(model, splits["valid"], prompt, tokenizer, m * length,
+                                                      args.samples, seed=1)
+                    for m in multiples}
+        print(name, accuracy, flush=True)
+        write_results(out, settings, args.runs, {**finished_runs(out / "results.json", settings), name: accuracy})
+
+
+def finished_runs(path: Path, settings: dict) -> dict:
+    """The accuracies already in ``path`` when it was written with the same settings, else none: a rerun skips
+    those models, and processes sharing one ``--out`` add to each other's results."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    if any(earlier[key] != value for key, value in settings.items()):
+        raise ValueError(f"{path} holds a run with other settings; choose another --out")
+    return earlier["accuracy"]
+
+
+def write_results(out: Path, settings: dict, runs: list[str], results: dict) -> None:
+    """``results.json`` and the plot, rewritten after every model so an interrupted probe keeps what it did."""
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", {"steps": args.steps, "samples": args.samples, "multiples": multiples,
-                                      "runs": {Path(r).name: str(r) for r in args.runs}, "accuracy": results})
+    paths = {Path(r).name: str(r) for r in runs}
+    write_json(out / "results.json", {**settings, "runs": {name: paths.get(name, "") for name in results},
+                                      "accuracy": results})
     series = {name: [(int(k), v) for k, v in per.items()] for name, per in results.items()}
     line_plot(series, out / "passkey.png", xlabel="example length (tokens)", ylabel="passkey accuracy",
-              title=f"passkey retrieval after {args.steps} fine-tuning steps", length_ticks=True)
+              title=f"passkey retrieval after {settings['steps']} fine-tuning steps", length_ticks=True)
 
 
 if __name__ == "__main__":
