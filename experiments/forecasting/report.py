@@ -1,6 +1,6 @@
 """The forecasting tables and plots from results.json: MSE and MAE (mean ± std over the seeds that finished) per
 dataset, method and horizon, wins against the baselines, wall time, and one forecast against the truth per
-dataset. Tables go to tables.md and into REPORT.md between its ``<!-- BEGIN name -->`` / ``<!-- END name -->``
+dataset; and, when results_400steps.json (run_longer.sh) exists, its cells beside seed 0 of the main run. Tables go to tables.md and into REPORT.md between its ``<!-- BEGIN name -->`` / ``<!-- END name -->``
 markers.
 
     python experiments/forecasting/report.py experiments/forecasting
@@ -25,6 +25,7 @@ BASELINES = ("repeat_last", "seasonal_naive", "dlinear")
 EXAMPLE_HORIZON = 192
 LONG_INPUT = 336  # the second input length of the protocol
 PLOTTED = ("softmax", "lavo", "dlinear", "seasonal_naive")  # more lines than these hide the truth
+LONGER = "results_400steps.json"  # the longer-budget check of run_longer.sh
 
 
 def gather(cells: dict) -> dict:
@@ -148,6 +149,39 @@ def wall_table(grouped: dict, input_len: int) -> str:
     return markdown_table(["method"] + [f"H {h} (s)" for h in horizons] + ["mean steps"], rows)
 
 
+def longer_table(main: dict, longer: dict) -> str:
+    """Every cell of the longer run beside the same cell (seed 0) of the main run: MSE, MAE, rank among the
+    transformers of its horizon (by MSE), steps taken, the step of the best validation score and whether early
+    stopping ended training before the step limit."""
+    budgets = [run["settings"]["max_steps"] for run in (main, longer)]
+
+    def rank(cells: dict, key: str) -> str:
+        data, input_len, horizon, method, seed = key.split("|")
+        if method not in CROSS:
+            return "—"
+        mse = {m: cells[k]["mse"] for m in CROSS if (k := "|".join((data, input_len, horizon, m, seed))) in cells}
+        return str(sorted(mse, key=mse.get).index(method) + 1)
+
+    def stopped(cell: dict, budget: int) -> str:
+        return "yes" if cell["steps"] < budget else "no"
+
+    rows = []
+    for key, cell in longer["cells"].items():
+        data, input_len, horizon, method, seed = key.split("|")
+        before = main["cells"][key]
+        rows.append([data, horizon[1:], method,
+                     *(f"{run[metric]:.3f}" for metric in ("mse", "mae") for run in (before, cell)),
+                     f"{rank(main['cells'], key)} → {rank(longer['cells'], key)}",
+                     " → ".join(f"{run['steps']} ({run['best_step']})" for run in (before, cell)),
+                     f"{stopped(before, budgets[0])} → {stopped(cell, budgets[1])}"])
+    a, b = budgets
+    return markdown_table(["data", "horizon", "method", f"MSE {a}", f"MSE {b}", f"MAE {a}", f"MAE {b}",
+                           "rank (MSE)", "steps (best)", "stopped early"], rows,
+                          notes=[f"seed 0 of results.json (at most {a} steps) → {LONGER} (at most {b} steps), "
+                                 "the same early-stopping rule; rank among the five transformers of the horizon; steps taken and, in "
+                                 "brackets, the step of the best validation score (the weights kept)."])
+
+
 def plot_examples(grouped: dict, exp: Path, input_len: int) -> list[Path]:
     """One plot per dataset: the example variable's last inputs, the truth and the forecasts of :data:`PLOTTED`
     (seed 0; every method's example forecast is in results.json)."""
@@ -182,6 +216,8 @@ def main(exp: Path) -> None:
     tables["verdict"] = verdict_table(grouped, input_len)
     tables["ranking"] = ranking_table(grouped, input_len)
     tables["wall"] = wall_table(grouped, input_len)
+    if (exp / LONGER).exists():
+        tables["longer"] = longer_table(results, json.loads((exp / LONGER).read_text()))
     write_text(exp / "tables.md", "".join(f"## {name}\n\n{table}\n\n" for name, table in tables.items()))
     fill(exp / "REPORT.md", tables)
     plots = plot_examples(grouped, exp, input_len)
