@@ -36,7 +36,6 @@ probe() {  # probe NAME SCRIPT RUN_DIRS_AND_ARGS...: skipped when NAME/results.j
 # run, 16 spans with contexts 0..4,096).
 probe context_use experiments/context_use/context_use.py "${RUNS[@]}" --contexts 0,256,1024,4096,16384 --segments 7
 probe passkey experiments/passkey/passkey.py "${RUNS[@]}" --multiples 1,4,16 --steps 400 --samples 16
-# Longer fine-tuning, for the paper's memory, the vector memory and the two references only (the time it takes).
-probe passkey-1000steps experiments/passkey/passkey.py $E/runs/lavo-vector $E/runs/softmax-rope $E/runs/lavo \
-  $E/runs/local --multiples 1,4,16,32,64 --steps 1000 --samples 16
+# Longer fine-tuning at 1x..64x, every model.
+probe passkey-1000steps experiments/passkey/passkey.py "${RUNS[@]}" --multiples 1,4,16,32,64 --steps 1000 --samples 16
 python experiments/memory_lm/report.py $E

@@ -137,8 +137,10 @@ def finished_runs(path: Path, settings: dict) -> dict:
 def write_results(out: Path, settings: dict, runs: list[str], results: dict) -> None:
     """``results.json`` and the plot, rewritten after every model so an interrupted probe keeps what it did."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = {Path(r).name: str(r) for r in runs}
-    write_json(out / "results.json", {**settings, "runs": {name: paths.get(name, "") for name in results},
+    path = out / "results.json"
+    earlier = json.loads(path.read_text())["runs"] if path.exists() else {}  # models another process scored
+    paths = {**earlier, **{Path(r).name: str(r) for r in runs}}
+    write_json(path, {**settings, "runs": {name: paths.get(name, "") for name in results},
                                       "accuracy": results})
     series = {name: [(int(k), v) for k, v in per.items()] for name, per in results.items()}
     line_plot(series, out / "passkey.png", xlabel="example length (tokens)", ylabel="passkey accuracy",
