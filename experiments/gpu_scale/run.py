@@ -171,10 +171,15 @@ def device_name(device) -> str:
 def estimate_seconds(run: PlannedRun, done: list[dict]) -> float | None:
     """How long ``run`` should take (training and scoring), from finished runs of the same model, else of any;
     None before any run has finished."""
-    same = [r for r in done if r["model"] == run.model] or done
+    same = same_model_first(run, done)
     if not same:
         return None
     return statistics.median(r["train_seconds_this_machine"] + r["eval_seconds"] for r in same)
+
+
+def same_model_first(run: PlannedRun, done: list[dict]) -> list[dict]:
+    """The finished runs of ``run``'s model, or every finished run when none is of that model."""
+    return [r for r in done if r["model"] == run.model] or done
 
 
 def pack(results_dir: Path, archive: Path | None) -> None:
@@ -262,7 +267,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
 def estimate_eval_seconds(run: PlannedRun, done: list[dict]) -> float:
     """Time to keep for scoring after training: the longest scoring of a finished run of the same model (else
     of any), plus a half; 60 s before any run has been scored."""
-    same = [r for r in done if r["model"] == run.model] or done
+    same = same_model_first(run, done)
     return 1.5 * max(r["eval_seconds"] for r in same) if same else 60.0
 
 

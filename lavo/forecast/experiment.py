@@ -148,8 +148,9 @@ def run_cell(series: Series, input_len: int, horizon: int, method: str, seed: in
     return result
 
 
-def load_results(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {"settings": None, "cells": {}}
+def load_results(path: Path | None) -> dict:
+    """The grid recorded in ``path``; an empty one when there is no file (or no path)."""
+    return json.loads(path.read_text()) if path is not None and path.is_file() else {"settings": None, "cells": {}}
 
 
 def run_cells(series: Series, input_lens: list[int], horizons: list[int], methods: list[str], seeds: list[int],
@@ -157,7 +158,7 @@ def run_cells(series: Series, input_lens: list[int], horizons: list[int], method
     """Every cell of the grid, skipping those already in ``results_path`` (written after each cell); the
     settings must match the file's."""
     results_path = None if results_path is None else Path(results_path)
-    results = load_results(results_path) if results_path else {"settings": None, "cells": {}}
+    results = load_results(results_path)
     recorded = results["settings"]
     if recorded is not None and recorded != asdict(settings):
         raise ValueError(f"{results_path} was written with other settings ({recorded}); use another file")
