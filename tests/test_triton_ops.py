@@ -1,6 +1,8 @@
 """The Triton kernels (the GPU path of the LAVO, local and cross-attention ops) against the token-by-token
 references: outputs and gradients of q, k, v, basis and pos_bias. On CUDA when a GPU is present, otherwise in
 Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
+import re
+
 import pytest
 import torch
 from reference_checks import assert_matches_reference, random_inputs
@@ -9,7 +11,7 @@ from lavo import LavoAttention, LavoCrossAttention
 from lavo.layers.local import LocalAttention
 from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_attention, lavo_attention_naive,
                       local_attention, local_attention_naive)
-from lavo.ops.common import triton_interpreting, uses_triton
+from lavo.ops.common import check_interpreter_numpy, triton_interpreting, uses_triton
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -140,6 +142,15 @@ def test_backend_choice_and_its_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"backend='triton' runs on CUDA tensors, got a tensor on cpu; set "
                                          r"TRITON_INTERPRET=1"):
         lavo_attention(cpu, cpu, cpu, torch.eye(8)[None], window=4, backend="triton")
+
+
+def test_an_interpreter_that_cannot_run_with_this_numpy_is_named():
+    for triton_version, numpy_version in [("3.6.0", "2.3.5"), ("3.7.0", "2.4.6"), ("3.9.0", "2.4.0"), ("3.5.1", "1.26.4")]:
+        check_interpreter_numpy(triton_version, numpy_version)
+    for triton_version, numpy_version in [("3.6.0", "2.4.0"), ("3.3.1+git1a2b", "2.5.1")]:
+        with pytest.raises(ValueError, match=rf"^Triton {re.escape(triton_version)}'s CPU interpreter does not run "
+                                             rf"with numpy {numpy_version}; install numpy<2.4 or triton>=3.7$"):
+            check_interpreter_numpy(triton_version, numpy_version)
 
 
 @pytest.mark.slow

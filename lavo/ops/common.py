@@ -101,6 +101,19 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """``"3.6.0+cu13"`` -> ``(3, 6)``: the major and minor release of a version string."""
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
+def check_interpreter_numpy(triton_version: str, numpy_version: str) -> None:
+    """Triton's interpreter before 3.7 turns 1-element arrays into Python ints with ``int()``, which numpy 2.4
+    refuses (triton-lang/triton#9171): every kernel with a loop would fail deep inside the interpreter."""
+    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+        raise ValueError(f"Triton {triton_version}'s CPU interpreter does not run with numpy {numpy_version}; "
+                         f"install numpy<2.4 or triton>=3.7")
+
+
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
@@ -119,9 +132,13 @@ def uses_triton(backend: str, q: torch.Tensor) -> bool:
         return q.is_cuda and q.dtype in TRITON_DTYPES and triton_available()
     if not triton_available():
         raise ValueError("backend='triton' needs the triton package (pip install 'lavo[gpu]')")
-    if not q.is_cuda and not triton_interpreting():
-        raise ValueError(f"backend='triton' runs on CUDA tensors, got a tensor on {q.device}; set TRITON_INTERPRET=1 "
-                         f"before importing lavo to run the kernels in Triton's CPU interpreter")
+    if not q.is_cuda:
+        if not triton_interpreting():
+            raise ValueError(f"backend='triton' runs on CUDA tensors, got a tensor on {q.device}; set "
+                             f"TRITON_INTERPRET=1 before importing lavo to run the kernels in Triton's CPU interpreter")
+        import numpy
+        import triton
+        check_interpreter_numpy(triton.__version__, numpy.__version__)
     if q.dtype not in TRITON_DTYPES:
         raise ValueError(f"backend='triton' takes float16, bfloat16 or float32 inputs, got {q.dtype}")
     return True
