@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,15 +36,20 @@ DECODING_FORMS = [("decode", "lavo", "through LavoCache (torch)"),
                   ("decode", "lavo (graph)", "fused kernel, CUDA graph")]
 
 
+KERNEL_TESTS = ["-m", "slow or not slow", "tests/test_triton_ops.py", "tests/test_decode_step.py"]
+
+
+def pytest(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+
+
 def steps(dry_run: bool, fla: bool) -> list[tuple[str, float, list[str]]]:
     """(name, seconds allowed, command) of each step; a bench step's JSON goes to ``{out}/<name>.json``."""
-    python = [sys.executable]
-    tests = python + ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_ops.py",
-                      "tests/test_decode_step.py", "-m", "slow or not slow"]
-    bench = python + ["-m", "lavo.bench", "--no-progress", "--dtype", "bf16"]
+    bench = [sys.executable, "-m", "lavo.bench", "--no-progress", "--dtype", "bf16"]
     if dry_run:
         quick = bench + ["--device", "cpu", "--quick", "--backend", "triton", "--time-limit", "60"]
-        return [("tests", 120, tests[:-2] + ["-k", "backend_choice or cross_attention_layer or graphed_decoder"]),
+        return [("tests", 120, pytest("-k", "backend_choice or cross_attention_layer or graphed_decoder",
+                                      *KERNEL_TESTS)),
                 ("ops", 120, quick + ["--sections", "attention", "--attentions", "", "--ops", "lavo_attention,sdpa"]),
                 ("decode", 60, quick + ["--sections", "decode", "--decode-attentions", "lavo,local,softmax"]),
                 ("decode_torch", 60, quick + ["--sections", "decode", "--decode-attentions", "lavo", "--backend",
@@ -51,7 +57,7 @@ def steps(dry_run: bool, fla: bool) -> list[tuple[str, float, list[str]]]:
                 ("model", 120, quick + ["--sections", "model", "--model-attentions", "lavo,local,softmax"])]
     gpu = bench + ["--device", "cuda", "--time-limit", "20", "--repeats", "10", "--warmup", "3"]
     ops = "lavo_attention,sdpa" + (",fla_window,fla_linear" if fla else "")
-    return [("tests", 110, tests),
+    return [("tests", 110, pytest(*KERNEL_TESTS)),
             ("ops", 75, gpu + ["--sections", "attention", "--attentions", "", "--ops", ops, "--lengths", LENGTHS,
                                "--max-quadratic-length", "128K"]),
             ("ops_torch", 30, gpu + ["--sections", "attention", "--attentions", "", "--ops", "lavo_attention",
@@ -65,29 +71,66 @@ def steps(dry_run: bool, fla: bool) -> list[tuple[str, float, list[str]]]:
                                  "--max-quadratic-length", "16K"])]
 
 
-def _text(x) -> str:
-    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+def split_tests(command: list[str], shards: int, env: dict) -> list[list[str]]:
+    """A pytest ``command`` as up to ``shards`` commands over consecutive runs of its test ids, to run at once.
+
+    Triton compiles each kernel specialization on the CPU, one at a time in a process; the kernel tests launch
+    about 150 of them, most of the step's time in one process."""
+    listed = subprocess.run(command + ["--collect-only"], capture_output=True, text=True, env=env)
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    if not ids:  # nothing to split (or collection failed: the one command says why)
+        return [command]
+    options = [arg for arg in command[len(pytest()):] if not arg.startswith("tests/")]
+    size = -(-len(ids) // shards)
+    return [pytest(*options, *ids[start:start + size]) for start in range(0, len(ids), size)]
 
 
-def run_step(name: str, seconds: float, command: list[str], out: Path, env: dict) -> dict:
-    """Run one step with its time limit: stdout to ``{out}/{name}.md`` (a bench step's tables), stdout and stderr
-    to ``{out}/{name}.log``."""
+def pytest_summary(stdouts: list[str]) -> str:
+    """The counts of pytest's last summary line in each output, added up: ``"150 passed, 2 failed"``."""
+    counts: dict[str, int] = {}
+    for stdout in stdouts:
+        lines = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|skipped|deselected).*?)\s*=*$", stdout, re.M)
+        for count, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)",
+                                      lines[-1] if lines else ""):
+            counts[word] = counts.get(word, 0) + int(count)
+    return ", ".join(f"{count} {word}" for word, count in counts.items()) or "no pytest summary"
+
+
+def _read_back(file) -> str:
+    """What was written to a temporary file; closes it."""
+    with file:
+        file.seek(0)
+        return file.read()
+
+
+def run_step(name: str, seconds: float, commands: list[list[str]], out: Path, env: dict) -> dict:
+    """Run one step's commands at once, all within its time limit: their stdout, one after another, to
+    ``{out}/{name}.md`` (a bench step's tables), with their stderr to ``{out}/{name}.log``."""
     if name != "tests":
-        command = command + ["--json", str(out / f"{name}.json")]
+        commands = [command + ["--json", str(out / f"{name}.json")] for command in commands]
     start = time.monotonic()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=seconds, env=env)
-        status, stdout, stderr = ("ok" if done.returncode == 0 else f"exit {done.returncode}"), done.stdout, \
-            done.stderr
-    except subprocess.TimeoutExpired as error:
-        status, stdout, stderr = f"timed out after {seconds:g} s", _text(error.stdout), _text(error.stderr)
-    write_text(out / f"{name}.md", stdout)
-    write_text(out / f"{name}.log", stdout + stderr)
-    step = dict(name=name, command=" ".join(command), seconds=round(time.monotonic() - start, 1), status=status)
+    # files, not pipes: a process blocked on a full pipe would wait for the one read before it
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
+    running = [subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env)
+               for command, (stdout, stderr) in zip(commands, files)]
+    failed, late = [], False
+    for process in running:
+        try:
+            process.wait(timeout=max(0.0, seconds - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            late = True
+        failed += [process.returncode] * (process.returncode != 0)
+    outputs = [(_read_back(stdout), _read_back(stderr)) for stdout, stderr in files]
+    status = f"timed out after {seconds:g} s" if late else f"exit {failed[0]}" if failed else "ok"
+    write_text(out / f"{name}.md", "".join(stdout for stdout, _ in outputs))
+    write_text(out / f"{name}.log", "".join(stdout + stderr for stdout, stderr in outputs))
+    step = dict(name=name, command=" ".join(commands[0]) + (f" (and {len(commands) - 1} more at once)"
+                                                               if len(commands) > 1 else ""),
+                seconds=round(time.monotonic() - start, 1), status=status)
     if name == "tests":
-        summary = re.findall(r"^=*\s*(\d+ (?:passed|failed|error).*?)\s*=*$", stdout, re.M)
-        lines = stdout.strip().splitlines()
-        step["summary"] = summary[-1] if summary else (lines[-1] if lines else "")
+        step["summary"] = pytest_summary([stdout for stdout, _ in outputs])
     return step
 
 
@@ -165,10 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     machine = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, triton=triton_version, fla=fla,
                    date=time.strftime("%Y-%m-%d %H:%M:%S"))
     plan = steps(args.dry_run, fla)
+    shards = 2 if args.dry_run else min(8, os.cpu_count() or 1)
     done = []
     for name, seconds, command in plan:
         print(f"[gpu_check] {name} (at most {seconds:g} s)", file=sys.stderr, flush=True)
-        done.append(run_step(name, seconds, command, args.out, env))
+        commands = split_tests(command, shards, env) if name == "tests" else [command]
+        done.append(run_step(name, seconds, commands, args.out, env))
         print(f"[gpu_check] {name}: {done[-1]['status']} in {done[-1]['seconds']} s", file=sys.stderr, flush=True)
     rows = records(args.out, [name for name, _, _ in plan])
     stem = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_") + "_bf16"

@@ -335,6 +335,39 @@ def test_gpu_check_dry_run_writes_its_summary(tmp_path):
     assert "## Targets" in (tmp_path / "cpu_dry_run_bf16.md").read_text()
 
 
+
+def _gpu_check():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parents[1] / "benchmarks" /
+                                                  "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_splits_the_kernel_tests_into_commands_run_at_once():
+    gpu_check = _gpu_check()
+    selection = gpu_check.pytest("-k", "backend_choice or interpreter_that or bfloat16_kernels",
+                                *gpu_check.KERNEL_TESTS)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    commands = gpu_check.split_tests(selection, 2, env)
+    ids = [arg for command in commands for arg in command if "::" in arg]
+    assert len(commands) == 2 and len(ids) == 4 and len(set(ids)) == 4
+    assert all(command[:len(gpu_check.pytest())] == gpu_check.pytest() and "slow or not slow" in command
+               for command in commands)
+    assert {i.split("::")[1].split("[")[0] for i in ids} == {
+        "test_backend_choice_and_its_errors", "test_an_interpreter_that_cannot_run_with_this_numpy_is_named",
+        "test_bfloat16_kernels_are_close_to_the_float32_reference"}
+    assert gpu_check.split_tests(gpu_check.pytest("tests/no_such_file.py"), 2, env) == [
+        gpu_check.pytest("tests/no_such_file.py")]
+
+
+def test_gpu_check_adds_up_the_pytest_summaries_of_its_commands():
+    outputs = ["..F.\n=== 1 failed, 3 passed, 2 deselected in 4.10s ===\n", "....\n4 passed in 1.02s\n",
+               "collected nothing\n"]
+    assert _gpu_check().pytest_summary(outputs) == "1 failed, 7 passed, 2 deselected"
+    assert _gpu_check().pytest_summary(["killed\n"]) == "no pytest summary"
+
 def test_decode_measures_the_fixed_layout_forms_of_the_layers_that_have_one():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert decode.forms("lavo", cuda) == ["cache", "step", "graph"]
