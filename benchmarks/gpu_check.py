@@ -12,6 +12,7 @@ the kernels in Triton's interpreter: a check of this script, not a measurement.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -69,6 +71,18 @@ def steps(dry_run: bool, fla: bool) -> list[tuple[str, float, list[str]]]:
             ("model", 70, gpu + ["--sections", "model", "--model-preset", "small", "--model-attentions",
                                  "lavo,local,softmax", "--model-lengths", "1K,4K,16K", "--model-repeats", "3",
                                  "--max-quadratic-length", "16K"])]
+
+
+def unpack_wheels(folder: Path, site: Path) -> Path:
+    """Every ``*.whl`` in ``folder`` unpacked into ``site``: a folder to put on the path. A pure-Python wheel is a
+    zip of the importable files, so this is what installing it would do, less its scripts and records."""
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels:
+        raise SystemExit(f"--wheels: no .whl files in {folder}")
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(site)
+    return site
 
 
 def split_tests(command: list[str], shards: int, env: dict) -> list[list[str]]:
@@ -192,21 +206,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="output directory")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, kernels in Triton's interpreter")
+    parser.add_argument("--wheels", type=Path, help="a folder of pure-Python wheels to use without installing them "
+                        "(e.g. fla-core, for the anchor rows, where nothing can be installed)")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run to check this script on the CPU")
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if args.wheels:
+        site = unpack_wheels(args.wheels, Path(tempfile.mkdtemp(prefix="gpu_check_site_")))
+        sys.path.insert(0, str(site))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     if args.dry_run:
         env["TRITON_INTERPRET"] = "1"
     fla = importlib.util.find_spec("fla") is not None
+    fla_version = next((importlib.metadata.version(name) for name in
+                        importlib.metadata.packages_distributions().get("fla", [])), None)
     gpu = "cpu-dry-run" if args.dry_run else torch.cuda.get_device_name(0)
     triton_version = None
     if importlib.util.find_spec("triton") is not None:
         import triton
         triton_version = triton.__version__
-    machine = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, triton=triton_version, fla=fla,
-                   date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    machine = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, triton=triton_version,
+                   fla=fla_version, date=time.strftime("%Y-%m-%d %H:%M:%S"))
     plan = steps(args.dry_run, fla)
     shards = 2 if args.dry_run else min(8, os.cpu_count() or 1)
     done = []
@@ -220,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out / f"{stem}.json", dict(machine=machine, steps=done, targets=targets(rows), records=rows))
     text = [f"# GPU check: {gpu}, bf16", "",
             f"torch {machine['torch']}, CUDA {machine['cuda']}, triton {machine['triton']}, fla "
-            f"{'present' if fla else 'absent'}; {machine['date']}. Made by `scripts/gpu_check.sh`.", "",
+            f"{fla_version or 'absent'}; {machine['date']}. Made by `scripts/gpu_check.sh`.", "",
             "## Steps", "",
             markdown_table(["step", "status", "seconds", "note"],
                            [[s["name"], s["status"], s["seconds"], s.get("summary", "")] for s in done]), "",

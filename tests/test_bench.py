@@ -362,6 +362,22 @@ def test_gpu_check_splits_the_kernel_tests_into_commands_run_at_once():
         gpu_check.pytest("tests/no_such_file.py")]
 
 
+def test_gpu_check_puts_unpacked_wheels_on_the_path(tmp_path):
+    import zipfile
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "tiny_pkg-1.2-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("tiny_pkg/__init__.py", "VALUE = 7\n")
+        wheel.writestr("tiny_pkg-1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: tiny-pkg\nVersion: 1.2\n")
+    site = _gpu_check().unpack_wheels(wheels, tmp_path / "site")
+    found = subprocess.run([sys.executable, "-c", "import importlib.metadata, tiny_pkg; "
+                            "print(tiny_pkg.VALUE, importlib.metadata.version('tiny-pkg'))"],
+                           env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True, check=True)
+    assert found.stdout.split() == ["7", "1.2"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=r"^--wheels: no \.whl files in "):
+        _gpu_check().unpack_wheels(tmp_path / "empty", tmp_path / "site2")
+
 def test_gpu_check_adds_up_the_pytest_summaries_of_its_commands():
     outputs = ["..F.\n=== 1 failed, 3 passed, 2 deselected in 4.10s ===\n", "....\n4 passed in 1.02s\n",
                "collected nothing\n"]
