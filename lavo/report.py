@@ -48,6 +48,24 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join([head, "-" * len(head)] + [line(row) for row in cells[1:]])
 
 
+def _drawable(series: dict[str, Sequence[tuple[float, float]]], logy: bool) -> dict[str, list[tuple[float, float]]]:
+    """``series`` with its points sorted by x, less those with ``y`` None or (on a log axis) ``<= 0``, and less the
+    series left empty."""
+    lines = {label: sorted((x, y) for x, y in points if y is not None and (y > 0 or not logy))
+             for label, points in series.items()}
+    return {label: points for label, points in lines.items() if points}
+
+
+def _save(figure, path: str | os.PathLike) -> Path:
+    import matplotlib.pyplot as plt
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 def line_plot(series: dict[str, Sequence[tuple[float, float]]], path: str | os.PathLike, *, xlabel: str,
               ylabel: str, title: str, logx: bool = True, logy: bool = False, vline: tuple[float, str] | None = None,
               hline: tuple[float, str] | None = None, dashed: Sequence[str] = (),
@@ -60,11 +78,7 @@ def line_plot(series: dict[str, Sequence[tuple[float, float]]], path: str | os.P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines = {}
-    for label, points in series.items():
-        kept = sorted((x, y) for x, y in points if y is not None and (y > 0 or not logy))
-        if kept:
-            lines[label] = kept
+    lines = _drawable(series, logy)
     if not lines:
         return None
     figure, axes = plt.subplots(figsize=(8, 4.5))
@@ -85,9 +99,46 @@ def line_plot(series: dict[str, Sequence[tuple[float, float]]], path: str | os.P
         axes.minorticks_off()
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return _save(figure, path)
+
+
+def panel_plot(panels: dict[str, dict[str, Sequence[tuple[float, float]]]], path: str | os.PathLike, *,
+               xlabel: str, ylabel: str, title: str, hlines: dict[str, float] | None = None,
+               columns: int = 4) -> Path | None:
+    """Small multiples on shared axes: one panel per entry of ``panels`` (panel title -> series, as
+    :func:`line_plot` takes them), ``columns`` panels a row. A series label has the same colour in every panel
+    (e.g. one colour per seed) and one legend serves them all. ``hlines`` (series label -> y) draws a dotted
+    horizontal line in that series' colour in every panel (a reference that depends on the series, such as each
+    seed's floor). Returns the path, or None when no panel has a point to draw."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawable = {name: lines for name, series in panels.items() if (lines := _drawable(series, logy=False))}
+    if not drawable:
+        return None
+    labels = list(dict.fromkeys(label for lines in drawable.values() for label in lines))
+    colours = dict(zip(labels, plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(labels)))
+    rows = -(-len(drawable) // columns)
+    figure, grid = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.2 * rows + 0.6), sharex=True,
+                                sharey=True, squeeze=False)
+    for axes, (name, lines) in zip(grid.flat, drawable.items()):
+        for label, points in lines.items():
+            axes.plot(*zip(*points), marker="o", markersize=2, color=colours[label], label=label)
+        for label, y in (hlines or {}).items():
+            axes.axhline(y, color=colours.get(label, "black"), linestyle=":", linewidth=1)
+        axes.set_title(name, fontsize=9)
+        axes.grid(True, alpha=0.3)
+    for axes in grid.flat[len(drawable):]:
+        axes.set_visible(False)
+    for axes in grid[-1]:
+        axes.set_xlabel(xlabel, fontsize=8)
+    for axes in grid[:, 0]:
+        axes.set_ylabel(ylabel, fontsize=8)
+    legend = {}
+    for axes in grid.flat:
+        for handle, label in zip(*axes.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    figure.legend(legend.values(), legend.keys(), fontsize=8, loc="upper right", ncol=len(legend))
+    figure.suptitle(title, x=0.02, ha="left")
+    return _save(figure, path)

@@ -161,8 +161,8 @@ def test_accuracy_counts_right_answers():
 
 
 def planned_listops_runs() -> dict[str, ListOpsRun]:
-    """The runs experiments/listops/run.sh trains: its ``listops_run`` calls, read by running the script with
-    that function replaced by printing its arguments."""
+    """The runs experiments/listops/run.sh trains, ``{run directory under runs/ (MODEL/seedS): its settings}``: its
+    ``listops_run`` calls, read by running the script with that function replaced by printing its arguments."""
     import json
     import subprocess
     from dataclasses import asdict
@@ -183,18 +183,30 @@ def planned_listops_runs() -> dict[str, ListOpsRun]:
         name, *options = line.rstrip("\t").split("\t")
         pairs = dict(zip(options[::2], options[1::2]))
         overrides = [value for flag, value in zip(options[::2], options[1::2]) if flag == "--set"]
-        values = apply_overrides(base, [f"attention={pairs['--attention']}", *overrides], allow_top_level=True)
+        values = apply_overrides(base, [f"attention={pairs['--attention']}", f"seed={pairs['--seed']}", *overrides],
+                                 allow_top_level=True)
         runs[name] = ListOpsRun.from_dict(values)
     return runs
 
 
 def test_every_listops_model_has_the_same_parameters_within_two_percent():
     from lavo.model import count_parameters
-    runs = planned_listops_runs()
+    runs = {name.removesuffix("/seed0"): run for name, run in planned_listops_runs().items() if run.seed == 0}
     assert {"lavo", "lavo-no-dissection", "softmax", "local", "performer", "cosformer", "abc", "s4d"} <= set(runs)
     assert not runs["lavo-no-dissection"].attention_options["dissection"]
     counts = {name: count_parameters(run.build_model()) for name, run in runs.items()}
     assert max(counts.values()) <= 1.02 * min(counts.values()), counts
+
+
+def test_every_listops_model_trains_on_seeds_0_1_and_2_with_settings_that_differ_only_in_the_seed():
+    from dataclasses import replace
+    runs = planned_listops_runs()
+    models = {name.split("/")[0] for name in runs}
+    assert set(runs) == {f"{model}/seed{seed}" for model in models for seed in (0, 1, 2)}
+    for name, run in runs.items():
+        model, seed = name.split("/seed")
+        assert run.seed == int(seed)
+        assert replace(run, seed=0) == runs[f"{model}/seed0"], name
 
 
 def test_listops_command_trains_tests_and_skips_a_finished_run(tmp_path, capsys):
@@ -234,3 +246,55 @@ def test_a_bad_mechanism_setting_fails_before_the_data_is_drawn(tmp_path, monkey
     monkeypatch.setattr(lavo.classify, "make_splits", no_data)
     with pytest.raises(ValueError, match="attention 'lavo' has no option 'windw'"):
         lavo.classify.train_listops(ListOpsRun(attention_options={"windw": 8}), tmp_path, progress=False)
+
+
+def listops_report():
+    """experiments/listops/report.py as a module (experiments/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "experiments" / "listops" / "report.py"
+    spec = importlib.util.spec_from_file_location("listops_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_listops_run(exp, model: str, seed: int, test: float, valid_curve: list[float], floor: float = 0.16):
+    import json
+    directory = exp / "runs" / model / f"seed{seed}"
+    directory.mkdir(parents=True)
+    curve = [{"step": 100 * (i + 1), "train_loss": 2.0, "valid_accuracy": v} for i, v in enumerate(valid_curve)]
+    (directory / "results.json").write_text(json.dumps({"run": {"seed": seed}, "test_accuracy": test,
+                                                        "test_majority_accuracy": floor, "curve": curve}))
+
+
+def test_listops_report_averages_each_model_over_its_seeds(tmp_path):
+    report = listops_report()
+    (tmp_path / "run.sh").write_text('MODELS=(\n  "slow   --attention lavo"\n  "quick  --attention softmax"\n)\n')
+    (tmp_path / "wall_times.jsonl").write_text('{"what": "listops slow/seed1", "wall_s": 7}\n')
+    write_listops_run(tmp_path, "slow", 0, 0.2, [0.15, 0.16])   # never past the plateau
+    write_listops_run(tmp_path, "slow", 1, 0.3, [0.15, 0.25])   # at 25% exactly: past it at step 200
+    write_listops_run(tmp_path, "slow", 2, 0.4, [0.30, 0.31])
+    write_listops_run(tmp_path, "quick", 2, 0.35, [0.3, 0.35])  # seeds 0 and 1 not run yet
+    runs = report.collect(tmp_path)
+    assert list(runs) == ["slow", "quick"] and list(runs["slow"]) == [0, 1, 2]
+    assert [runs["slow"][seed]["wall_seconds"] for seed in (0, 1)] == [None, 7]
+    summary = report.summarize(runs["slow"])
+    assert summary["test_accuracy_mean"] == pytest.approx(0.3)
+    assert summary["test_accuracy_std"] == pytest.approx(0.1)  # sample std: sqrt((0.01 + 0 + 0.01) / 2)
+    assert summary["first_step_past_plateau"] == {0: None, 1: 200, 2: 100}
+    assert summary["seeds_past_plateau"] == 2
+    assert report.summarize(runs["quick"])["test_accuracy_std"] is None
+    rows = report.accuracy_table(runs).splitlines()
+    assert rows[2] == "| majority class (the floor) | 16.0 ± 0.0 | 16.0 / 16.0 / 16.0 | — | — | — |"
+    assert rows[3] == "| slow | 30.0 ± 10.0 | 20.0 / 30.0 / 40.0 | 2 of 3 | never / 200 / 100 | — |"
+    assert rows[4] == "| quick | 35.0 ± — | — / — / 35.0 | 1 of 1 | — / — / 100 | — |"
+
+
+def test_listops_report_refuses_runs_of_one_seed_with_different_floors(tmp_path):
+    report = listops_report()
+    (tmp_path / "run.sh").write_text('MODELS=(\n  "a --attention lavo"\n  "b --attention softmax"\n)\n')
+    write_listops_run(tmp_path, "a", 0, 0.2, [0.2], floor=0.16)
+    write_listops_run(tmp_path, "b", 0, 0.2, [0.2], floor=0.17)
+    with pytest.raises(ValueError, match="seed 0: runs disagree on the test split's majority class"):
+        report.floors(report.collect(tmp_path))
