@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         env["TRITON_INTERPRET"] = "1"
     fla = importlib.util.find_spec("fla") is not None
     fla_version = next((importlib.metadata.version(name) for name in
-                        importlib.metadata.packages_distributions().get("fla", [])), None)
+                        importlib.metadata.packages_distributions().get("fla", [])), "present") if fla else None
     gpu = "cpu-dry-run" if args.dry_run else torch.cuda.get_device_name(0)
     triton_version = None
     if importlib.util.find_spec("triton") is not None:
