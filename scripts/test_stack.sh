@@ -16,5 +16,6 @@ cd "$(dirname "$0")/.."
 "$venv/bin/pip" install --quiet --disable-pip-version-check "${pins[@]}" ".[test]"
 "$venv/bin/pip" uninstall --quiet --yes lavo
 export PYTHONPATH="$PWD" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-"$venv/bin/python" -c "import numpy, torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
+"$venv/bin/python" -c "import numpy, torch, triton
+print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -120,6 +120,25 @@ def test_declared_time_complexity_decides_the_lengths_run_and_the_skips_predicte
     assert "predicted 4 s" in notes["quadratic_local", 256] and "predicted 4 s" in notes["sdpa (op)", 256]
 
 
+
+def test_a_run_stopped_midway_has_written_what_it_measured(monkeypatch, tmp_path):
+    calls = []
+
+    def measure_until_stopped(self, fn, repeats=None):
+        calls.append(fn)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as a time limit's kill or Ctrl-C would stop it
+        return Measurement(float(len(calls)), [float(len(calls))], None)
+
+    monkeypatch.setattr(Runner, "measure", measure_until_stopped)
+    s = quick_settings("--sections", "attention", "--attentions", "", "--ops", "sdpa", "--passes", "fwd",
+                       "--lengths", "128,256,512", "--max-quadratic-length", "512")
+    with pytest.raises(KeyboardInterrupt):
+        cli.run(s, progress=False, json_path=tmp_path / "bench.json")
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert [(r["length"], r["ms"]) for r in saved["records"]] == [(128, 1.0), (256, 2.0)]
+    assert saved["settings"]["lengths"] == [128, 256, 512] and "torch" in saved["machine"]
+
 def test_the_first_quadratic_mechanism_is_the_reference_of_decode_and_model(monkeypatch):
     monkeypatch.setitem(ATTENTIONS, "quadratic_local", QuadraticLocal)
     monkeypatch.setattr(Runner, "measure", lambda self, fn, repeats=None: Measurement(1.0, [1.0], None))
@@ -377,6 +396,14 @@ def test_gpu_check_puts_unpacked_wheels_on_the_path(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match=r"^--wheels: no \.whl files in "):
         _gpu_check().unpack_wheels(tmp_path / "empty", tmp_path / "site2")
+
+
+def test_gpu_check_steps_fit_its_time_and_put_fla_last():
+    gpu_check = _gpu_check()
+    without, with_fla = gpu_check.steps(False, False), gpu_check.steps(False, True)
+    assert [name for name, _, _ in with_fla] == [name for name, _, _ in without] + ["anchors"]
+    assert sum(seconds for _, seconds, _ in without) <= 7 * 60 and sum(seconds for _, seconds, _ in with_fla) <= 8 * 60
+    assert not any("fla" in " ".join(command) for _, _, command in without)
 
 def test_gpu_check_adds_up_the_pytest_summaries_of_its_commands():
     outputs = ["..F.\n=== 1 failed, 3 passed, 2 deselected in 4.10s ===\n", "....\n4 passed in 1.02s\n",

@@ -137,8 +137,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     seed=args.seed, quick=args.quick, **values)
 
 
-def run(settings: Settings, *, progress: bool = True) -> tuple[list[dict], dict]:
-    """Run the selected sections; returns (records, machine info)."""
+def run(settings: Settings, *, progress: bool = True, json_path: Path | None = None) -> tuple[list[dict], dict]:
+    """Run the selected sections; returns (records, machine info). With ``json_path``, the records so far are
+    written there after each one, so a run stopped midway (a time limit, Ctrl-C) keeps what it measured."""
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     torch.manual_seed(settings.seed)
@@ -155,7 +156,8 @@ def run(settings: Settings, *, progress: bool = True) -> tuple[list[dict], dict]
         from tqdm import tqdm
         bar = tqdm(total=sum(section.planned(settings) for section in sections), desc="bench",
                    unit="measurement", dynamic_ncols=True, file=sys.stderr)
-    runner = Runner(settings, bar)
+    save = None if json_path is None else (lambda records: write_records(json_path, records, info, settings))
+    runner = Runner(settings, bar, save)
     try:
         for section in sections:
             section.run(runner)
@@ -168,9 +170,9 @@ def run(settings: Settings, *, progress: bool = True) -> tuple[list[dict], dict]
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with the options :func:`add_arguments` parsed: tables on stdout, then the JSON and plots asked for."""
     settings = settings_from_args(args)
-    records, info = run(settings, progress=not args.no_progress)
+    records, info = run(settings, progress=not args.no_progress, json_path=args.json)
     print(markdown(records, info, settings))
-    if args.json is not None:
+    if args.json is not None:  # also when nothing was measured
         write_records(args.json, records, info, settings)
     if args.plots is not None:
         for path in plots(records, args.plots, settings):

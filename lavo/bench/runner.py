@@ -31,10 +31,10 @@ def fill(entry: dict, result: Measurement) -> None:
 class Runner:
     """Runs measurements in order, skipping the longer lengths of a mechanism once one failed or once its time
     or memory is predicted (growing as the mechanism's time complexity from the last length measured) to exceed
-    the time limit or the memory available."""
+    the time limit or the memory available. ``on_record(records)`` is called after each record."""
 
-    def __init__(self, settings: Settings, progress):
-        self.settings, self.progress = settings, progress
+    def __init__(self, settings: Settings, progress, on_record: Callable[[list[dict]], None] | None = None):
+        self.settings, self.progress, self.on_record = settings, progress, on_record
         self.device = torch.device(settings.device)
         self.records: list[dict] = []
         self._last: dict[tuple, tuple[int, float | None, float | None]] = {}  # length, ms, peak MiB
@@ -79,6 +79,8 @@ class Runner:
                     torch.cuda.empty_cache()
             self._last[key] = (length, entry["ms"], entry["peak_mib"])
         self.records.append(entry)
+        if self.on_record is not None:
+            self.on_record(self.records)
         if self.progress is not None:
             self.progress.set_postfix_str(f"{entry['mechanism']} {entry['op']} {length}", refresh=False)
             self.progress.update(1)
