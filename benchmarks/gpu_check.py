@@ -91,7 +91,7 @@ def split_tests(command: list[str], shards: int, env: dict) -> list[list[str]]:
     """A pytest ``command`` as up to ``shards`` commands over consecutive runs of its test ids, to run at once.
 
     Triton compiles each kernel specialization on the CPU, one at a time in a process; the kernel tests launch
-    about 150 of them, most of the step's time in one process."""
+    155 of them (``tests/count_specializations.py``), most of the step's time in one process."""
     listed = subprocess.run(command + ["--collect-only"], capture_output=True, text=True, env=env)
     ids = [line for line in listed.stdout.splitlines() if "::" in line]
     if not ids:  # nothing to split (or collection failed: the one command says why)
