@@ -2,6 +2,7 @@
 trains, scores and resumes end to end (a finished run is never redone, an interrupted one continues)."""
 import importlib.util
 import json
+import re
 import sys
 import tarfile
 from pathlib import Path
@@ -114,6 +115,32 @@ def test_dry_run_trains_scores_and_resumes_without_redoing_anything(dry, capsys)
                                                               (["local-s0"], None)]
     assert calls[-1]["remaining"] == []
 
+    assert calls[1]["step_seconds"]["local"] > 0 and calls[0]["step_seconds"] == calls[2]["step_seconds"] == {}
+
+
+def test_a_run_that_cannot_finish_within_one_call_is_not_started(dry, capsys):
+    """A stopped run leaves its model's seconds per step in calls.jsonl; a run whose whole training would not fit
+    in a call's budget is passed over, since on a fresh machine every call would start it from step 0 again."""
+    run, out = dry
+    results = out / "results"
+    results.mkdir(parents=True)
+    calls = [{"finished": [], "stopped": "local-s1", "step_seconds": {"local": 9.0, "abc": 1.0}},
+             {"finished": [], "stopped": "local-s2", "step_seconds": {"local": 50.0}}]
+    (results / "calls.jsonl").write_text("".join(json.dumps(call) + "\n" for call in calls))
+    assert driver.measured_step_seconds(results) == {"local": 50.0, "abc": 1.0}
+    assert run("--only", "local-s0,lavo-s0", "--budget", "150") == 0
+    log = capsys.readouterr().out
+    # 4 steps at 50 s, plus the time kept for scoring (1.5 times lavo-s0's, a second or so): > 150 s
+    assert re.search(r"\[too long\] local-s0: about 20\d s, more than a call's budget of 150 s", log)
+    assert "[train] local-s0" not in log and "[train] lavo-s0" in log
+    assert not (out / "runs" / "local-s0").exists() and (results / "lavo-s0.json").exists()
+    lavo = json.loads((results / "lavo-s0.json").read_text())
+    planned = {r.name: r for r in driver.planned_runs(PLAN, dry_run=True)}
+    # a finished run of the model is a better guide than a measured rate
+    assert driver.estimate_seconds(planned["lavo-s1"], [lavo], {"lavo": 1e6}) == pytest.approx(
+        lavo["train_seconds_this_machine"] + lavo["eval_seconds"])
+    assert driver.estimate_seconds(planned["abc-s0"], [lavo], {"abc": 1.0}) == pytest.approx(
+        4 * 1.0 + 1.5 * lavo["eval_seconds"])
 
 def test_dry_run_of_an_unknown_run_is_refused(dry):
     run, _ = dry

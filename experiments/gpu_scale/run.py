@@ -106,9 +106,10 @@ def check_corpus(plan: dict, data_dir: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- training
 
-def train_within(config: RunConfig, deadline: float, step_limit: int | None, log) -> bool:
+def train_within(config: RunConfig, deadline: float, step_limit: int | None, log) -> tuple[bool, float | None]:
     """Train (or resume) one run until it is finished, ``deadline`` (``time.monotonic()``) is near or
-    ``step_limit`` steps were done in this call; checkpoints on the way. True when the run is finished."""
+    ``step_limit`` steps were done in this call; checkpoints on the way. Returns whether the run is finished and
+    the seconds per step of its last chunk (None if it trained none)."""
     from lavo.run import RunLock
     from lavo.train import Distributed, Trainer, check_run_directory, prepare_run, resolve_device
 
@@ -132,7 +133,7 @@ def train_within(config: RunConfig, deadline: float, step_limit: int | None, log
             trainer.run(first + chunk)  # checkpoints at its end
             seconds_per_step = (time.monotonic() - started) / max(1, trainer.progress.step - first)
             budget -= trainer.progress.step - first
-        return trainer.progress.step >= steps
+        return trainer.progress.step >= steps, seconds_per_step
 
 
 def evaluate(run_dir: Path, run: PlannedRun, plan_eval: dict, long_eval: dict, device, log) -> dict:
@@ -168,13 +169,25 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def estimate_seconds(run: PlannedRun, done: list[dict]) -> float | None:
-    """How long ``run`` should take (training and scoring), from finished runs of the same model, else of any;
-    None before any run has finished."""
+def estimate_seconds(run: PlannedRun, done: list[dict], step_seconds: dict[str, float]) -> float | None:
+    """How long ``run`` should take (training and scoring), from finished runs of the same model; else from the
+    seconds per step a stopped run of that model measured (``step_seconds``, by model); else from finished runs of
+    any model; None before any run has finished or measured its model."""
+    if run.model in step_seconds and not any(r["model"] == run.model for r in done):
+        return step_seconds[run.model] * run.values["train"]["steps"] + estimate_eval_seconds(run, done)
     same = same_model_first(run, done)
     if not same:
         return None
     return statistics.median(r["train_seconds_this_machine"] + r["eval_seconds"] for r in same)
+
+
+def measured_step_seconds(results_dir: Path) -> dict[str, float]:
+    """Seconds per training step by model, as the last call that stopped a run of it measured them."""
+    path = results_dir / "calls.jsonl"
+    step_seconds = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        step_seconds.update(json.loads(line).get("step_seconds", {}))
+    return step_seconds
 
 
 def same_model_first(run: PlannedRun, done: list[dict]) -> list[dict]:
@@ -213,18 +226,23 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
     deadline = started + budget
     results_dir.mkdir(parents=True, exist_ok=True)
     results = finished_results(results_dir)
+    step_seconds, measured = measured_step_seconds(results_dir), {}
     finished, stopped, device = [], None, None
     for run in runs:
         if run.name in results:
             continue
         if max_runs is not None and len(finished) >= max_runs:
             break
-        estimate = estimate_seconds(run, list(results.values()))
+        estimate = estimate_seconds(run, list(results.values()), step_seconds)
         eval_reserve = estimate_eval_seconds(run, list(results.values()))
         left = deadline - time.monotonic()
         if left <= eval_reserve:
             break
         resuming = (runs_dir / run.name / "state.pt").exists()
+        if estimate is not None and estimate > budget and not resuming:
+            # it would stop unfinished in every call, and a fresh machine starts it again from step 0
+            log(f"[too long] {run.name}: about {estimate:.0f} s, more than a call's budget of {budget:.0f} s")
+            continue
         if estimate is not None and estimate > left and not resuming:
             log(f"[wait] {run.name}: about {estimate:.0f} s, {left:.0f} s left")
             continue
@@ -232,10 +250,12 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
         device = resolve_device(config.train.device)
         log(f"[train] {run.name}" + (" (resuming)" if resuming else ""))
         t0 = time.monotonic()
-        done = train_within(config, deadline - eval_reserve, step_limit, log)
+        done, seconds_per_step = train_within(config, deadline - eval_reserve, step_limit, log)
         train_seconds = time.monotonic() - t0
         if not done:
             stopped = run.name
+            if seconds_per_step is not None:
+                measured[run.model] = round(seconds_per_step, 4)
             log(f"[stopped] {run.name}: checkpointed in {runs_dir / run.name}; the next call on this machine "
                 "resumes it")
             break
@@ -257,7 +277,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
             f"{name} ppl {s[str(config.train.train_length)]['ppl']:.2f} at 1x" for name, s in scores.items()))
     call = {"started": start_time, "wall_s": round(time.monotonic() - started, 1), "budget_s": budget,
             "device": device_name(device) if device is not None else None, "finished": finished, "stopped": stopped,
-            "remaining": [r.name for r in runs if r.name not in results]}
+            "step_seconds": measured, "remaining": [r.name for r in runs if r.name not in results]}
     with open(results_dir / "calls.jsonl", "a") as file:
         file.write(json.dumps(call) + "\n")
     pack(results_dir, archive)
