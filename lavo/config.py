@@ -10,12 +10,13 @@ import copy
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .model import ModelConfig, model_config
-from .settings import Allowed, SettingsError, above, at_least, between, check_settings, matches, one_of, setting
+from .settings import (Allowed, SettingsError, above, at_least, between, check_known, check_settings, matches,
+                       one_of, setting)
 
 
 # a tokenizer name: GPT-2's, or a byte-level BPE trained on the data (more than the 256 bytes and <|endoftext|>)
@@ -85,10 +86,7 @@ class RunConfig:
         sections = {}
         for name, kind in SECTIONS.items():
             given = values.get(name, {})
-            known = {f.name for f in fields(kind)}
-            bad = sorted(set(given) - known)
-            if bad:
-                raise ValueError(f"unknown {name} settings {bad}; known: {', '.join(sorted(known))}")
+            check_known(kind, given, name)
             sections[name] = kind(**given)
         model = copy.deepcopy(values.get("model", {"preset": "tiny"}))
         config = cls(data=sections["data"], model=model, train=sections["train"])

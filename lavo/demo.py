@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .config import RunConfig, apply_overrides, deep_merge, read_config_file
 from .evaluate import EvalSettings
 from .files import write_json
-from .settings import at_least, check_settings, setting
+from .settings import at_least, check_known, check_settings, setting
 
 RUN_SECTIONS = ("data", "model", "train")
 PLANNED_SHARE = 0.9  # of seconds_per_model planned for training steps; the rest absorbs logging and checkpoints
@@ -53,10 +53,7 @@ def demo_config(name: str | None = None, overrides: list[str] = ()) -> DemoConfi
         raise ValueError(f"unknown demo settings {unknown}; known: {', '.join(sorted(known))}")
     if not settings.get("runs"):
         raise ValueError("the demo settings name no runs: add a `runs` section, e.g. {\"lavo\": {\"model\": ...}}")
-    eval_names = {f.name for f in fields(EvalSettings)}
-    bad = sorted(set(settings.get("eval", {})) - eval_names)
-    if bad:
-        raise ValueError(f"unknown eval settings {bad}; known: {', '.join(sorted(eval_names))}")
+    check_known(EvalSettings, settings.get("eval", {}), "eval")
     out_dir = settings.get("out_dir", "runs/demo")
     shared = {section: settings[section] for section in RUN_SECTIONS if section in settings}
     runs = {}
