@@ -134,8 +134,7 @@ def scale_table(plan: dict, results: dict) -> str:
 
 
 def spend_table(results_dir: Path, results: dict) -> str:
-    calls = [json.loads(line) for line in (results_dir / "calls.jsonl").read_text().splitlines()] \
-        if (results_dir / "calls.jsonl").exists() else []
+    calls = driver.past_calls(results_dir)
     tokens = sum(r["tokens"] for r in results.values())
     rows = [["GPU calls", len(calls)],
             ["GPU minutes (the calls' wall time)", f"{sum(c['wall_s'] for c in calls) / 60:.1f}"],

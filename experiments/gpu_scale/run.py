@@ -181,12 +181,17 @@ def estimate_seconds(run: PlannedRun, done: list[dict], step_seconds: dict[str, 
     return statistics.median(r["train_seconds_this_machine"] + r["eval_seconds"] for r in same)
 
 
+def past_calls(results_dir: Path) -> list[dict]:
+    """What each earlier call did (``results/calls.jsonl``), oldest first."""
+    path = results_dir / "calls.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def measured_step_seconds(results_dir: Path) -> dict[str, float]:
     """Seconds per training step by model, as the last call that stopped a run of it measured them."""
-    path = results_dir / "calls.jsonl"
     step_seconds = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        step_seconds.update(json.loads(line).get("step_seconds", {}))
+    for call in past_calls(results_dir):
+        step_seconds.update(call.get("step_seconds", {}))
     return step_seconds
 
 
