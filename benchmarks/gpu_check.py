@@ -241,14 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_check] {name}: {done[-1]['status']} in {done[-1]['seconds']} s", file=sys.stderr, flush=True)
     rows = records(args.out, [name for name, _, _ in plan])
     stem = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_") + "_bf16"
-    write_json(args.out / f"{stem}.json", dict(machine=machine, steps=done, targets=targets(rows), records=rows))
+    met = targets(rows)
+    write_json(args.out / f"{stem}.json", dict(machine=machine, steps=done, targets=met, records=rows))
     text = [f"# GPU check: {gpu}, bf16", "",
             f"torch {machine['torch']}, CUDA {machine['cuda']}, triton {machine['triton']}, fla "
             f"{fla_version or 'absent'}; {machine['date']}. Made by `scripts/gpu_check.sh`.", "",
             "## Steps", "",
             markdown_table(["step", "status", "seconds", "note"],
                            [[s["name"], s["status"], s["seconds"], s.get("summary", "")] for s in done]), "",
-            "## Targets", "", markdown_table(["target", "measured", "met"], targets(rows)), ""]
+            "## Targets", "", markdown_table(["target", "measured", "met"], met), ""]
     for name, _, _ in plan:
         tables = (args.out / f"{name}.md").read_text()
         if name != "tests" and "## " in tables:

@@ -18,6 +18,9 @@ from lavo.bench.runner import Runner
 from lavo.layers.local import LocalAttention
 from lavo.ops import lavo_attention, orthogonal_basis
 from lavo.registry import ATTENTIONS, attention_class, available_attentions, build_attention
+from script_loader import load_script
+
+gpu_check = load_script("gpu_check", "benchmarks/gpu_check.py")
 
 RECORD_FIELDS = {"section", "level", "mechanism", "op", "length", "dtype", "ms", "peak_mib", "ratio", "status",
                  "note"}
@@ -355,17 +358,7 @@ def test_gpu_check_dry_run_writes_its_summary(tmp_path):
 
 
 
-def _gpu_check():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parents[1] / "benchmarks" /
-                                                  "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_check_splits_the_kernel_tests_into_commands_run_at_once():
-    gpu_check = _gpu_check()
     selection = gpu_check.pytest("-k", "backend_choice or interpreter_that or bfloat16_kernels",
                                 *gpu_check.KERNEL_TESTS)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -388,18 +381,17 @@ def test_gpu_check_puts_unpacked_wheels_on_the_path(tmp_path):
     with zipfile.ZipFile(wheels / "tiny_pkg-1.2-py3-none-any.whl", "w") as wheel:
         wheel.writestr("tiny_pkg/__init__.py", "VALUE = 7\n")
         wheel.writestr("tiny_pkg-1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: tiny-pkg\nVersion: 1.2\n")
-    site = _gpu_check().unpack_wheels(wheels, tmp_path / "site")
+    site = gpu_check.unpack_wheels(wheels, tmp_path / "site")
     found = subprocess.run([sys.executable, "-c", "import importlib.metadata, tiny_pkg; "
                             "print(tiny_pkg.VALUE, importlib.metadata.version('tiny-pkg'))"],
                            env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True, check=True)
     assert found.stdout.split() == ["7", "1.2"]
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match=r"^--wheels: no \.whl files in "):
-        _gpu_check().unpack_wheels(tmp_path / "empty", tmp_path / "site2")
+        gpu_check.unpack_wheels(tmp_path / "empty", tmp_path / "site2")
 
 
 def test_gpu_check_steps_fit_its_time_and_put_fla_last():
-    gpu_check = _gpu_check()
     without, with_fla = gpu_check.steps(False, False), gpu_check.steps(False, True)
     assert [name for name, _, _ in with_fla] == [name for name, _, _ in without] + ["anchors"]
     assert sum(seconds for _, seconds, _ in without) <= 7 * 60 and sum(seconds for _, seconds, _ in with_fla) <= 8 * 60
@@ -408,8 +400,8 @@ def test_gpu_check_steps_fit_its_time_and_put_fla_last():
 def test_gpu_check_adds_up_the_pytest_summaries_of_its_commands():
     outputs = ["..F.\n=== 1 failed, 3 passed, 2 deselected in 4.10s ===\n", "....\n4 passed in 1.02s\n",
                "collected nothing\n"]
-    assert _gpu_check().pytest_summary(outputs) == "1 failed, 7 passed, 2 deselected"
-    assert _gpu_check().pytest_summary(["killed\n"]) == "no pytest summary"
+    assert gpu_check.pytest_summary(outputs) == "1 failed, 7 passed, 2 deselected"
+    assert gpu_check.pytest_summary(["killed\n"]) == "no pytest summary"
 
 def test_decode_measures_the_fixed_layout_forms_of_the_layers_that_have_one():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

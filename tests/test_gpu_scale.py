@@ -1,9 +1,7 @@
 """experiments/gpu_scale: the plan holds the whole protocol with like-for-like models, and its driver's dry run
 trains, scores and resumes end to end (a finished run is never redone, an interrupted one continues)."""
-import importlib.util
 import json
 import re
-import sys
 import tarfile
 from pathlib import Path
 
@@ -11,12 +9,9 @@ import pytest
 
 from lavo.model import build_model, count_parameters
 from lm_corpus import write_mix_sources
+from script_loader import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("gpu_scale_run", ROOT / "experiments" / "gpu_scale" / "run.py")
-driver = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = driver  # dataclasses look their module up there
-spec.loader.exec_module(driver)
+driver = load_script("gpu_scale_run", "experiments/gpu_scale/run.py")
 
 PLAN = driver.load_plan()
 MODELS = ["lavo", "local", "softmax-rope", "softmax-sin", "abc", "longshort", "s4d", "performer", "cosformer"]
@@ -149,9 +144,7 @@ def test_dry_run_of_an_unknown_run_is_refused(dry):
 
 
 def test_report_tables_give_mean_and_spread_over_seeds():
-    spec = importlib.util.spec_from_file_location("gpu_scale_report", ROOT / "experiments" / "gpu_scale" / "report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = load_script("gpu_scale_report", "experiments/gpu_scale/report.py")
 
     def result(model, seed, short, long):
         return {"model": model, "seed": seed, "eval": {"books": {"512": {"ppl": short}, "8192": {"ppl": long}}}}

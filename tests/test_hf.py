@@ -305,10 +305,8 @@ def test_an_export_without_its_run_config_needs_a_text_and_lengths(trained, tmp_
 
 def test_the_stream_example_scores_a_long_text_with_a_constant_state(saved, tokenizer, tmp_path):
     """examples/stream_perplexity.py: the same tokens and perplexity as one pass over the whole text."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("stream_perplexity", ROOT / "examples" / "stream_perplexity.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    from script_loader import load_script
+    example = load_script("stream_perplexity", "examples/stream_perplexity.py")
     directory, model = saved
     words = (WORDS * 40)[::7]
     text = tmp_path / "long.txt"

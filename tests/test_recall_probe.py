@@ -1,24 +1,11 @@
 """Probe 1 (experiments/recall): the generator's answers against an independent loop, and a tiny dry run."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from script_loader import ROOT, load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-recall = _load("recall_probe", "experiments/recall/recall.py")
+recall = load_script("recall_probe", "experiments/recall/recall.py")
 
 
 @pytest.mark.parametrize("pairs,gap", [(1, 0), (4, 7), (16, 3)])
@@ -62,12 +49,12 @@ def test_tiny_sweep_writes_a_score_per_model_and_cell(tmp_path):
         assert sorted(record["accuracy"]) == ["1,0", "1,5", "2,0", "2,5"]
         assert all(0 <= a <= 1 for a in record["accuracy"].values())
         assert record["parameters"] > 0
-    report = _load("recall_report", "experiments/recall/report.py")
+    report = load_script("recall_report", "experiments/recall/report.py")
     report.main([str(tmp_path)])
     assert (tmp_path / "recall_pairs1.png").exists() and "| local |" in (tmp_path / "tables.md").read_text()
 
 
-context_use = _load("context_use_probe", "experiments/context_use/context_use.py")
+context_use = load_script("context_use_probe", "experiments/context_use/context_use.py")
 
 
 def test_context_use_scores_the_same_targets_at_every_context_length():
@@ -93,7 +80,7 @@ def test_context_use_scores_the_same_targets_at_every_context_length():
         context_use.target_loss(model, tokens, [1100], target=24, segments=3)
 
 
-passkey = _load("passkey_probe", "experiments/passkey/passkey.py")
+passkey = load_script("passkey_probe", "experiments/passkey/passkey.py")
 
 
 class _Characters:
