@@ -318,17 +318,20 @@ def source_texts(source: str, data_dir: str | os.PathLike, fetch: bool = True, l
     return path
 
 
-def source_documents(source: str, data_dir: str | os.PathLike, fetch: bool = True, log=print
-                     ) -> tuple[list[Document], dict[str, Path]]:
-    """Every document of ``source`` (a mix: each part's, named ``part/name``) and the texts folder of each
-    part (``{source: folder}`` for a source that is not a mix)."""
+def source_splits(source: str, data_dir: str | os.PathLike, holdout: list[str] | None, fetch: bool = True,
+                  log=print) -> tuple[dict[str, list[Document]], dict[str, Path]]:
+    """The documents of ``source`` split by :func:`split_documents` (``holdout`` None: the source's default
+    held-out documents), a mix's named ``part/name``; and the texts folder of each part (``{source: folder}``
+    for a source that is not a mix)."""
     parts = mix_parts(source)
     if parts is None:
         texts = source_texts(source, data_dir, fetch=fetch, log=log)
-        return read_documents(texts), {source: texts}
-    folders = {part: source_texts(part, data_dir, fetch=fetch, log=log) for part in parts}
-    documents = [Document(f"{part}/{doc.name}", doc.text) for part in parts for doc in read_documents(folders[part])]
-    return documents, folders
+        documents, folders = read_documents(texts), {source: texts}
+    else:
+        folders = {part: source_texts(part, data_dir, fetch=fetch, log=log) for part in parts}
+        documents = [Document(f"{part}/{doc.name}", doc.text)
+                     for part in parts for doc in read_documents(folders[part])]
+    return split_documents(documents, default_holdout(source) if holdout is None else holdout), folders
 
 
 def read_documents(directory: str | os.PathLike) -> list[Document]:
@@ -562,8 +565,7 @@ def split_tokens(source: str, data_dir: str | os.PathLike, holdout: list[str] | 
     documents of those parts of a mix (e.g. the held-out code of ``"austen+python"``)."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
-    documents = source_documents(source, data_dir, fetch=False)[0]
-    documents = split_documents(documents, default_holdout(source) if holdout is None else holdout)[split]
+    documents = source_splits(source, data_dir, holdout, fetch=False)[0][split]
     if parts is not None:
         documents = only_parts(documents, source, parts)
     return encode_documents(tokenizer, documents, token_dtype(tokenizer.vocab_size))[0]
@@ -581,8 +583,7 @@ def prepare(source: str = "austen", tokenizer: str = "bpe4096", data_dir: str | 
     ``rebuild=True`` builds the folder again (e.g. after damage).
     """
     vocab_size = parse_tokenizer(tokenizer)
-    documents, folders = source_documents(source, data_dir, fetch=fetch, log=log)
-    splits = split_documents(documents, default_holdout(source) if holdout is None else holdout)
+    splits, folders = source_splits(source, data_dir, holdout, fetch=fetch, log=log)
     fingerprint = _fingerprint(splits, tokenizer)
     directory = Path(data_dir) / _source_key(source) / f"{tokenizer}-{fingerprint[:12]}"
     fix = (f"delete {directory} or run `lavo data --source {source} --tokenizer {tokenizer} "
