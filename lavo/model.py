@@ -86,7 +86,12 @@ def sinusoidal_positions(start: int, length: int, dim: int, device=None) -> torc
     position = (start + torch.arange(length, device=device))[:, None].to(torch.float32)
     frequency = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim))
     angle = position * frequency
-    return torch.stack([angle.sin(), angle.cos()], -1).flatten(1)
+    return torch.stack([angle.sin(), angle.cos()], -1).flatten(1)[:, :dim]  # an odd dim drops the last cosine
+
+
+def feed_forward(dim: int, hidden: int) -> nn.Sequential:
+    """The blocks' MLP: ``dim -> hidden -> dim`` with a GELU between."""
+    return nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,7 @@ class Block(nn.Module):
         self.attention = build_attention(config.attention, config.dim, config.heads, causal=causal, **options)
         self.norm2 = nn.LayerNorm(config.dim)
         hidden = config.mlp_ratio * config.dim
-        self.mlp = nn.Sequential(nn.Linear(config.dim, hidden), nn.GELU(), nn.Linear(hidden, config.dim))
+        self.mlp = feed_forward(config.dim, hidden)
         self.dropout = nn.Dropout(config.dropout)
 
     def residual_weights(self) -> list[nn.Parameter]:

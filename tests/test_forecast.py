@@ -16,7 +16,8 @@ from lavo.forecast.baselines import DLinear, RepeatLast, SeasonalNaive, moving_a
 from lavo.forecast.data import (Archive, Series, fetch_archive, gather_windows, parse_elecdemand, parse_nyc_weather,
                                 parse_tmy3, split_bounds, standardise, window_starts)
 from lavo.forecast.experiment import Settings, run_cell, run_cells
-from lavo.forecast.model import Forecaster, count_parameters
+from lavo.forecast.model import Forecaster
+from lavo.model import count_parameters
 from lavo.registry import CROSS_ATTENTIONS
 
 

@@ -18,10 +18,11 @@ import torch
 from tqdm import tqdm
 
 from ..files import write_json
+from ..model import count_parameters
 from ..registry import CROSS_ATTENTIONS
 from .baselines import DLinear, RepeatLast, SeasonalNaive
 from .data import TARGET_COLUMN, Series, Standardised, gather_windows, standardise, window_starts
-from .model import Forecaster, count_parameters
+from .model import Forecaster
 
 BASELINES = ("repeat_last", "seasonal_naive", "dlinear")
 

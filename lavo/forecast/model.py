@@ -18,26 +18,16 @@ import torch
 from torch import nn
 
 from ..layers.softmax import SoftmaxAttention
+from ..model import count_parameters, feed_forward, sinusoidal_positions
 from ..registry import build_cross_attention
 
 CALENDAR_FEATURES = 4  # sin and cos of the time of day and of the time of year
-
-
-def sinusoidal_encoding(positions: torch.Tensor, dim: int) -> torch.Tensor:
-    """``positions [T]`` -> ``[T, dim]`` sines and cosines of geometric frequencies (Vaswani et al., 2017)."""
-    frequencies = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
-    angles = positions.float()[:, None] * frequencies
-    return torch.stack([angles.sin(), angles.cos()], -1).flatten(1)[:, :dim]
 
 
 def calendar_features(calendar: torch.Tensor) -> torch.Tensor:
     """``[B, T, 2]`` fractions of the day and year -> ``[B, T, 4]`` their sines and cosines."""
     angles = 2 * math.pi * calendar
     return torch.cat([angles.sin(), angles.cos()], -1)
-
-
-def feed_forward(dim: int, hidden: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
 
 
 class EncoderLayer(nn.Module):
@@ -66,10 +56,6 @@ class DecoderLayer(nn.Module):
         y = y + self.dropout(self.attention(self.norms[0](y))[0])
         y = y + self.dropout(self.cross(self.norms[1](y), source))
         return y + self.dropout(self.feed_forward(self.norms[2](y)))
-
-
-def count_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def cross_parameters(cross: str, dim: int, heads: int, cross_options: dict) -> int:
@@ -104,7 +90,7 @@ class Forecaster(nn.Module):
                              f"the decoder's feed-forward width {hidden} can give back")
         self.value_embedding = nn.Linear(channels, dim)
         self.calendar_embedding = nn.Linear(CALENDAR_FEATURES, dim)
-        self.register_buffer("timeline", sinusoidal_encoding(torch.arange(input_len + horizon), dim),
+        self.register_buffer("timeline", sinusoidal_positions(0, input_len + horizon, dim),
                              persistent=False)
         self.encoder = nn.ModuleList([EncoderLayer(dim, heads, hidden, dropout) for _ in range(layers)])
         self.decoder = nn.ModuleList([DecoderLayer(dim, heads, decoder_hidden, dropout, cross, cross_options)
