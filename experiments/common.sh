@@ -7,6 +7,17 @@ source "$ROOT/.venv/bin/activate"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
 PIN="taskset -c ${LAVO_CORE:-0}"
 
+# timed EXP_DIR WHAT LOG COMMAND...: COMMAND on the pinned core, its output into LOG, its wall time appended to
+# EXP_DIR/wall_times.jsonl as WHAT.
+timed() {
+  local exp="$1" what="$2" log="$3"; shift 3
+  local t0=$(date +%s)
+  $PIN "$@" > "$log" 2>&1
+  local t1=$(date +%s)
+  echo "{\"what\": \"$what\", \"wall_s\": $((t1 - t0))}" >> "$exp/wall_times.jsonl"
+  echo "[done] $what in $((t1 - t0)) s"
+}
+
 # train_run EXP_DIR NAME [--set key=value ...]: trains EXP_DIR/runs/NAME unless it already finished;
 # an interrupted run resumes from its last checkpoint.
 train_run() {
@@ -16,11 +27,8 @@ train_run() {
     echo "[skip] $dir already trained"; return 0
   fi
   mkdir -p "$dir"
-  local t0=$(date +%s)
-  $PIN lavo train --config "$exp/base.json" --set "train.out_dir=$dir" "$@" --resume > "$dir/train.log" 2>&1
-  local t1=$(date +%s)
-  echo "{\"what\": \"train $name\", \"wall_s\": $((t1 - t0))}" >> "$exp/wall_times.jsonl"
-  echo "[done] $dir in $((t1 - t0)) s"
+  timed "$exp" "train $name" "$dir/train.log" lavo train --config "$exp/base.json" --set "train.out_dir=$dir" "$@" \
+    --resume
 }
 
 # eval_runs EXP_DIR OUT_NAME EVAL_ARGS... -- RUN_DIRS...: skipped when EXP_DIR/eval/OUT_NAME/results.json exists.
@@ -30,11 +38,8 @@ eval_runs() {
   while [ "$1" != "--" ]; do args+=("$1"); shift; done; shift
   if [ -f "$exp/eval/$out/results.json" ]; then echo "[skip] $exp/eval/$out evaluated"; return 0; fi
   mkdir -p "$exp/eval/$out"
-  local t0=$(date +%s)
-  $PIN lavo eval "$@" "${args[@]}" --device cpu --quiet --out "$exp/eval/$out" > "$exp/eval/$out/eval.log" 2>&1
-  local t1=$(date +%s)
-  echo "{\"what\": \"eval $out\", \"wall_s\": $((t1 - t0))}" >> "$exp/wall_times.jsonl"
-  echo "[done] eval $out in $((t1 - t0)) s"
+  timed "$exp" "eval $out" "$exp/eval/$out/eval.log" lavo eval "$@" "${args[@]}" --device cpu --quiet \
+    --out "$exp/eval/$out"
 }
 
 # listops_run NAME ARGS...: `lavo listops` with experiments/listops/base.json and ARGS into
@@ -44,10 +49,6 @@ listops_run() {
   local dir="$exp/runs/$name"
   if [ -f "$dir/results.json" ]; then echo "[skip] $dir done"; return 0; fi
   mkdir -p "$dir"
-  local t0=$(date +%s)
-  PYTHONPATH="$ROOT" $PIN python -m lavo.cli listops --config "$exp/base.json" --out "$dir" --quiet "$@" \
-    > "$dir/train.log" 2>&1
-  local t1=$(date +%s)
-  echo "{\"what\": \"listops $name\", \"wall_s\": $((t1 - t0))}" >> "$exp/wall_times.jsonl"
-  echo "[done] $dir in $((t1 - t0)) s"
+  PYTHONPATH="$ROOT" timed "$exp" "listops $name" "$dir/train.log" python -m lavo.cli listops \
+    --config "$exp/base.json" --out "$dir" --quiet "$@"
 }
