@@ -27,10 +27,8 @@ python experiments/report_tools.py results $E
 probe() {  # probe NAME SCRIPT RUN_DIRS_AND_ARGS...: skipped when NAME/results.json exists
   local name="$1" script="$2"; shift 2
   if [ -f "$E/$name/results.json" ]; then echo "[skip] $E/$name"; return 0; fi
-  local t0=$(date +%s)
   mkdir -p "$E/$name"
-  $PIN python "$script" "$@" --out "$E/$name" > "$E/$name/$(basename "$script" .py).log" 2>&1
-  echo "{\"what\": \"probe $name\", \"wall_s\": $(($(date +%s) - t0))}" >> "$E/wall_times.jsonl"
+  timed "$E" "probe $name" "$E/$name/$(basename "$script" .py).log" python "$script" "$@" --out "$E/$name"
 }
 # The held-out split has 131,148 tokens: 7 spans of 16,384 + 257 tokens fit (context_use-4k/ keeps the first
 # run, 16 spans with contexts 0..4,096).
