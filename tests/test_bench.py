@@ -1,5 +1,6 @@
 """The efficiency benchmark harness (``python -m lavo.bench``): output formats, helpers, FLOP formula. No timing
 is asserted."""
+import gc
 import json
 import os
 import re
@@ -38,6 +39,7 @@ def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert cli.main(["--quick", "--no-progress", "--threads", "1", "--json", str(out),
                        "--plots", str(tmp_path / "plots")]) == 0
+    assert gc.get_freeze_count() == 0  # what the run froze is collectable again, at exit too
     text = capsys.readouterr().out
     for heading in ("## Attention, fwd:", "## Attention, fwd+bwd:", "## Decoding", "## Model", "## LAVO op FLOP"):
         assert heading in text

@@ -164,6 +164,8 @@ def run(settings: Settings, *, progress: bool = True, json_path: Path | None = N
     finally:
         if bar is not None:
             bar.close()
+        # frozen objects are never collected, not even at exit, where Triton's bindings then report them leaked
+        gc.unfreeze()
     return runner.records, info
 
 
