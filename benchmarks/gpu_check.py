@@ -1,6 +1,7 @@
 """The GPU check of LAVO's Triton path, one command on a machine with an NVIDIA GPU and no network: the kernel tests on
-CUDA, then the op benchmark against SDPA (and fla's ops when importable), decoding, and whole-model training, all
-bf16, each step under a time limit so the whole check stays under seven minutes on an H200 (eight with fla's rows).
+CUDA, then the op benchmark against SDPA (and fla's ops when importable), decoding, whole-model training, and a
+profile by kernel of LAVO's op, SDPA and the training step (what the targets missed are looked at with), all bf16,
+each step under a time limit so the whole check stays under seven minutes on an H200 (eight with fla's rows).
 Decoding is measured per token at 1K..128K of context, against softmax's key/value cache through SDPA, in each form
 LAVO decodes: through its cache (torch), the fixed-layout step with the fused kernel (``decode``) and with torch ops
 (``decode_torch``), each also replayed from a CUDA graph; with each form's cache bytes. Writes ``<gpu>_bf16.json``
@@ -56,23 +57,32 @@ def steps(dry_run: bool, fla: bool) -> list[tuple[str, float, list[str]]]:
                 ("decode", 60, quick + ["--sections", "decode", "--decode-attentions", "lavo,local,softmax"]),
                 ("decode_torch", 60, quick + ["--sections", "decode", "--decode-attentions", "lavo", "--backend",
                                               "torch"]),
-                ("model", 120, quick + ["--sections", "model", "--model-attentions", "lavo,local,softmax"])]
+                ("model", 120, quick + ["--sections", "model", "--model-attentions", "lavo,local,softmax"]),
+                ("profile", 120, quick + ["--sections", "profile", "--attentions", "", "--ops", "lavo_attention",
+                                          "--passes", "fwd+bwd", "--model-attentions", "lavo"])]
     gpu = bench + ["--device", "cuda", "--time-limit", "20", "--repeats", "10", "--warmup", "3"]
     attention = gpu + ["--sections", "attention", "--attentions", ""]
     # fla's ops (autotuned at each new shape) in a step of their own, last: however long they take, the rows
     # the targets need are measured by then
     anchors = [("anchors", 60, attention + ["--ops", "sdpa,fla_window,fla_linear", "--lengths", "1K,16K,64K"])]
+    # where the time goes, for the targets above that are missed: LAVO's op and SDPA at 16K and 64K, and the
+    # training step at 4K and 16K
+    profile = gpu + ["--sections", "profile", "--attentions", "", "--ops", "lavo_attention,sdpa", "--passes", "fwd+bwd",
+                     "--lengths", "16K,64K", "--max-quadratic-length", "64K", "--model-preset", "small",
+                     "--model-attentions", "lavo,softmax", "--model-lengths", "4K,16K", "--warmup", "2",
+                     "--repeats", "3"]
     return [("tests", 110, pytest(*KERNEL_TESTS)),
-            ("ops", 75, attention + ["--ops", "lavo_attention,sdpa", "--lengths", LENGTHS,
+            ("ops", 70, attention + ["--ops", "lavo_attention,sdpa", "--lengths", LENGTHS,
                                      "--max-quadratic-length", "128K"]),
             ("ops_torch", 30, attention + ["--ops", "lavo_attention", "--backend", "torch", "--lengths", "1K,4K,16K"]),
-            ("decode", 75, gpu + ["--sections", "decode", "--decode-attentions", "lavo,local,softmax",
+            ("decode", 70, gpu + ["--sections", "decode", "--decode-attentions", "lavo,local,softmax",
                                   "--decode-lengths", LENGTHS, "--max-quadratic-length", "16K"]),
-            ("decode_torch", 45, gpu + ["--sections", "decode", "--decode-attentions", "lavo", "--backend", "torch",
+            ("decode_torch", 40, gpu + ["--sections", "decode", "--decode-attentions", "lavo", "--backend", "torch",
                                         "--decode-lengths", LENGTHS]),
-            ("model", 70, gpu + ["--sections", "model", "--model-preset", "small", "--model-attentions",
+            ("model", 65, gpu + ["--sections", "model", "--model-preset", "small", "--model-attentions",
                                  "lavo,local,softmax", "--model-lengths", "1K,4K,16K", "--model-repeats", "3",
-                                 "--max-quadratic-length", "16K"])] + (anchors if fla else [])
+                                 "--max-quadratic-length", "16K"]),
+            ("profile", 35, profile)] + (anchors if fla else [])
 
 
 def unpack_wheels(folder: Path, site: Path) -> Path:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of LAVO's Triton path (benchmarks/gpu_check.py): kernel tests on CUDA, op benchmark against SDPA
-# (and fla's ops when importable), decoding and whole-model training, all bf16, in under seven minutes on an H200
-# (eight with fla's rows).
+# (and fla's ops when importable), decoding, whole-model training and a profile by kernel, all bf16, in under seven
+# minutes on an H200 (eight with fla's rows).
 # Runs from this source tree (no install, no network) with the python3 on PATH or $PYTHON; results and logs go to
 # OUT_DIR, the summary to OUT_DIR/<gpu>_bf16.{json,md}. `--dry-run` checks the script on the CPU at tiny sizes;
 # `--wheels DIR` (a path from the repository root) puts the pure-Python wheels in DIR on the path, e.g. fla-core's.

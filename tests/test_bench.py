@@ -13,7 +13,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lavo import report
-from lavo.bench import attention, cli, decode, flops, measure, model, output, settings
+from lavo.bench import attention, cli, decode, flops, measure, model, output, profile, settings
 from lavo.bench.measure import Measurement
 from lavo.bench.runner import Runner
 from lavo.layers.local import LocalAttention
@@ -49,7 +49,7 @@ def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
     assert payload["machine"]["torch"] == torch.__version__
     records = payload["records"]
     assert records and all(RECORD_FIELDS <= set(r) for r in records)
-    assert {r["section"] for r in records} == set(settings.SECTIONS)
+    assert {r["section"] for r in records} == set(settings.DEFAULT_SECTIONS)
     failed = [r for r in records if r["status"] != "ok"]
     assert not failed, failed
 
@@ -352,9 +352,10 @@ def test_gpu_check_dry_run_writes_its_summary(tmp_path):
     subprocess.run(["bash", str(root / "scripts/gpu_check.sh"), str(tmp_path), "--dry-run"], check=True,
                    env=dict(os.environ, PYTHON=sys.executable), capture_output=True)
     summary = json.loads((tmp_path / "cpu_dry_run_bf16.json").read_text())
-    assert [s["name"] for s in summary["steps"]] == ["tests", "ops", "decode", "decode_torch", "model"]
+    assert [s["name"] for s in summary["steps"]] == ["tests", "ops", "decode", "decode_torch", "model", "profile"]
     assert all(s["status"] == "ok" for s in summary["steps"]), summary["steps"]
-    assert {r["step"] for r in summary["records"] if r["status"] == "ok"} == {"ops", "decode", "decode_torch", "model"}
+    assert {r["step"] for r in summary["records"] if r["status"] == "ok"} == {"ops", "decode", "decode_torch", "model",
+                                                                              "profile"}
     assert {r["mechanism"] for r in summary["records"] if r["step"] == "decode_torch"} == {"lavo", "lavo (step)"}
     assert "## Targets" in (tmp_path / "cpu_dry_run_bf16.md").read_text()
 
@@ -411,3 +412,55 @@ def test_decode_measures_the_fixed_layout_forms_of_the_layers_that_have_one():
     assert decode.forms("lavo", cpu) == ["cache", "step"]  # a CUDA graph needs CUDA
     assert decode.forms("softmax", cuda) == decode.forms("local", cuda) == ["cache"]
     assert [decode.label("lavo", form) for form in ("cache", "graph")] == ["lavo", "lavo (graph)"]
+
+
+def test_profile_counts_each_operator_per_call():
+    a = torch.randn(64, 64)
+
+    def call():
+        torch.relu(a @ a @ a)
+
+    s = quick_settings("--repeats", "3")
+    result = profile.profiled(call, Runner(s, None))
+    rows = {row["name"]: row for row in result["kernels"]}
+    assert rows["aten::mm"]["calls"] == 2 and rows["aten::relu"]["calls"] == 1  # per call, over the 3 profiled
+    assert sum(row["ms"] for row in result["kernels"]) == pytest.approx(result["busy_ms"])
+    assert sum(row["share"] for row in result["kernels"]) == pytest.approx(1)
+    assert 0 < result["busy_ms"] <= result["ms"]
+
+
+def test_profile_table_keeps_the_longest_rows_and_sums_the_rest():
+    from types import SimpleNamespace
+    from torch.autograd import DeviceType
+
+    def event(name, us, device=DeviceType.CUDA, count=2):
+        return SimpleNamespace(key=name, count=count, self_cpu_time_total=us, self_device_time_total=us,
+                               device_type=device)
+
+    events = [event(f"kernel{i}", 10 * (i + 1)) for i in range(profile.TOP + 3)]
+    events += [event("aten::mm", 10_000, DeviceType.CPU), event("idle", 0)]
+    table, total_ms = profile.kernel_table(events, on_device=True, repeats=2)
+    names = [row["name"] for row in table]
+    # on CUDA the launching operators do not count their kernels' time again; zero-time rows are left out
+    assert names == [f"kernel{i}" for i in range(profile.TOP + 2, 2, -1)] + ["(3 others)"]
+    assert table[-1]["calls"] == 3 and table[-1]["ms"] == pytest.approx((10 + 20 + 30) / 1e3 / 2)
+    assert total_ms == pytest.approx(sum(10 * (i + 1) for i in range(profile.TOP + 3)) / 1e3 / 2)
+    on_cpu, _ = profile.kernel_table(events, on_device=False, repeats=2)
+    assert on_cpu[0]["name"] == "aten::mm"
+
+
+def test_profile_section_runs_ops_and_training_steps_when_asked(capsys):
+    s = quick_settings("--sections", "profile", "--attentions", "", "--ops", "lavo_attention", "--passes", "fwd+bwd",
+                       "--lengths", "64", "--model-attentions", "lavo", "--threads", "1")
+    records, info = cli.run(s, progress=False)
+    assert [(r["level"], r["mechanism"], r["op"], r["length"]) for r in records] == [
+        ("op", "lavo_attention (op)", "fwd+bwd", 64), ("model", "lavo", "train_step", 64)]
+    assert all(r["status"] == "ok" and r["kind"] == "operator" and r["kernels"] for r in records), records
+    op_names, model_names = ({row["name"] for row in r["kernels"]} for r in records)
+    assert "_BlockedLocalAttention" in op_names and "_BlockedLocalAttentionBackward" in op_names  # torch path on CPU
+    assert "Optimizer.step#AdamW.step" in model_names
+    text = output.markdown(records, info, s)
+    assert "## Profile: self time per call by operator, longest first" in text
+    assert "**lavo_attention (op) fwd+bwd at 64**:" in text and "**lavo train_step at 64**:" in text
+    assert cli.build_parser().parse_args([]).sections == list(settings.DEFAULT_SECTIONS)  # only when asked
+    assert quick_settings("--model-attentions", "").model_attentions == []  # as --attentions '': none

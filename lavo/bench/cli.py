@@ -15,17 +15,18 @@ import torch
 from ..model import PRESETS
 from ..ops.common import BACKENDS
 from ..registry import attention_class, available_attentions
-from . import attention, decode, flops, model
+from . import attention, decode, flops, model, profile
 from .measure import machine_info
 from .output import markdown, plots, write_records
 from .runner import Runner
-from .settings import DTYPES, FULL, PASSES, QUICK, SECTIONS, Settings, having_option, quadratic
+from .settings import DEFAULT_SECTIONS, DTYPES, FULL, PASSES, QUICK, SECTIONS, Settings, having_option, quadratic
 
-RUN = {"attention": attention, "decode": decode, "model": model, "flops": flops}  # in SECTIONS order
+RUN = {"attention": attention, "decode": decode, "model": model, "flops": flops, "profile": profile}  # SECTIONS order
 
 DESCRIPTION = ("Efficiency benchmark of LAVO and the other attention mechanisms: time and peak memory of the layers "
                "and raw ops, decoding step time and cache size, whole-model training throughput and LAVO's FLOP "
-               "efficiency. Prints markdown tables; see benchmarks/README.md.")
+               "efficiency; on request, a profile of where the time goes. Prints markdown tables; see "
+               "benchmarks/README.md.")
 EPILOG = ("Lengths accept a K suffix (1K = 1024). Defaults in brackets are the full run's; --quick uses tiny sizes "
           "for any setting not given.")
 
@@ -47,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     registered = available_attentions()
     quadratic_ones = [name for name in registered if quadratic(name)]
     rotary = [name for name in registered if attention_class(name).accepts_rotary]
-    a("--sections", type=_list(str), default=list(SECTIONS),
-      help=f"comma-separated sections to run, of {','.join(SECTIONS)} [all]")
+    a("--sections", type=_list(str), default=list(DEFAULT_SECTIONS),
+      help=f"comma-separated sections to run, of {','.join(SECTIONS)} [{','.join(DEFAULT_SECTIONS)}]")
     a("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run of every section in seconds")
     a("--attentions", type=_list(str), default=None,
       help="attention section: registered mechanisms to measure as layers ('' for none) [all registered]")
@@ -81,8 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--decode-steps", type=int, default=None, help="timed single-token steps per context length [32]")
     a("--model-preset", default=None, help="model section: preset of lavo.model.PRESETS [small]")
     a("--model-attentions", type=_list(str), default=None,
-      help=f"model section: attentions (those taking rotary positions, {','.join(rotary)}, run with rope) "
-           f"[all registered]")
+      help=f"model section: attentions (those taking rotary positions, {','.join(rotary)}, run with rope; '' for "
+           f"none) [all registered]")
     a("--model-lengths", type=_list(_length_value), default=None, help="training sequence lengths [1K,4K]")
     a("--model-batch", type=int, default=1, help="model section batch size [1]")
     a("--model-repeats", type=int, default=None, help="timed training steps per measurement [3]")
@@ -131,7 +132,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(sections=args.sections, attentions=registered if args.attentions is None else args.attentions,
                     ops=args.ops,
                     passes=args.passes, batch=args.batch, dtype=args.dtype, decode_attentions=args.decode_attentions,
-                    model_attentions=args.model_attentions or registered, model_batch=args.model_batch,
+                    model_attentions=registered if args.model_attentions is None else args.model_attentions, model_batch=args.model_batch,
                     attention_options=args.attention_options, device=args.device, backend=args.backend,
                     threads=args.threads,
                     seed=args.seed, quick=args.quick, **values)

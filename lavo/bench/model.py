@@ -3,6 +3,8 @@ the whole language model for a preset, per attention, each as a ratio to the qua
 rotary positions) at the same length."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -43,8 +45,27 @@ def planned(settings: Settings) -> int:
     return len(plan(settings))
 
 
-def run(runner: Runner) -> None:
+def train_step(name: str, length: int, runner: Runner) -> tuple[Callable[[], None], int]:
+    """One training step of the model with attention ``name`` at ``length`` (forward, loss, backward, clipping,
+    AdamW step) as a no-argument function, and the model's parameter count."""
     s, device = runner.settings, runner.device
+    model = model_for(name, s, max(s.model_lengths)).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(model.config.vocab_size, (s.model_batch, length + 1), device=device)
+
+    def step():
+        with runner.autocast():
+            logits, _ = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step, sum(p.numel() for p in model.parameters())
+
+
+def run(runner: Runner) -> None:
+    s = runner.settings
     steps = plan(s)
     ratios = Ratios(label(steps[0][0]) if steps and full_attention(steps[0][0]) else None)
     for name, length in steps:
@@ -53,19 +74,7 @@ def run(runner: Runner) -> None:
                        parameters=None)
 
         def work(entry, name=name, length=length):
-            model = model_for(name, s, max(s.model_lengths)).to(device).train()
-            entry["parameters"] = sum(p.numel() for p in model.parameters())
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            ids = torch.randint(model.config.vocab_size, (s.model_batch, length + 1), device=device)
-
-            def step():
-                with runner.autocast():
-                    logits, _ = model(ids[:, :-1])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            step, entry["parameters"] = train_step(name, length, runner)
             fill(entry, runner.measure(step, repeats=s.model_repeats))
             entry["tokens_per_s"] = s.model_batch * length / (entry["ms"] / 1e3)
 

@@ -88,6 +88,19 @@ def markdown(records: list[dict], info: dict, settings: Settings) -> str:
             for r in flops if r["mechanism"] == "matmul"]
         out += ["", wide_table([r for r in flops if r["mechanism"] != "matmul"], lambda r: r["op"],
                                lambda r: f"{number(r['gflops_per_s'])} ({100 * (r['ratio'] or 0):.0f}%)", "pass"), ""]
+    profiles = _section(records, "profile")
+    if profiles:
+        out += [f"## Profile: self time per call by {profiles[0]['kind']}, longest first", ""]
+        for r in profiles:
+            where = f"{r['mechanism']} {r['op']} at {length_label(r['length'])}"
+            if r["status"] != "ok":
+                out += [f"**{where}**: {r['note']}", ""]
+                continue
+            out += [f"**{where}**: {number(r['ms'])} ms per call under the profiler, {number(r['busy_ms'])} ms "
+                    f"({100 * r['busy']:.0f}%) of it in the {r['kind']}s below", "",
+                    markdown_table([r["kind"], "calls", "ms", "share"],
+                                   [[k["name"], f"{k['calls']:g}", number(k["ms"]),
+                                     f"{100 * k['share']:.1f}%"] for k in r["kernels"]]), ""]
     return "\n".join(out)
 
 

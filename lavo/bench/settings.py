@@ -7,7 +7,8 @@ import torch
 
 from ..registry import attention_class
 
-SECTIONS = ("attention", "decode", "model", "flops")
+DEFAULT_SECTIONS = ("attention", "decode", "model", "flops")
+SECTIONS = DEFAULT_SECTIONS + ("profile",)  # the profile runs when asked for
 PASSES = ("fwd", "fwd+bwd")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
