@@ -179,3 +179,61 @@ def test_the_real_corpus_holds_enough_held_out_books_and_code_for_128k(tmp_path)
     for parts in PLAN["eval"]["sets"].values():
         tokens = split_tokens(data["source"], tmp_path, None, "valid", prepared.tokenizer, parts)
         assert len(tokens) > PLAN["long_eval"]["max_tokens"] >= max(PLAN["long_eval"]["lengths"])
+
+
+def test_workers_share_the_plan_and_train_each_run_once(dry, capfd):
+    """--workers 2: two processes of the driver take runs in turn (each run's lock is the claim), each run is
+    trained and scored once, every result comes back in the pack, and both workers log the same call."""
+    run, out = dry
+    names = ["lavo-s0", "local-s0", "softmax-rope-s0"]
+    archive = out / "results.tar"
+    assert run("--only", ",".join(names), "--workers", "2", "--pack", str(archive)) == 0
+    log = capfd.readouterr().out
+    assert sorted(re.findall(r"\[worker [12]/2\] \[train\] (\S+)", log)) == sorted(names)  # once each
+    results = out / "results"
+    assert sorted(driver.finished_results(results)) == sorted(names)
+    with tarfile.open(archive) as tar:
+        packed = sorted(tar.getnames())
+    assert packed == ["results", "results/calls.jsonl", *(f"results/{name}.json" for name in sorted(names))]
+    calls = [json.loads(line) for line in (results / "calls.jsonl").read_text().splitlines()]
+    assert sorted(c["worker"] for c in calls) == ["1/2", "2/2"] and len({c["call"] for c in calls}) == 1
+    assert sorted(n for c in calls for n in c["finished"]) == sorted(names)
+    assert not list((out / "runs").glob("*/.lock"))  # every claim released
+    capfd.readouterr()
+    assert run("--only", ",".join(names), "--workers", "2") == 0  # nothing left to do
+    assert "[train]" not in capfd.readouterr().out
+
+
+def test_a_run_another_process_trains_is_passed_over(dry, capsys):
+    from lavo.run import RunLock
+    run, out = dry
+    held = out / "runs" / "lavo-s0"
+    held.mkdir(parents=True)
+    with RunLock(held):  # as another process would: a second open of the lock file cannot take it
+        assert run("--only", "lavo-s0,local-s0") == 0
+    log = capsys.readouterr().out
+    assert "[busy] lavo-s0: another worker is training it" in log and "[train] lavo-s0" not in log
+    assert sorted(driver.finished_results(out / "results")) == ["local-s0"]
+
+
+def test_gpu_utilization_is_the_mean_of_its_samples():
+    import sys
+    import time
+    with driver.GpuUtilization(interval=0.05, command=[sys.executable, "-c", "print(' 40')"]) as sampled:
+        time.sleep(1.0)
+    assert sampled.samples and set(sampled.samples) == {40.0} and sampled.mean() == 40.0
+    with driver.GpuUtilization(command=["no-such-nvidia-smi"]) as absent:
+        pass
+    assert absent.mean() is None
+
+
+def test_spend_counts_the_workers_of_one_call_once(tmp_path):
+    report = load_script("gpu_scale_report", "experiments/gpu_scale/report.py")
+    calls = [{"call": "c1", "started": "a", "wall_s": 300.0, "gpu_utilization": 80.0},
+             {"call": "c1", "started": "b", "wall_s": 360.0, "gpu_utilization": 90.0},
+             {"started": "d", "wall_s": 60.0}]
+    (tmp_path / "calls.jsonl").write_text("".join(json.dumps(call) + "\n" for call in calls))
+    rows = dict(line.strip("|").split("|")[:2] for line in report.spend_table(tmp_path, {}).splitlines()[2:])
+    rows = {key.strip(): value.strip() for key, value in rows.items()}
+    assert rows["GPU calls"] == "2" and rows["GPU minutes (the calls' wall time)"] == "7.0"  # (360 + 60) / 60
+    assert rows["GPU utilisation, mean over the calls (nvidia-smi)"] == "85%"

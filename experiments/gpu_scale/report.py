@@ -135,9 +135,16 @@ def scale_table(plan: dict, results: dict) -> str:
 
 def spend_table(results_dir: Path, results: dict) -> str:
     calls = driver.past_calls(results_dir)
+    wall: dict[str, float] = {}  # the workers of one call share its wall time
+    for c in calls:
+        key = c.get("call") or c["started"]
+        wall[key] = max(wall.get(key, 0.0), c["wall_s"])
+    utilization = [c["gpu_utilization"] for c in calls if c.get("gpu_utilization") is not None]
     tokens = sum(r["tokens"] for r in results.values())
-    rows = [["GPU calls", len(calls)],
-            ["GPU minutes (the calls' wall time)", f"{sum(c['wall_s'] for c in calls) / 60:.1f}"],
+    rows = [["GPU calls", len(wall)],
+            ["GPU minutes (the calls' wall time)", f"{sum(wall.values()) / 60:.1f}"],
+            ["GPU utilisation, mean over the calls (nvidia-smi)",
+             f"{statistics.mean(utilization):.0f}%" if utilization else "not measured"],
             ["runs finished", len(results)], ["training tokens, all runs", f"{tokens:,}"],
             ["training minutes, all runs", f"{sum(r['train_seconds'] for r in results.values()) / 60:.1f}"],
             ["scoring minutes, all runs", f"{sum(r['eval_seconds'] for r in results.values()) / 60:.1f}"]]

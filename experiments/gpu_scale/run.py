@@ -5,6 +5,7 @@ run as it finishes. A later call skips finished runs and resumes a checkpointed 
     python experiments/gpu_scale/run.py --prepare          # once, with network: the corpus, into data/
     python experiments/gpu_scale/run.py --list             # every run, its parameters and whether it is done
     python experiments/gpu_scale/run.py --budget 420       # one GPU call (run_device.sh wraps it)
+    python experiments/gpu_scale/run.py --budget 420 --workers 2   # the same, two runs at a time
     python experiments/gpu_scale/run.py --dry-run          # tiny models, few steps, CPU: the whole path
 
 Results go to ``results/<run>.json`` (kept in git); run directories (weights, optimiser state) to ``runs/``,
@@ -13,10 +14,13 @@ which stays on the machine that trained them. REPORT.md says how the plan was ch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -107,33 +111,29 @@ def check_corpus(plan: dict, data_dir: str) -> None:
 # ----------------------------------------------------------------------------------------------- training
 
 def train_within(config: RunConfig, deadline: float, step_limit: int | None, log) -> tuple[bool, float | None]:
-    """Train (or resume) one run until it is finished, ``deadline`` (``time.monotonic()``) is near or
-    ``step_limit`` steps were done in this call; checkpoints on the way. Returns whether the run is finished and
-    the seconds per step of its last chunk (None if it trained none)."""
-    from lavo.run import RunLock
+    """Train (or resume) one run, whose directory the caller has locked, until it is finished, ``deadline``
+    (``time.monotonic()``) is near or ``step_limit`` steps were done in this call; checkpoints on the way. Returns
+    whether the run is finished and the seconds per step of its last chunk (None if it trained none)."""
     from lavo.train import Distributed, Trainer, check_run_directory, prepare_run, resolve_device
 
-    run_dir = Path(config.train.out_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     env, steps, interval = Distributed(), config.train.steps, config.train.checkpoint_interval or config.train.steps
-    with RunLock(run_dir):
-        check_run_directory(run_dir, resume=True, overwrite=False)
-        trainer = Trainer(config, env, resolve_device(config.train.device), prepare_run(config, env, log), log)
-        trainer.restore()
-        trainer.start()
-        budget = steps if step_limit is None else step_limit
-        seconds_per_step = None
-        while trainer.progress.step < steps and budget > 0:
-            chunk = min(interval, steps - trainer.progress.step, budget)
-            if seconds_per_step is not None:  # the next chunk must end before the deadline
-                chunk = min(chunk, int((deadline - time.monotonic()) / seconds_per_step))
-                if chunk < 1:
-                    break
-            started, first = time.monotonic(), trainer.progress.step
-            trainer.run(first + chunk)  # checkpoints at its end
-            seconds_per_step = (time.monotonic() - started) / max(1, trainer.progress.step - first)
-            budget -= trainer.progress.step - first
-        return trainer.progress.step >= steps, seconds_per_step
+    check_run_directory(Path(config.train.out_dir), resume=True, overwrite=False)
+    trainer = Trainer(config, env, resolve_device(config.train.device), prepare_run(config, env, log), log)
+    trainer.restore()
+    trainer.start()
+    budget = steps if step_limit is None else step_limit
+    seconds_per_step = None
+    while trainer.progress.step < steps and budget > 0:
+        chunk = min(interval, steps - trainer.progress.step, budget)
+        if seconds_per_step is not None:  # the next chunk must end before the deadline
+            chunk = min(chunk, int((deadline - time.monotonic()) / seconds_per_step))
+            if chunk < 1:
+                break
+        started, first = time.monotonic(), trainer.progress.step
+        trainer.run(first + chunk)  # checkpoints at its end
+        seconds_per_step = (time.monotonic() - started) / max(1, trainer.progress.step - first)
+        budget -= trainer.progress.step - first
+    return trainer.progress.step >= steps, seconds_per_step
 
 
 def evaluate(run_dir: Path, run: PlannedRun, plan_eval: dict, long_eval: dict, device, log) -> dict:
@@ -210,8 +210,13 @@ def pack(results_dir: Path, archive: Path | None) -> None:
     from lavo.files import atomic_write
 
     def write(tmp: Path) -> None:
+        # the files a run or a call writes whole, not the temporary ones of a write under way in another worker
+        calls = results_dir / "calls.jsonl"
+        files = sorted(results_dir.glob("*.json")) + [calls] * calls.exists()
         with tarfile.open(tmp, "w") as tar:
-            tar.add(results_dir, arcname="results")
+            tar.add(results_dir, arcname="results", recursive=False)
+            for path in files:
+                tar.add(path, arcname=f"results/{path.name}")
     atomic_write(archive, write)
 
 
@@ -219,74 +224,175 @@ def finished_results(results_dir: Path) -> dict[str, dict]:
     return {path.stem: json.loads(path.read_text()) for path in sorted(results_dir.glob("*.json"))}
 
 
+def train_and_score(run: PlannedRun, runs_dir: Path, plan_eval: dict, long_eval: dict, deadline: float,
+                    step_limit: int | None, log) -> tuple[dict | None, float | None]:
+    """Train ``run`` (its directory locked by the caller) until done or ``deadline`` less the time its scoring
+    needs, then score it. Returns its results record (None when training stopped first) and the seconds per
+    step of its last training chunk."""
+    from lavo.train import resolve_device
+
+    config = run_config(run, runs_dir)
+    device = resolve_device(config.train.device)
+    t0 = time.monotonic()
+    done, seconds_per_step = train_within(config, deadline, step_limit, log)
+    if not done:
+        return None, seconds_per_step
+    train_seconds, t0 = time.monotonic() - t0, time.monotonic()
+    scores = evaluate(runs_dir / run.name, run, plan_eval, long_eval, device, log)
+    summary = last_summary(runs_dir / run.name)
+    record = {"name": run.name, "model": run.model, "seed": run.seed, "config": run.values,
+              "parameters": summary["parameters"], "steps": summary["step"], "tokens": summary["tokens"],
+              "final_train_loss": summary["loss"], "train_seconds": summary["elapsed"],
+              "train_seconds_this_machine": round(train_seconds, 2),
+              "eval_seconds": round(time.monotonic() - t0, 2), "device": device_name(device),
+              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "eval": scores}
+    log(f"[done] {run.name}: " + ", ".join(
+        f"{name} ppl {s[str(config.train.train_length)]['ppl']:.2f} at 1x" for name, s in scores.items()))
+    return record, seconds_per_step
+
+
+def not_now(run: PlannedRun, done: list[dict], step_seconds: dict[str, float], budget: float, left: float,
+            resuming: bool) -> str | None:
+    """Why ``run`` is not started in this call, as a log line, or None to start (or resume) it."""
+    estimate = estimate_seconds(run, done, step_seconds)
+    if estimate is None or resuming:
+        return None
+    if estimate > budget:  # it would stop unfinished in every call, and a fresh machine starts it from step 0
+        return f"[too long] {run.name}: about {estimate:.0f} s, more than a call's budget of {budget:.0f} s"
+    if estimate > left:
+        return f"[wait] {run.name}: about {estimate:.0f} s, {left:.0f} s left"
+    return None
+
+
+@contextlib.contextmanager
+def claimed(run_dir: Path):
+    """Hold ``run_dir``'s lock during the block: yields True, or False (holding nothing) where another process
+    holds it."""
+    from lavo.run import RunError, RunLock
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire()
+    except RunError:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
+
+
 def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir: Path, results_dir: Path,
              budget: float, max_runs: int | None, step_limit: int | None, archive: Path | None = None,
-             log=print) -> dict:
+             log=print, call: dict | None = None) -> dict:
     """Train and score the unfinished ``runs`` in order until ``budget`` seconds are spent or ``max_runs`` have
-    finished; returns what this call did (also appended to ``results/calls.jsonl``). ``archive``: a tar file of
-    the results folder, written again after each finished run."""
+    finished; returns what this call did (also appended to ``results/calls.jsonl``, with ``call``'s entries).
+    ``archive``: a tar file of the results folder, written again after each finished run. Each run is trained
+    under its directory's lock, so workers of one call (:func:`run_workers`) share the plan: a run another
+    process holds is passed over."""
     from lavo.train import resolve_device
 
     started, start_time = time.monotonic(), datetime.now(timezone.utc).isoformat(timespec="seconds")
     deadline = started + budget
     results_dir.mkdir(parents=True, exist_ok=True)
-    results = finished_results(results_dir)
     step_seconds, measured = measured_step_seconds(results_dir), {}
     finished, stopped, device = [], None, None
-    for run in runs:
-        if run.name in results:
-            continue
-        if max_runs is not None and len(finished) >= max_runs:
-            break
-        estimate = estimate_seconds(run, list(results.values()), step_seconds)
-        eval_reserve = estimate_eval_seconds(run, list(results.values()))
-        left = deadline - time.monotonic()
-        if left <= eval_reserve:
-            break
-        resuming = (runs_dir / run.name / "state.pt").exists()
-        if estimate is not None and estimate > budget and not resuming:
-            # it would stop unfinished in every call, and a fresh machine starts it again from step 0
-            log(f"[too long] {run.name}: about {estimate:.0f} s, more than a call's budget of {budget:.0f} s")
-            continue
-        if estimate is not None and estimate > left and not resuming:
-            log(f"[wait] {run.name}: about {estimate:.0f} s, {left:.0f} s left")
-            continue
-        config = run_config(run, runs_dir)
-        device = resolve_device(config.train.device)
-        log(f"[train] {run.name}" + (" (resuming)" if resuming else ""))
-        t0 = time.monotonic()
-        done, seconds_per_step = train_within(config, deadline - eval_reserve, step_limit, log)
-        train_seconds = time.monotonic() - t0
-        if not done:
-            stopped = run.name
-            if seconds_per_step is not None:
-                measured[run.model] = round(seconds_per_step, 4)
-            log(f"[stopped] {run.name}: checkpointed in {runs_dir / run.name}; the next call on this machine "
-                "resumes it")
-            break
-        t0 = time.monotonic()
-        scores = evaluate(runs_dir / run.name, run, plan_eval, long_eval, device, log)
-        summary = last_summary(runs_dir / run.name)
-        record = {"name": run.name, "model": run.model, "seed": run.seed, "config": run.values,
-                  "parameters": summary["parameters"], "steps": summary["step"], "tokens": summary["tokens"],
-                  "final_train_loss": summary["loss"], "train_seconds": summary["elapsed"],
-                  "train_seconds_this_machine": round(train_seconds, 2),
-                  "eval_seconds": round(time.monotonic() - t0, 2), "device": device_name(device),
-                  "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  "eval": scores}
-        write_json(results_dir / f"{run.name}.json", record)
-        results[run.name] = record
-        finished.append(run.name)
-        pack(results_dir, archive)
-        log(f"[done] {run.name}: " + ", ".join(
-            f"{name} ppl {s[str(config.train.train_length)]['ppl']:.2f} at 1x" for name, s in scores.items()))
-    call = {"started": start_time, "wall_s": round(time.monotonic() - started, 1), "budget_s": budget,
-            "device": device_name(device) if device is not None else None, "finished": finished, "stopped": stopped,
-            "step_seconds": measured, "remaining": [r.name for r in runs if r.name not in results]}
-    with open(results_dir / "calls.jsonl", "a") as file:
+    with GpuUtilization() as utilization:
+        for run in runs:
+            results = finished_results(results_dir)  # other workers' too
+            if run.name in results:
+                continue
+            if max_runs is not None and len(finished) >= max_runs:
+                break
+            eval_reserve = estimate_eval_seconds(run, list(results.values()))
+            left = deadline - time.monotonic()
+            if left <= eval_reserve:
+                break
+            resuming = (runs_dir / run.name / "state.pt").exists()
+            reason = not_now(run, list(results.values()), step_seconds, budget, left, resuming)
+            if reason is not None:
+                log(reason)
+                continue
+            with claimed(runs_dir / run.name) as mine:
+                if not mine:
+                    log(f"[busy] {run.name}: another worker is training it")
+                    continue
+                if (results_dir / f"{run.name}.json").exists():  # finished by another worker meanwhile
+                    continue
+                log(f"[train] {run.name}" + (" (resuming)" if resuming else ""))
+                device = device_name(resolve_device(run.values["train"]["device"]))
+                record, seconds_per_step = train_and_score(run, runs_dir, plan_eval, long_eval,
+                                                           deadline - eval_reserve, step_limit, log)
+                if record is not None:  # written under the lock: no other worker starts the run again
+                    write_json(results_dir / f"{run.name}.json", record)
+            if record is None:
+                stopped = run.name
+                if seconds_per_step is not None:
+                    measured[run.model] = round(seconds_per_step, 4)
+                log(f"[stopped] {run.name}: checkpointed in {runs_dir / run.name}; the next call on this machine "
+                    "resumes it")
+                break
+            finished.append(run.name)
+            pack(results_dir, archive)
+    done = finished_results(results_dir)
+    call = {**(call or {}), "started": start_time, "wall_s": round(time.monotonic() - started, 1),
+            "budget_s": budget, "device": device, "gpu_utilization": utilization.mean(),
+            "finished": finished, "stopped": stopped, "step_seconds": measured,
+            "remaining": [r.name for r in runs if r.name not in done]}
+    with open(results_dir / "calls.jsonl", "a") as file:  # one short write: workers' lines do not mix
         file.write(json.dumps(call) + "\n")
     pack(results_dir, archive)
     return call
+
+
+def run_workers(workers: int, argv: list[str], results_dir: Path, archive: Path | None) -> int:
+    """One call as ``workers`` processes of this script at once (``argv`` without ``--workers`` and ``--pack``),
+    sharing the plan through the runs' locks: a model this small leaves an H200 idle between its kernels, so
+    runs trained side by side finish sooner in all. The results folder is packed whenever a run finishes."""
+    call = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    results_dir.mkdir(parents=True, exist_ok=True)
+    children = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", f"{k}/{workers}", "--call", call])
+                for k in range(1, workers + 1)]
+    packed = None
+    while any(child.poll() is None for child in children):
+        time.sleep(1)
+        names = sorted(path.name for path in results_dir.glob("*.json"))
+        if names != packed:
+            pack(results_dir, archive)
+            packed = names
+    pack(results_dir, archive)
+    return max(child.returncode for child in children)
+
+
+class GpuUtilization:
+    """The GPU's mean utilisation in percent (``nvidia-smi``'s: the share of time a kernel was running) while
+    the block runs, sampled every ``interval`` seconds; :meth:`mean` is None where nothing could be sampled."""
+
+    COMMAND = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "--id=0"]
+
+    def __init__(self, interval: float = 2.0, command: list[str] | None = None):
+        self.interval, self.command, self.samples = interval, command or self.COMMAND, []
+        self._stop, self._thread = threading.Event(), None
+
+    def __enter__(self) -> "GpuUtilization":
+        if shutil.which(self.command[0]):
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError, IndexError):
+                output = subprocess.run(self.command, capture_output=True, text=True, timeout=10).stdout
+                self.samples.append(float(output.split()[0]))
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def mean(self) -> float | None:
+        return round(statistics.mean(self.samples), 1) if self.samples else None
 
 
 def estimate_eval_seconds(run: PlannedRun, done: list[dict]) -> float:
@@ -322,15 +428,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny models, a few steps, on the CPU (the plan's "
                         "dry_run section); results and runs go to dry-run/ unless given")
     parser.add_argument("--only", default=None, help="comma-separated run names: train only these")
-    parser.add_argument("--max-runs", type=int, default=None, help="stop after this many runs finish")
+    parser.add_argument("--max-runs", type=int, default=None,
+                        help="stop after this many runs finish (in each worker with --workers)")
     parser.add_argument("--step-limit", type=int, default=None,
                         help="train at most this many steps in this call, then checkpoint and stop (as a deadline)")
     parser.add_argument("--pack", default=None, help="a tar file of the results folder, written after each run")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="train this many runs at once, each in a process of its own [1]")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "k/n": one of --workers' processes
+    parser.add_argument("--call", default=None, help=argparse.SUPPRESS)  # the call a worker belongs to
     parser.add_argument("--data-dir", default=None, help="the prepared corpus (default: the plan's data_dir)")
     parser.add_argument("--runs-dir", default=None, help="run directories (default: runs/, dry run: dry-run/runs/)")
     parser.add_argument("--results-dir", default=None,
                         help="results files (default: results/, dry run: dry-run/results/)")
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
 
     plan = load_plan()
     data_dir = args.data_dir or str(ROOT / plan["base"]["data"]["data_dir"])
@@ -352,9 +465,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.dry_run:
         check_corpus(plan, data_dir)
+    archive = Path(args.pack) if args.pack else None
+    if args.workers > 1:
+        given = {"--budget": args.budget, "--only": args.only, "--max-runs": args.max_runs,
+                 "--step-limit": args.step_limit, "--data-dir": data_dir, "--runs-dir": runs_dir,
+                 "--results-dir": results_dir}
+        argv = ["--dry-run"] * args.dry_run + [str(x) for option, value in given.items() if value is not None
+                                               for x in (option, value)]
+        return run_workers(args.workers, argv, results_dir, archive)
     plan_eval, long_eval = eval_settings(plan, args.dry_run)
+    log, call = print, None
+    if args.worker:
+        log = lambda message: print(f"[worker {args.worker}] {message}", flush=True)  # noqa: E731
+        call = {"call": args.call, "worker": args.worker}
     call = run_plan(runs, plan_eval, long_eval, runs_dir, results_dir, args.budget, args.max_runs, args.step_limit,
-                    Path(args.pack) if args.pack else None)
+                    archive, log, call)
     print(json.dumps({key: call[key] for key in ("wall_s", "finished", "stopped")}
                      | {"remaining": len(call["remaining"])}))
     return 0

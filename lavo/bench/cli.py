@@ -132,7 +132,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(sections=args.sections, attentions=registered if args.attentions is None else args.attentions,
                     ops=args.ops,
                     passes=args.passes, batch=args.batch, dtype=args.dtype, decode_attentions=args.decode_attentions,
-                    model_attentions=registered if args.model_attentions is None else args.model_attentions, model_batch=args.model_batch,
+                    model_attentions=registered if args.model_attentions is None else args.model_attentions,
+                    model_batch=args.model_batch,
                     attention_options=args.attention_options, device=args.device, backend=args.backend,
                     threads=args.threads,
                     seed=args.seed, quick=args.quick, **values)
