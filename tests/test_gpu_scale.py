@@ -3,6 +3,7 @@ trains, scores and resumes end to end (a finished run is never redone, an interr
 import json
 import re
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -196,12 +197,42 @@ def test_workers_share_the_plan_and_train_each_run_once(dry, capfd):
         packed = sorted(tar.getnames())
     assert packed == ["results", "results/calls.jsonl", *(f"results/{name}.json" for name in sorted(names))]
     calls = [json.loads(line) for line in (results / "calls.jsonl").read_text().splitlines()]
-    assert sorted(c["worker"] for c in calls) == ["1/2", "2/2"] and len({c["call"] for c in calls}) == 1
-    assert sorted(n for c in calls for n in c["finished"]) == sorted(names)
+    parent, workers = calls[-1], calls[:-1]  # the call's own line comes last, with its whole wall time
+    assert sorted(c["worker"] for c in workers) == ["1/2", "2/2"] and {c["call"] for c in calls} == {parent["call"]}
+    assert parent["workers"] == 2 and "probe" not in parent and parent["wall_s"] >= max(c["wall_s"] for c in workers)
+    assert sorted(n for c in workers for n in c["finished"]) == sorted(names)
     assert not list((out / "runs").glob("*/.lock"))  # every claim released
     capfd.readouterr()
     assert run("--only", ",".join(names), "--workers", "2") == 0  # nothing left to do
     assert "[train]" not in capfd.readouterr().out
+
+
+def test_workers_auto_probes_once_and_keeps_its_choice(dry, capfd, monkeypatch):
+    run, out = dry
+    monkeypatch.setattr(driver, "MAX_PROBED_WORKERS", 2)
+    assert run("--only", "lavo-s0,local-s0", "--max-runs", "1", "--workers", "auto", "--probe-seconds", "1") == 0
+    log = capfd.readouterr().out
+    calls = [json.loads(line) for line in (out / "results" / "calls.jsonl").read_text().splitlines()]
+    probe = calls[-1]["probe"]
+    assert probe["run"] == "lavo-s0" and set(probe["tokens_per_s"]) == {"1", "2"}
+    assert all(value > 0 for value in probe["tokens_per_s"].values())
+    throughput = {int(n): value for n, value in probe["tokens_per_s"].items()}
+    assert calls[-1]["workers"] == driver.choose_workers(throughput, 4 * 2 * 128, 60.0, 420.0)
+    assert "[probe] 1 at once:" in log and "[probe] 2 at once:" in log
+    assert not list(Path(tempfile.gettempdir()).glob("lavo-probe-*"))  # the probe's scratch runs are gone
+    assert run("--only", "lavo-s0,local-s0", "--workers", "auto") == 0
+    assert "[probe]" not in capfd.readouterr().out  # the choice is kept in calls.jsonl
+    assert sorted(driver.finished_results(out / "results")) == ["lavo-s0", "local-s0"]
+
+
+def test_the_number_of_workers_is_what_raises_throughput_and_still_fits_a_call():
+    choose = driver.choose_workers
+    assert choose({1: 100.0, 2: 180.0, 3: 190.0}, 10_000, 20.0, 420.0) == 2  # 3: less than 10% more than 2
+    assert choose({1: 100.0, 2: 105.0, 3: 300.0}, 10_000, 20.0, 420.0) == 3
+    # alone a run takes 10,000 / 100 + 20 = 120 s; two at once slow each by 2 * 100 / 180
+    assert choose({1: 100.0, 2: 180.0}, 10_000, 20.0, 134.0) == 2
+    assert choose({1: 100.0, 2: 180.0}, 10_000, 20.0, 133.0) == 1
+    assert choose({}, 10_000, 20.0, 420.0) == 1  # a failed probe
 
 
 def test_a_run_another_process_trains_is_passed_over(dry, capsys):

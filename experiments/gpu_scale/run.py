@@ -18,9 +18,7 @@ import contextlib
 import json
 import shutil
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -29,11 +27,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's lavo, also where it is not installed (the GPU machine)
+sys.path.insert(0, str(HERE))
 
+from concurrent_runs import GpuUtilization, choose_workers, probe_throughput, probe_worker, run_workers  # noqa: E402
 from lavo.config import RunConfig, deep_merge  # noqa: E402
 from lavo.files import write_json  # noqa: E402
 
 DEFAULT_BUDGET = 7 * 60  # seconds of work in one 8-minute GPU call; the rest is start-up and packing
+MAX_PROBED_WORKERS = 3  # --workers auto tries 1..3 runs at once
+PROBE_SECONDS = 8.0
 
 
 @dataclass
@@ -345,54 +347,53 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
     return call
 
 
-def run_workers(workers: int, argv: list[str], results_dir: Path, archive: Path | None) -> int:
-    """One call as ``workers`` processes of this script at once (``argv`` without ``--workers`` and ``--pack``),
-    sharing the plan through the runs' locks: a model this small leaves an H200 idle between its kernels, so
-    runs trained side by side finish sooner in all. The results folder is packed whenever a run finishes."""
-    call = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    results_dir.mkdir(parents=True, exist_ok=True)
-    children = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", f"{k}/{workers}", "--call", call])
-                for k in range(1, workers + 1)]
-    packed = None
-    while any(child.poll() is None for child in children):
-        time.sleep(1)
-        names = sorted(path.name for path in results_dir.glob("*.json"))
-        if names != packed:
-            pack(results_dir, archive)
-            packed = names
+def call_with_workers(workers: str, command: list[str], limits: list[str], runs: list[PlannedRun], results_dir: Path,
+                      archive: Path | None, budget: float, probe_seconds: float, log=print) -> int:
+    """One call whose runs train ``workers`` at a time, each worker ``command + limits`` (``auto``: as many as
+    the last probe chose, else as a probe on the next run decides now). Adds the call's own line to
+    ``calls.jsonl``: its whole wall time, the number of workers and the probe's result."""
+    started, call_id = time.monotonic(), datetime.now(timezone.utc).isoformat(timespec="seconds")
+    call: dict = {"call": call_id}
+    done = finished_results(results_dir) if results_dir.is_dir() else {}
+    todo = [run for run in runs if run.name not in done]
+    count = int(workers) if workers != "auto" else last_probe_choice(results_dir)
+    if count is None:
+        count = 1
+        if todo:  # a failed probe is kept too (one worker): a probe is not retried at every call's expense
+            train = todo[0].values["train"]
+            step_tokens = train["batch_size"] * train.get("grad_accum", 1) * train["train_length"]
+            throughput = probe_throughput(command + ["--only", todo[0].name], MAX_PROBED_WORKERS, probe_seconds,
+                                          step_tokens, log)
+            count = choose_workers(throughput, step_tokens * train["steps"],
+                                   estimate_eval_seconds(todo[0], list(done.values())), budget)
+            call["probe"] = {"run": todo[0].name, "tokens_per_s": {str(n): round(v) for n, v in throughput.items()}}
+            log(f"[probe] {count} worker(s)")
+    call["workers"] = count
+    left = budget - (time.monotonic() - started)
+    status = run_workers(command + limits + ["--budget", f"{left:.0f}", "--call", call_id], count, results_dir,
+                         lambda: pack(results_dir, archive))
+    call |= {"started": call_id, "wall_s": round(time.monotonic() - started, 1), "budget_s": budget}
+    with open(results_dir / "calls.jsonl", "a") as file:
+        file.write(json.dumps(call) + "\n")
     pack(results_dir, archive)
-    return max(child.returncode for child in children)
+    return status
 
 
-class GpuUtilization:
-    """The GPU's mean utilisation in percent (``nvidia-smi``'s: the share of time a kernel was running) while
-    the block runs, sampled every ``interval`` seconds; :meth:`mean` is None where nothing could be sampled."""
+def last_probe_choice(results_dir: Path) -> int | None:
+    """The number of workers the last probe in ``calls.jsonl`` chose; None before any probe."""
+    chosen = [call["workers"] for call in past_calls(results_dir) if "probe" in call]
+    return chosen[-1] if chosen else None
 
-    COMMAND = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "--id=0"]
 
-    def __init__(self, interval: float = 2.0, command: list[str] | None = None):
-        self.interval, self.command, self.samples = interval, command or self.COMMAND, []
-        self._stop, self._thread = threading.Event(), None
-
-    def __enter__(self) -> "GpuUtilization":
-        if shutil.which(self.command[0]):
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval):
-            with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError, IndexError):
-                output = subprocess.run(self.command, capture_output=True, text=True, timeout=10).stdout
-                self.samples.append(float(output.split()[0]))
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def mean(self) -> float | None:
-        return round(statistics.mean(self.samples), 1) if self.samples else None
+def run_probe_worker(run: PlannedRun, spec: str, folder: Path) -> None:
+    """Probe worker ``spec`` ("k/n") of :func:`concurrent_runs.probe_throughput`, on ``run``'s model, data and
+    settings; its run directory is a scratch one in the probe's folder."""
+    from lavo.train import Distributed, Trainer, prepare_run, resolve_device
+    index, count = map(int, spec.split("/"))
+    config, env = run_config(run, folder / f"worker-{index}"), Distributed()
+    quiet = lambda *args: None  # noqa: E731
+    trainer = Trainer(config, env, resolve_device(config.train.device), prepare_run(config, env, quiet), quiet)
+    probe_worker(trainer, config.train.lr, index, count, folder)
 
 
 def estimate_eval_seconds(run: PlannedRun, done: list[dict]) -> float:
@@ -433,17 +434,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-limit", type=int, default=None,
                         help="train at most this many steps in this call, then checkpoint and stop (as a deadline)")
     parser.add_argument("--pack", default=None, help="a tar file of the results folder, written after each run")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="train this many runs at once, each in a process of its own [1]")
+    parser.add_argument("--workers", default="1",
+                        help="train this many runs at once, each in a process of its own, or 'auto': as many as "
+                             "the last probe chose, or a probe on the next run now (calls.jsonl keeps it) [1]")
+    parser.add_argument("--probe-seconds", type=float, default=PROBE_SECONDS,
+                        help=f"seconds each phase of the --workers auto probe trains [{PROBE_SECONDS:g}]")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "k/n": one of --workers' processes
     parser.add_argument("--call", default=None, help=argparse.SUPPRESS)  # the call a worker belongs to
+    parser.add_argument("--probe-worker", default=None, help=argparse.SUPPRESS)  # "k/n": one of the probe's
+    parser.add_argument("--probe-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", default=None, help="the prepared corpus (default: the plan's data_dir)")
     parser.add_argument("--runs-dir", default=None, help="run directories (default: runs/, dry run: dry-run/runs/)")
     parser.add_argument("--results-dir", default=None,
                         help="results files (default: results/, dry run: dry-run/results/)")
     args = parser.parse_args(argv)
-    if args.workers < 1:
-        parser.error("--workers must be at least 1")
+    if args.workers != "auto" and not (args.workers.isdigit() and int(args.workers) >= 1):
+        parser.error(f"--workers: a number from 1, or auto; not {args.workers!r}")
 
     plan = load_plan()
     data_dir = args.data_dir or str(ROOT / plan["base"]["data"]["data_dir"])
@@ -466,13 +472,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         check_corpus(plan, data_dir)
     archive = Path(args.pack) if args.pack else None
-    if args.workers > 1:
-        given = {"--budget": args.budget, "--only": args.only, "--max-runs": args.max_runs,
-                 "--step-limit": args.step_limit, "--data-dir": data_dir, "--runs-dir": runs_dir,
-                 "--results-dir": results_dir}
-        argv = ["--dry-run"] * args.dry_run + [str(x) for option, value in given.items() if value is not None
-                                               for x in (option, value)]
-        return run_workers(args.workers, argv, results_dir, archive)
+    if args.probe_worker:
+        run_probe_worker(runs[0], args.probe_worker, args.probe_dir)
+        return 0
+    if args.workers != "1" and not args.worker:
+        shared = {"--data-dir": data_dir, "--runs-dir": runs_dir, "--results-dir": results_dir}
+        command = [sys.executable, str(Path(__file__).resolve()), *["--dry-run"] * args.dry_run,
+                   *(str(x) for option, value in shared.items() for x in (option, value))]
+        limits = {"--only": args.only, "--max-runs": args.max_runs, "--step-limit": args.step_limit}
+        limited = [str(x) for option, value in limits.items() if value is not None for x in (option, value)]
+        return call_with_workers(args.workers, command, limited, runs, results_dir, archive, args.budget,
+                                 args.probe_seconds)
     plan_eval, long_eval = eval_settings(plan, args.dry_run)
     log, call = print, None
     if args.worker:

@@ -4,7 +4,8 @@
 # (unpack it into experiments/gpu_scale/ and commit results/) beside the log run.log.
 # The GPU machine has no network: the corpus is prepared beforehand (`python experiments/gpu_scale/run.py
 # --prepare`, 30 MiB) and carried as experiments/gpu_scale/data; lavo comes from this source tree.
-# WORKERS=N trains N runs at once, each in a process of its own (default 1; see REPORT.md, "Running it").
+# WORKERS=N trains N runs at once, each in a process of its own; the default, auto, takes the number a probe
+# measured (see REPORT.md, "Running it").
 # Extra arguments go to run.py (e.g. --only lavo-s0,local-s0).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -15,6 +16,6 @@ E=experiments/gpu_scale
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 # run.py rewrites results.tar after every finished run, so a call cut off at its time limit still returns them
-python3 "$E/run.py" --budget "${BUDGET_S:-420}" --workers "${WORKERS:-1}" --pack "$OUT/results.tar" "$@" 2>&1 \
+python3 "$E/run.py" --budget "${BUDGET_S:-420}" --workers "${WORKERS:-auto}" --pack "$OUT/results.tar" "$@" 2>&1 \
     | tee "$OUT/run.log"
 exit "${PIPESTATUS[0]}"
