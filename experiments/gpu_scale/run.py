@@ -35,7 +35,7 @@ from lavo.files import write_json  # noqa: E402
 
 DEFAULT_BUDGET = 7 * 60  # seconds of work in one 8-minute GPU call; the rest is start-up and packing
 MAX_PROBED_WORKERS = 3  # --workers auto tries 1..3 runs at once
-PROBE_SECONDS = 8.0
+PROBE_SECONDS = 5.0
 
 
 @dataclass
