@@ -113,15 +113,20 @@ class Measurement:
     peak_mib: float | None
 
 
+def timed_within(fn: Callable[[], Any], device: torch.device, time_limit: float) -> float:
+    """Seconds of one call; raises :class:`Skipped` when they exceed ``time_limit``."""
+    seconds = _timed(fn, device)
+    if seconds > time_limit:
+        raise Skipped(f"one call took {seconds:.3g} s > --time-limit {time_limit:g} s")
+    return seconds
+
+
 def measure(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup: int,
             time_limit: float) -> Measurement:
     """Warm-up calls, one call under :class:`PeakMemory`, then ``repeats`` timed calls; median time in ms.
     Raises :class:`Skipped` as soon as a call exceeds ``time_limit`` seconds."""
     def call() -> float:
-        seconds = _timed(fn, device)
-        if seconds > time_limit:
-            raise Skipped(f"one call took {seconds:.3g} s > --time-limit {time_limit:g} s")
-        return seconds
+        return timed_within(fn, device, time_limit)
 
     for _ in range(warmup):
         call()

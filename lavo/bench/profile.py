@@ -13,7 +13,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
 from . import attention, model
-from .measure import Skipped, sync
+from .measure import sync, timed_within
 from .runner import Runner, record
 
 TOP = 12  # rows kept per profile; the rest are summed into one
@@ -48,12 +48,7 @@ def profiled(fn: Callable[[], Any], runner: Runner) -> dict:
     the kernel table, the wall ms per call under the profiler and the share of it the table's time covers."""
     s, device = runner.settings, runner.device
     for _ in range(max(1, s.warmup)):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        if time.perf_counter() - start > s.time_limit:
-            raise Skipped(f"one call took {time.perf_counter() - start:.3g} s > --time-limit {s.time_limit:g} s")
+        timed_within(fn, device, s.time_limit)
     on_device = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_device
     with torch.profiler.profile(activities=activities) as prof:
