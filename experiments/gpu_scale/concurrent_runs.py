@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from lavo.files import write_text
+
 WARMUP_STEPS = 3  # before a probe worker is ready: compilation, autotuning, the allocator's pools
 POLL_SECONDS = 0.02
 
@@ -44,6 +46,7 @@ def run_workers(command: list[str], workers: int, results_dir: Path, pack: Calla
 
 
 def _wait_for(ready: Callable[[], bool], seconds: float, children: list[subprocess.Popen], what: str) -> None:
+    """Poll until ``ready()``; :class:`ProbeFailed` once one of ``children`` has failed or ``seconds`` passed."""
     deadline = time.monotonic() + seconds
     while not ready():
         failed = [child.returncode for child in children if child.poll() not in (None, 0)]
@@ -69,8 +72,7 @@ def probe_throughput(command: list[str], count: int, seconds: float, tokens_per_
             throughput = {}
             for phase in range(1, count + 1):
                 start = time.time() + 0.5  # every worker of the phase has seen the file by then
-                (folder / f"go-{phase}.tmp").write_text(f"{start} {start + seconds}")
-                (folder / f"go-{phase}.tmp").rename(folder / f"go-{phase}")
+                write_text(folder / f"go-{phase}", f"{start} {start + seconds}")
                 done = [folder / f"steps-{phase}-{k}" for k in range(1, phase + 1)]
                 _wait_for(lambda: all(path.exists() for path in done), seconds + timeout, children,
                           f"training {phase} at once")
@@ -97,19 +99,15 @@ def probe_worker(trainer, lr: float, index: int, count: int, folder: Path, timeo
         trainer.train_step(lr)[0].item()
     (folder / f"ready-{index}").touch()
     for phase in range(index, count + 1):
-        go, deadline = folder / f"go-{phase}", time.monotonic() + timeout
-        while not go.exists():
-            if time.monotonic() > deadline:
-                raise SystemExit(f"probe worker {index}: no phase {phase} within {timeout:.0f} s")
-            time.sleep(POLL_SECONDS)
+        go = folder / f"go-{phase}"
+        _wait_for(go.exists, timeout, [], f"probe worker {index} waited for phase {phase}")
         start, end = map(float, go.read_text().split())
         time.sleep(max(0.0, start - time.time()))
         steps = 0
         while time.time() < end:
             trainer.train_step(lr)[0].item()  # the loss read back each step, as in training
             steps += 1
-        (folder / f"steps-{phase}-{index}.tmp").write_text(str(steps))
-        (folder / f"steps-{phase}-{index}.tmp").rename(folder / f"steps-{phase}-{index}")
+        write_text(folder / f"steps-{phase}-{index}", str(steps))
 
 
 def choose_workers(throughput: dict[int, float], run_tokens: int, extra_seconds: float, budget: float,

@@ -341,9 +341,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
             "budget_s": budget, "device": device, "gpu_utilization": utilization.mean(),
             "finished": finished, "stopped": stopped, "step_seconds": measured,
             "remaining": [r.name for r in runs if r.name not in done]}
-    with open(results_dir / "calls.jsonl", "a") as file:  # one short write: workers' lines do not mix
-        file.write(json.dumps(call) + "\n")
-    pack(results_dir, archive)
+    add_call(results_dir, call, archive)
     return call
 
 
@@ -373,10 +371,15 @@ def call_with_workers(workers: str, command: list[str], limits: list[str], runs:
     status = run_workers(command + limits + ["--budget", f"{left:.0f}", "--call", call_id], count, results_dir,
                          lambda: pack(results_dir, archive))
     call |= {"started": call_id, "wall_s": round(time.monotonic() - started, 1), "budget_s": budget}
+    add_call(results_dir, call, archive)
+    return status
+
+
+def add_call(results_dir: Path, call: dict, archive: Path | None) -> None:
+    """Append ``call`` to ``calls.jsonl`` (one short write: the lines of workers do not mix), then pack."""
     with open(results_dir / "calls.jsonl", "a") as file:
         file.write(json.dumps(call) + "\n")
     pack(results_dir, archive)
-    return status
 
 
 def last_probe_choice(results_dir: Path) -> int | None:
@@ -475,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe_worker:
         run_probe_worker(runs[0], args.probe_worker, args.probe_dir)
         return 0
-    if args.workers != "1" and not args.worker:
+    if args.workers != "1":  # the workers themselves run with the default, 1
         shared = {"--data-dir": data_dir, "--runs-dir": runs_dir, "--results-dir": results_dir}
         command = [sys.executable, str(Path(__file__).resolve()), *["--dry-run"] * args.dry_run,
                    *(str(x) for option, value in shared.items() for x in (option, value))]
