@@ -53,6 +53,7 @@ class TrainConfig:
     seed: int = setting(0, at_least(0))
     device: str = setting("auto", DEVICES)
     dtype: str = setting("float32", one_of("float32", "bfloat16"))  # bfloat16: autocast
+    compile: bool = False  # torch.compile the training step's forward and backward
     log_interval: int = setting(10, at_least(1))
     eval_interval: int = setting(0, at_least(0))  # 0: no validation during training
     eval_batches: int = setting(4, at_least(1))

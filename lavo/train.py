@@ -230,7 +230,7 @@ class Trainer:
         self.sampler = WindowSampler(len(data.train), tc.train_length, tc.seed)
         self.progress = Progress()
         self.metrics = MetricsLog(self.run_dir)
-        self.replica = self.model  # what the steps call: the model, or its DDP wrapper
+        self.replica = self.model  # what the steps call: the model, or its DDP or compiled wrapper
         self.bar = None  # the progress bar, while run() runs
         self.window_start, self.window_tokens = time.perf_counter(), 0  # throughput since the last record
 
@@ -274,6 +274,8 @@ class Trainer:
         if self.env.enabled:
             self.replica = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if self.tc.compile:  # training windows all have one shape, so this compiles once
+            self.replica = torch.compile(self.replica)
 
     @property
     def tokens_per_step(self) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv if needed, install torch==2.13.0 (the version the README's numbers come from; the package itself
-# asks only torch>=2.3) and lavo, and run the demo:
+# asks only torch>=2.4) and lavo, and run the demo:
 # tiny LAVO vs tiny softmax+RoPE on Jane Austen, perplexity at 1x..8x the training length (runs/demo/).
 # Extra arguments go to `lavo demo`, e.g. `bash scripts/demo.sh --set train.steps=100`.
 set -euo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv if needed, install torch==2.13.0 (the version the tests are checked with; the package itself asks
-# only torch>=2.3) and lavo with its test extras (pytest, and triton: the tests run its kernels in Triton's CPU
+# only torch>=2.4) and lavo with its test extras (pytest, and triton: the tests run its kernels in Triton's CPU
 # interpreter), run the default test suite.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow` for the slow tests.
 set -euo pipefail

@@ -128,6 +128,59 @@ def test_cross_attention_layer_on_both_backends():
     torch.testing.assert_close(layer(y.to(DEVICE), source.to(DEVICE)).cpu(), reference(y, source), **FLOAT32)
 
 
+def test_kernel_launches_are_sound_custom_ops():
+    """torch.library.opcheck: schema, fake (meta) shapes and strides against the real launch, and the autograd
+    registration, for each of the kernels' custom ops."""
+    from lavo.ops.lavo.kernels import _read_backward, _read_forward
+    from lavo.ops.local.kernels import _window_backward, _window_forward
+
+    torch.manual_seed(0)
+    B, T, H, D, window, rank = 2, 21, 2, 32, 8, 12
+
+    def tensor(*shape, grad=True):
+        return torch.randn(*shape, device=DEVICE, requires_grad=grad)
+    q, k, v = (tensor(B, T, H, D) for _ in range(3))
+    pos_bias, keep = tensor(H, 2 * window), (torch.rand(B, T, device=DEVICE) > 0.2).to(torch.uint8)
+    cases = []
+    for bias, mask, causal, scale in ((pos_bias, keep, True, D ** -0.5), (None, None, False, 0.3)):
+        out, lse = _window_forward(q, k, v, bias, mask, causal, window, scale)
+        cases += [(_window_forward, (q, k, v, bias, mask, causal, window, scale)),
+                  (_window_backward, (torch.randn_like(out), q, k, v, bias, mask, out, lse, causal, window, scale,
+                                      bias is not None))]
+    basis = tensor(H, rank, D)
+    for group in (1, window, T):
+        coefficients = tensor(B, H, -(-T // group), rank)
+        cases += [(_read_forward, (q, coefficients, basis, 0.5, group)),
+                  (_read_backward, (torch.randn_like(q), q, coefficients, basis, 0.5, group, group == window))]
+    for op, args in cases:  # the backward ops have no gradient of their own (no double backward)
+        grad = op in (_window_forward, _read_forward)
+        args = tuple(a.detach().requires_grad_(grad and a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+                     for a in args)
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("layer_class", [LavoAttention, LocalAttention])
+def test_compiled_layers_on_the_triton_path_match_eager(layer_class):
+    """torch.compile keeps the kernels as opaque ops of one graph (fullgraph) with eager's outputs and gradients."""
+    torch.manual_seed(0)
+    options = dict(basis="learned") if layer_class is LavoAttention else {}
+    layer = layer_class(64, 2, window=8, backend="triton", **options).to(DEVICE)
+    with torch.no_grad():
+        layer.pos_bias.normal_()
+    x = torch.randn(2, 29, 64, device=DEVICE)
+    mask = torch.ones(2, 29, dtype=torch.bool, device=DEVICE)
+    mask[0, :4] = False
+
+    def outputs_and_grads(module):
+        inputs = x.clone().requires_grad_()
+        y, _ = module(inputs, padding_mask=mask)
+        return [y, *torch.autograd.grad((y * y).sum(), [inputs, *layer.parameters()])]
+    torch._dynamo.reset()
+    compiled = outputs_and_grads(torch.compile(layer, fullgraph=True))
+    for got, want in zip(compiled, outputs_and_grads(layer)):
+        torch.testing.assert_close(got, want, **FLOAT32)
+
+
 def test_backend_choice_and_its_errors(monkeypatch):
     cpu = torch.zeros(1, 4, 1, 8)
     assert not uses_triton("auto", cpu) and not uses_triton("torch", cpu)

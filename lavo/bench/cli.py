@@ -87,6 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model-lengths", type=_list(_length_value), default=None, help="training sequence lengths [1K,4K]")
     a("--model-batch", type=int, default=1, help="model section batch size [1]")
     a("--model-repeats", type=int, default=None, help="timed training steps per measurement [3]")
+    a("--model-compile", action="store_true",
+      help="model section: torch.compile every model (the compiling call is not timed) [off]")
     a("--matmul-size", type=int, default=None, help="flops section: square matmul size for the peak rate [2048]")
     a("--attention-options", type=json.loads, default={},
       help='JSON options per mechanism on top of the defaults, e.g. \'{"performer": {"features": 128}}\'')
@@ -133,7 +135,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     ops=args.ops,
                     passes=args.passes, batch=args.batch, dtype=args.dtype, decode_attentions=args.decode_attentions,
                     model_attentions=registered if args.model_attentions is None else args.model_attentions,
-                    model_batch=args.model_batch,
+                    model_batch=args.model_batch, model_compile=args.model_compile,
                     attention_options=args.attention_options, device=args.device, backend=args.backend,
                     threads=args.threads,
                     seed=args.seed, quick=args.quick, **values)

@@ -47,20 +47,24 @@ def planned(settings: Settings) -> int:
 
 def train_step(name: str, length: int, runner: Runner) -> tuple[Callable[[], None], int]:
     """One training step of the model with attention ``name`` at ``length`` (forward, loss, backward, clipping,
-    AdamW step) as a no-argument function, and the model's parameter count."""
+    AdamW step) as a no-argument function, and the model's parameter count. With ``--model-compile`` the model is
+    compiled here, by one untimed step, so that no measurement's time limit meets the compilation."""
     s, device = runner.settings, runner.device
     model = model_for(name, s, max(s.model_lengths)).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(model.config.vocab_size, (s.model_batch, length + 1), device=device)
+    forward = torch.compile(model) if s.model_compile else model
 
     def step():
         with runner.autocast():
-            logits, _ = model(ids[:, :-1])
+            logits, _ = forward(ids[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if s.model_compile:
+        step()
     return step, sum(p.numel() for p in model.parameters())
 
 
@@ -70,8 +74,8 @@ def run(runner: Runner) -> None:
     ratios = Ratios(label(steps[0][0]) if steps and full_attention(steps[0][0]) else None)
     for name, length in steps:
         entry = record("model", "model", label(name), "train_step", length, s, batch=s.model_batch,
-                       preset=s.model_preset, model_overrides=s.model_overrides, tokens_per_s=None,
-                       parameters=None)
+                       compiled=s.model_compile, preset=s.model_preset, model_overrides=s.model_overrides,
+                       tokens_per_s=None, parameters=None)
 
         def work(entry, name=name, length=length):
             step, entry["parameters"] = train_step(name, length, runner)

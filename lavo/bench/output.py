@@ -75,7 +75,8 @@ def markdown(records: list[dict], info: dict, settings: Settings) -> str:
     if model:
         reference = next((r["ratio_to"] for r in model if r["ratio_to"]), "—")
         shape = f" ({', '.join(f'{k}={v}' for k, v in s.model_overrides.items())})" if s.model_overrides else ""
-        out += [f"## Model `{s.model_preset}`{shape}, training step, batch {s.model_batch}: tokens/s "
+        compiled = ", compiled" if s.model_compile else ""
+        out += [f"## Model `{s.model_preset}`{shape}, training step{compiled}, batch {s.model_batch}: tokens/s "
                 f"(step time × {reference}) / peak MiB", "",
                 wide_table(model, _mechanism,
                            lambda r: f"{number(r['tokens_per_s'])}{_ratio(r)} / {number(r['peak_mib'])}",

@@ -49,6 +49,7 @@ class Settings:
     model_lengths: list
     model_batch: int
     model_repeats: int
+    model_compile: bool
     matmul_size: int
     attention_options: dict
     device: str

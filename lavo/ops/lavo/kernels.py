@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ..local.kernels import _shared_strides, dot_options
 
@@ -121,45 +122,76 @@ def _config(head_dim: int, rank: int, group: int, dtype: torch.dtype) -> dict:
                 BLOCK_R=block_r, **launch, **dot_options(dtype))
 
 
-class MemoryRead(torch.autograd.Function):
-    """The read with Triton forward and backward; saves only its inputs."""
+def _launch(q: Tensor, rank: int, group: int) -> tuple[bool, int, dict, int]:
+    """Whether rows are per token, the queries a kernel row spans, the kernels' config, and their blocks."""
+    T, D = q.shape[1], q.shape[3]
+    per_token = group == 1
+    kernel_group = T if per_token else group  # per token, blocks only have to stay inside the sequence
+    config = _config(D, rank, kernel_group, q.dtype)
+    return per_token, kernel_group, config, triton.cdiv(T, kernel_group) * triton.cdiv(kernel_group, config["BLOCK"])
 
-    @staticmethod
-    def forward(ctx, q, coefficients, basis, scale, group):
-        # q: [B, T, H, D]; coefficients: float32 [B, H, rows, r]; basis: [H, r, D]; group: queries per row.
-        (q,) = _shared_strides(q)
-        B, T, H, D = q.shape
-        per_token = group == 1
-        kernel_group = T if per_token else group  # per token, blocks only have to stay inside the sequence
-        config = _config(D, basis.shape[1], kernel_group, q.dtype)
-        blocks = triton.cdiv(T, kernel_group) * triton.cdiv(kernel_group, config["BLOCK"])
-        coefficients = coefficients.contiguous()
-        basis_acc = basis.to(coefficients.dtype).contiguous()
-        out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
-        _forward[(blocks, B * H)](q, coefficients, basis_acc, out, *q.stride()[:3], H, kernel_group, T, D,
-                                  basis.shape[1], blocks, scale, PER_TOKEN=per_token, **config)
-        ctx.save_for_backward(q, coefficients, basis_acc)
-        ctx.scale, ctx.group, ctx.per_token, ctx.blocks, ctx.config = scale, kernel_group, per_token, blocks, config
-        ctx.basis_dtype = basis.dtype
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, coefficients, basis = ctx.saved_tensors
-        B, T, H, D = q.shape
-        rank, blocks = basis.shape[1], ctx.blocks
-        grad_out = grad_out.to(q.dtype).contiguous()
-        grad_q = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
-        grad_coef = torch.empty(B * H, T if ctx.per_token else blocks, rank, dtype=torch.float32, device=q.device)
-        basis_grad = ctx.needs_input_grad[2]
-        grad_basis = torch.zeros_like(basis) if basis_grad else None
-        programs = min(blocks, max(1, PROGRAMS // (B * H)))
-        _backward[(programs, B * H)](q, coefficients, basis, grad_out, grad_q, grad_coef, grad_basis, *q.stride()[:3],
-                                     H, ctx.group, T, D, rank, blocks, ctx.scale, PER_TOKEN=ctx.per_token,
-                                     BASIS_GRAD=basis_grad, **ctx.config)
-        rows = coefficients.shape[2]
-        grad_coef = grad_coef.view(B, H, rows, -1, rank).sum(3)  # a row's blocks, or each token alone
-        return grad_q, grad_coef, grad_basis.to(ctx.basis_dtype) if basis_grad else None, None, None
+# Custom ops, like the window kernels' (see ..local.kernels): opaque to torch.compile.
+@torch.library.custom_op("lavo::memory_read_forward", mutates_args=())
+def _read_forward(q: Tensor, coefficients: Tensor, basis: Tensor, scale: float, group: int) -> Tensor:
+    # q: [B, T, H, D]; coefficients: float32 [B, H, rows, r]; basis: [H, r, D]; group: queries per row.
+    (q,) = _shared_strides(q)
+    B, T, H, D = q.shape
+    per_token, kernel_group, config, blocks = _launch(q, basis.shape[1], group)
+    out = _read_forward_fake(q, coefficients, basis, scale, group)
+    _forward[(blocks, B * H)](q, coefficients.contiguous(), basis.to(coefficients.dtype).contiguous(), out,
+                              *q.stride()[:3], H, kernel_group, T, D, basis.shape[1], blocks, scale,
+                              PER_TOKEN=per_token, **config)
+    return out
+
+
+@_read_forward.register_fake
+def _read_forward_fake(q, coefficients, basis, scale, group):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("lavo::memory_read_backward", mutates_args=())
+def _read_backward(grad_out: Tensor, q: Tensor, coefficients: Tensor, basis: Tensor, scale: float, group: int,
+                   basis_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of ``q``, the coefficients and the basis (an empty tensor unless ``basis_grad``)."""
+    (q,) = _shared_strides(q)
+    B, T, H, D = q.shape
+    rank = basis.shape[1]
+    per_token, kernel_group, config, blocks = _launch(q, rank, group)
+    coefficients = coefficients.contiguous()
+    basis_acc = basis.to(coefficients.dtype).contiguous()
+    grad_out = grad_out.to(q.dtype).contiguous()
+    grad_q = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+    grad_coef = torch.empty(B * H, T if per_token else blocks, rank, dtype=torch.float32, device=q.device)
+    grad_basis = torch.zeros_like(basis_acc) if basis_grad else None
+    programs = min(blocks, max(1, PROGRAMS // (B * H)))
+    _backward[(programs, B * H)](q, coefficients, basis_acc, grad_out, grad_q, grad_coef, grad_basis, *q.stride()[:3],
+                                 H, kernel_group, T, D, rank, blocks, scale, PER_TOKEN=per_token,
+                                 BASIS_GRAD=basis_grad, **config)
+    grad_coef = grad_coef.view(B, H, coefficients.shape[2], -1, rank).sum(3)  # a row's blocks, or each token alone
+    return grad_q, grad_coef, grad_basis.to(basis.dtype) if basis_grad else basis.new_empty(0)
+
+
+@_read_backward.register_fake
+def _(grad_out, q, coefficients, basis, scale, group, basis_grad):
+    return (q.new_empty(q.shape), coefficients.new_empty(coefficients.shape, dtype=torch.float32),
+            basis.new_empty(basis.shape if basis_grad else 0))
+
+
+def _read_setup(ctx, inputs, output):
+    q, coefficients, basis, scale, group = inputs
+    ctx.save_for_backward(q, coefficients, basis)
+    ctx.scale, ctx.group = scale, group
+
+
+def _read_gradients(ctx, grad_out):
+    q, coefficients, basis = ctx.saved_tensors
+    basis_grad = ctx.needs_input_grad[2]
+    grad_q, grad_coef, grad_basis = _read_backward(grad_out, q, coefficients, basis, ctx.scale, ctx.group, basis_grad)
+    return grad_q, grad_coef, grad_basis if basis_grad else None, None, None
+
+
+_read_forward.register_autograd(_read_gradients, setup_context=_read_setup)
 
 
 def read_memory(q: torch.Tensor, coefficients: torch.Tensor, basis: torch.Tensor, scale: float,
@@ -174,4 +206,4 @@ def read_memory(q: torch.Tensor, coefficients: torch.Tensor, basis: torch.Tensor
     Returns:
         ``[B, T, H, D]`` in ``q``'s dtype.
     """
-    return MemoryRead.apply(q, coefficients, basis, scale, min(group, q.shape[1]))
+    return _read_forward(q, coefficients, basis, scale, min(group, q.shape[1]))

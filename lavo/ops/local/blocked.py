@@ -57,7 +57,8 @@ class _BlockedLocalAttention(torch.autograd.Function):
         n, K = q.shape[0], bias.shape[-1]
         scores_per_block = q[0].numel() // q.shape[-1] * K
         chunk = max(1, SCORES_PER_CHUNK // scores_per_block)
-        masked = (~key_valid).flatten(1).any(1).tolist()
+        # Which blocks have a masked key, to skip masking the others; a compiled graph cannot read it, so masks all.
+        masked = [True] * n if torch.compiler.is_compiling() else (~key_valid).flatten(1).any(1).tolist()
         keep_weights = n * scores_per_block <= SAVED_WEIGHTS_LIMIT
         # Outputs and gradients are contiguous blocks: matmul into strided slices of a [B, T, H, D] layout copies
         # through a temporary at every chunk, which cost far more than one copy back at the end.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ..common import triton_interpreting
 
@@ -264,51 +265,77 @@ def _shared_strides(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [x.contiguous() for x in tensors]
 
 
-class WindowAttention(torch.autograd.Function):
-    """Sliding-window attention with LAVO's window rule, Triton forward and backward. Saves the inputs, the output
-    and a float32 log-sum-exp ``[B * H, T]``."""
+# The kernels' launches are torch custom ops, so that torch.compile keeps them as opaque nodes of one graph (shapes
+# from the fake implementations) instead of tracing into Triton's launcher.
+@torch.library.custom_op("lavo::window_attention_forward", mutates_args=())
+def _window_forward(q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor | None, keep: Tensor | None, causal: bool,
+                    window: int, scale: float) -> tuple[Tensor, Tensor]:
+    """The output ``[B, T, H, D]`` and a float32 log-sum-exp ``[B * H, T]``."""
+    q, k, v = _shared_strides(q, k, v)
+    B, T, H, D = q.shape
+    out, lse = _window_forward_fake(q, k, v, pos_bias, keep, causal, window, scale)  # one place for the layout
+    config = _config(D, q.dtype)
+    grid = (triton.cdiv(T, config["BLOCK"]), B * H)
+    _forward[grid](q, k, v, pos_bias, keep, out, lse, *q.stride()[:3],
+                   0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0), H, T,
+                   window, D, scale * LOG2E.value, CAUSAL=causal, HAS_BIAS=pos_bias is not None,
+                   HAS_KEEP=keep is not None, **config)
+    return out, lse
 
-    @staticmethod
-    def forward(ctx, q, k, v, pos_bias, keep, causal, window, scale):
-        # q, k, v: [B, T, H, D]; pos_bias: [H, 2w or 4w - 1] or None; keep: [B, T] uint8 (1 = real key) or None.
-        q, k, v = _shared_strides(q, k, v)
-        B, T, H, D = q.shape
-        out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
-        lse = torch.empty(B * H, T, dtype=torch.float32, device=q.device)
-        config = _config(D, q.dtype)
-        grid = (triton.cdiv(T, config["BLOCK"]), B * H)
-        _forward[grid](q, k, v, pos_bias, keep, out, lse, *q.stride()[:3],
-                       0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0), H, T,
-                       window, D, scale * LOG2E.value, CAUSAL=causal, HAS_BIAS=pos_bias is not None,
-                       HAS_KEEP=keep is not None, **config)
-        ctx.save_for_backward(q, k, v, pos_bias, keep, out, lse)
-        ctx.causal, ctx.window, ctx.scale = causal, window, scale
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, pos_bias, keep, out, lse = ctx.saved_tensors
-        B, T, H, D = q.shape
-        config = _config(D, q.dtype)
-        grid = (triton.cdiv(T, config["BLOCK"]), B * H)
-        grad_out = grad_out.to(q.dtype).contiguous()
-        delta = torch.empty_like(lse)
-        _row_dot[grid](out, grad_out, delta, H, T, D, BLOCK=config["BLOCK"], BLOCK_D=config["BLOCK_D"],
-                       FLOAT32_DOTS=config["FLOAT32_DOTS"])
-        grad_q, grad_k, grad_v = (torch.empty(B, T, H, D, dtype=q.dtype, device=q.device) for _ in range(3))
-        bias_size = 0 if pos_bias is None else pos_bias.shape[1]
-        bias_grad = pos_bias is not None and ctx.needs_input_grad[3]
-        grad_bias = torch.zeros(H, bias_size, dtype=torch.float32, device=q.device) if bias_grad else None
-        shared = dict(CAUSAL=ctx.causal, HAS_BIAS=pos_bias is not None, HAS_KEEP=keep is not None, **config)
-        strides = (*q.stride()[:3], 0 if pos_bias is None else pos_bias.stride(0),
-                   0 if keep is None else keep.stride(0))
-        _backward_keys[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, grad_k, grad_v, *strides, H, T,
-                             ctx.window, D, ctx.scale, ctx.scale * LOG2E.value, **shared)
-        _backward_queries[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, grad_q, grad_bias, *strides,
-                                bias_size, H, T, ctx.window, D, ctx.scale, ctx.scale * LOG2E.value, BIAS_GRAD=bias_grad,
-                                **shared)
-        grad_bias = grad_bias.to(pos_bias.dtype) if bias_grad else None
-        return grad_q, grad_k, grad_v, grad_bias, None, None, None, None
+@_window_forward.register_fake
+def _window_forward_fake(q, k, v, pos_bias, keep, causal, window, scale):
+    B, T, H, D = q.shape
+    return q.new_empty(B, T, H, D), q.new_empty(B * H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("lavo::window_attention_backward", mutates_args=())
+def _window_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor | None, keep: Tensor | None,
+                     out: Tensor, lse: Tensor, causal: bool, window: int, scale: float,
+                     bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of ``q, k, v`` and of ``pos_bias`` (an empty tensor unless ``bias_grad``)."""
+    q, k, v = _shared_strides(q, k, v)
+    B, T, H, D = q.shape
+    config = _config(D, q.dtype)
+    grid = (triton.cdiv(T, config["BLOCK"]), B * H)
+    grad_out = grad_out.to(q.dtype).contiguous()
+    delta = torch.empty_like(lse)
+    _row_dot[grid](out, grad_out, delta, H, T, D, BLOCK=config["BLOCK"], BLOCK_D=config["BLOCK_D"],
+                   FLOAT32_DOTS=config["FLOAT32_DOTS"])
+    grad_q, grad_k, grad_v = (torch.empty(B, T, H, D, dtype=q.dtype, device=q.device) for _ in range(3))
+    bias_size = 0 if pos_bias is None else pos_bias.shape[1]
+    grad_bias = torch.zeros(H, bias_size, dtype=torch.float32, device=q.device) if bias_grad else None
+    shared = dict(CAUSAL=causal, HAS_BIAS=pos_bias is not None, HAS_KEEP=keep is not None, **config)
+    strides = (*q.stride()[:3], 0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0))
+    _backward_keys[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, grad_k, grad_v, *strides, H, T, window, D,
+                         scale, scale * LOG2E.value, **shared)
+    _backward_queries[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, grad_q, grad_bias, *strides, bias_size,
+                            H, T, window, D, scale, scale * LOG2E.value, BIAS_GRAD=bias_grad, **shared)
+    return grad_q, grad_k, grad_v, grad_bias.to(pos_bias.dtype) if bias_grad else q.new_empty(H, 0)
+
+
+@_window_backward.register_fake
+def _(grad_out, q, k, v, pos_bias, keep, out, lse, causal, window, scale, bias_grad):
+    B, T, H, D = q.shape
+    grad_bias = q.new_empty(H, 0) if not bias_grad else pos_bias.new_empty(pos_bias.shape)
+    return (*(q.new_empty(B, T, H, D) for _ in range(3)), grad_bias)
+
+
+def _window_setup(ctx, inputs, output):
+    q, k, v, pos_bias, keep, causal, window, scale = inputs
+    ctx.save_for_backward(q, k, v, pos_bias, keep, *output)
+    ctx.causal, ctx.window, ctx.scale = causal, window, scale
+
+
+def _window_gradients(ctx, grad_out, grad_lse):
+    q, k, v, pos_bias, keep, out, lse = ctx.saved_tensors
+    bias_grad = pos_bias is not None and ctx.needs_input_grad[3]
+    grad_q, grad_k, grad_v, grad_bias = _window_backward(grad_out, q, k, v, pos_bias, keep, out, lse, ctx.causal,
+                                                         ctx.window, ctx.scale, bias_grad)
+    return grad_q, grad_k, grad_v, grad_bias if bias_grad else None, None, None, None, None
+
+
+_window_forward.register_autograd(_window_gradients, setup_context=_window_setup)
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int, causal: bool,
@@ -317,4 +344,4 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, windo
     there). Returns ``[B, T, H, D]``; rows of padded queries are not zeroed (the caller masks them)."""
     keep = None if padding_mask is None else padding_mask.to(torch.uint8)
     pos_bias = None if pos_bias is None else pos_bias.contiguous()
-    return WindowAttention.apply(q, k, v, pos_bias, keep, causal, window, scale)
+    return _window_forward(q, k, v, pos_bias, keep, causal, window, scale)[0]

@@ -32,8 +32,11 @@ def _windows(x: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
     T = x.shape[1]
     n = -(-T // window)
     after = n * window - T + (0 if causal else window)
-    x = pad(x, [0, 0] * (x.dim() - 2) + [window, after])
-    return x.unfold(1, (2 if causal else 3) * window, window)
+    blocks = pad(x, [0, 0] * (x.dim() - 2) + [window, after]).unflatten(1, (-1, window))
+    # Shifted copies, not overlapping unfold() windows: Inductor's unfold backward sums overlaps wrongly
+    # (pytorch/pytorch#171370), so a compiled model would get wrong gradients.
+    neighbours = torch.cat([blocks[:, step:step + n] for step in range(2 if causal else 3)], 2)
+    return neighbours.movedim(2, -1)
 
 
 def _landmarks(k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, real: torch.Tensor,
