@@ -167,6 +167,27 @@ def test_a_quadratic_mechanism_without_a_cache_is_not_the_reference(monkeypatch)
         ("softmax+rope", "softmax+rope"), ("longshort", "softmax+rope")]
 
 
+def test_model_compile_compiles_each_model_and_runs_it_once_before_its_measurement(monkeypatch):
+    compiled_steps = []
+
+    def compile_counting(module):
+        def forward(*args, **kwargs):
+            compiled_steps.append(module.config.attention)
+            return module(*args, **kwargs)
+        return forward
+    monkeypatch.setattr(torch, "compile", compile_counting)
+    seen_by_measure = []
+    monkeypatch.setattr(Runner, "measure", lambda self, fn, repeats=None: (
+        seen_by_measure.append(list(compiled_steps)), Measurement(1.0, [1.0], None))[1])
+    s = quick_settings("--model-attentions", "local,softmax", "--model-lengths", "32", "--model-compile")
+    runner = Runner(s, None)
+    model.run(runner)
+    assert seen_by_measure == [["softmax"], ["softmax", "local"]]  # the compiling step came before each timing
+    assert [r["compiled"] for r in runner.records] == [True, True]
+    info = dict(device="cpu", cpu="cpu", threads=1, torch=torch.__version__)
+    assert "training step, compiled, batch 1" in output.markdown(runner.records, info, s)
+
+
 def test_options_go_to_the_mechanisms_that_have_them():
     s = quick_settings("--window", "8", "--rank", "4", "--attention-options", '{"performer": {"features": 16}}',
                        "--backend", "torch")
