@@ -189,10 +189,16 @@ def test_compiled_training_follows_the_eager_run(corpus, tmp_path):
     eager = train(run(corpus, tmp_path, "eager", steps=3), log=quiet)
     compiled = train(run(corpus, tmp_path, "compiled", steps=3, compile=True), log=quiet)
     assert compiled["step"] == eager["step"] == 3
-    # Inductor may sum in another order: the same path, to float32 rounding.
-    assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)
+
+    def losses(name):
+        return [r["loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+                if "loss" in r and not r.get("final")]
+    # Inductor may sum in another order: the same path, to float32 rounding. (Weights are compared as a whole:
+    # AdamW's first steps move a weight by about lr whatever the size of its gradient, so one whose gradient is
+    # rounding noise may move either way.)
+    assert losses("compiled") == pytest.approx(losses("eager"), rel=1e-5)
     a, _, _ = load_run(tmp_path / "eager")
     b, _, _ = load_run(tmp_path / "compiled")
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
-        torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert (y - x).norm() <= 1e-4 * x.norm(), name
     assert json.loads((tmp_path / "compiled" / "config.json").read_text())["train"]["compile"] is True

@@ -91,9 +91,9 @@ BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def triton_available() -> bool:
-    """Whether the ``triton`` package can be imported (without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+# Whether the ``triton`` package can be imported, looked up once (without importing it): torch.compile (2.11)
+# cannot trace the look-up, and the ops ask it at every call.
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 def triton_interpreting() -> bool:
@@ -129,8 +129,8 @@ def uses_triton(backend: str, q: torch.Tensor) -> bool:
     if backend == "torch":
         return False
     if backend == "auto":
-        return q.is_cuda and q.dtype in TRITON_DTYPES and triton_available()
-    if not triton_available():
+        return q.is_cuda and q.dtype in TRITON_DTYPES and TRITON_AVAILABLE
+    if not TRITON_AVAILABLE:
         raise ValueError("backend='triton' needs the triton package (pip install 'lavo[gpu]')")
     if not q.is_cuda:
         if not triton_interpreting():
