@@ -136,8 +136,11 @@ def test_bundled_configs_load_by_name():
         load_config("configs/lavo-tiny-austen.json")
 
 
-def test_data_parallel_processes_end_with_identical_weights(corpus, tmp_path):
-    config = tiny_run(corpus, tmp_path / "data", tmp_path / "ddp", steps=3, checkpoint_interval=0)
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_data_parallel_processes_end_with_identical_weights(corpus, tmp_path, compiled):
+    # compiled: torch.compile over the DDP wrapper, with micro-steps that skip the gradient sync (no_sync)
+    settings = dict(compile=True, grad_accum=2) if compiled else {}
+    config = tiny_run(corpus, tmp_path / "data", tmp_path / "ddp", steps=3, checkpoint_interval=0, **settings)
     path = tmp_path / "ddp.json"
     path.write_text(json.dumps(config))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -157,7 +160,7 @@ def test_data_parallel_processes_end_with_identical_weights(corpus, tmp_path):
     assert process.returncode == 0, output[-3000:]
     final = json.loads((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["world_size"] == 2 and final["step"] == 3
-    assert final["tokens"] == 3 * 2 * 4 * 32
+    assert final["tokens"] == 3 * 2 * 4 * 32 * config["train"].get("grad_accum", 1)
     digests = final["rank_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]
     model, _, _ = load_run(tmp_path / "ddp")
