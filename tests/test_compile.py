@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lavo import available_attentions, build_attention
+from lavo.registry import CROSS_ATTENTIONS, build_cross_attention
 
 DIM, HEADS, T, WINDOW = 32, 2, 37, 8
 
@@ -21,19 +22,33 @@ def _layer(name, causal):
         if "has no" in str(error):
             pytest.skip(str(error))
         raise
-    with torch.no_grad():  # zero-initialised parameters would hide a wrong gradient through them
+    return _nonzero(layer)
+
+
+def _nonzero(layer):
+    """``layer`` with its all-zero parameters drawn at random: zeros would hide a wrong gradient through them."""
+    with torch.no_grad():
         for p in layer.parameters():
             if p.abs().sum() == 0:
                 p.normal_(0, 0.5)
     return layer
 
 
-def _output_and_grads(layer, x, mask):
+def _output_and_grads(layer, x, call):
+    """The output of ``call(layer, x)`` and the gradients of a weighted sum of it."""
     x = x.clone().requires_grad_()
-    y, _ = layer(x, padding_mask=mask)
+    y = call(layer, x)
     grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum(),
                                 [x] + list(layer.parameters()))
     return [y.detach(), *grads]
+
+
+def _assert_compiled_matches_eager(layer, x, call, name):
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)  # fullgraph: a graph break raises
+    names = ["output", "x"] + [n for n, _ in layer.named_parameters()]
+    for got, want, what in zip(_output_and_grads(compiled, x, call), _output_and_grads(layer, x, call), names):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name} {what}: {m}")
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -47,8 +62,14 @@ def test_compiled_layer_matches_eager(name, causal, request):
     x = torch.randn(2, T, DIM)
     mask = torch.ones(2, T, dtype=torch.bool)
     mask[1, :5] = False
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True)  # fullgraph: a graph break raises
-    names = ["output", "x"] + [n for n, _ in layer.named_parameters()]
-    for got, want, what in zip(_output_and_grads(compiled, x, mask), _output_and_grads(layer, x, mask), names):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name} {what}: {m}")
+    _assert_compiled_matches_eager(layer, x, lambda module, x: module(x, padding_mask=mask)[0], name)
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))
+def test_compiled_cross_attention_matches_eager(name):
+    torch.manual_seed(0)
+    layer = _nonzero(build_cross_attention(name, DIM, HEADS))
+    source = torch.randn(2, 19, DIM)
+    mask = torch.ones(2, 19, dtype=torch.bool)
+    mask[1, :3] = False
+    _assert_compiled_matches_eager(layer, torch.randn(2, 7, DIM), lambda module, y: module(y, source, mask), name)
