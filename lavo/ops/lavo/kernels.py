@@ -8,7 +8,6 @@ atomically once. Nothing of size ``[T, r]`` is stored, forward or backward.
 
 Importing this module defines the kernels, so ``TRITON_INTERPRET`` must be set before it is first imported.
 """
-from __future__ import annotations
 
 import torch
 import triton

@@ -11,7 +11,6 @@ Inputs are ``[B, T, H, D]`` with a unit stride along ``D``; ``D`` is padded to a
 Scores are kept in base-2 units (``exp2``), the log-sum-exp too. Importing this module defines the kernels, so
 ``TRITON_INTERPRET`` must be set before it is first imported.
 """
-from __future__ import annotations
 
 import torch
 import triton
