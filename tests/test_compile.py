@@ -6,11 +6,13 @@ compiles forward and backward and compares every gradient, in float32 as models 
 """
 import pytest
 import torch
+from reference_checks import assert_compiled_matches_eager
 
 from lavo import available_attentions, build_attention
 from lavo.registry import CROSS_ATTENTIONS, build_cross_attention
 
 DIM, HEADS, T, WINDOW = 32, 2, 37, 8
+TOLERANCE = dict(atol=1e-5, rtol=1e-4)
 
 
 def _layer(name, causal):
@@ -34,23 +36,6 @@ def _nonzero(layer):
     return layer
 
 
-def _output_and_grads(layer, x, call):
-    """The output of ``call(layer, x)`` and the gradients of a weighted sum of it."""
-    x = x.clone().requires_grad_()
-    y = call(layer, x)
-    grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum(),
-                                [x] + list(layer.parameters()))
-    return [y.detach(), *grads]
-
-
-def _assert_compiled_matches_eager(layer, x, call, name):
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True)  # fullgraph: a graph break raises
-    names = ["output", "x"] + [n for n, _ in layer.named_parameters()]
-    for got, want, what in zip(_output_and_grads(compiled, x, call), _output_and_grads(layer, x, call), names):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name} {what}: {m}")
-
-
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("name", available_attentions())
 def test_compiled_layer_matches_eager(name, causal, request):
@@ -62,7 +47,7 @@ def test_compiled_layer_matches_eager(name, causal, request):
     x = torch.randn(2, T, DIM)
     mask = torch.ones(2, T, dtype=torch.bool)
     mask[1, :5] = False
-    _assert_compiled_matches_eager(layer, x, lambda module, x: module(x, padding_mask=mask)[0], name)
+    assert_compiled_matches_eager(layer, x, lambda module, x: module(x, padding_mask=mask)[0], name=name, **TOLERANCE)
 
 
 @pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))
@@ -72,4 +57,5 @@ def test_compiled_cross_attention_matches_eager(name):
     source = torch.randn(2, 19, DIM)
     mask = torch.ones(2, 19, dtype=torch.bool)
     mask[1, :3] = False
-    _assert_compiled_matches_eager(layer, torch.randn(2, 7, DIM), lambda module, y: module(y, source, mask), name)
+    assert_compiled_matches_eager(layer, torch.randn(2, 7, DIM), lambda module, y: module(y, source, mask), name=name,
+                                  **TOLERANCE)

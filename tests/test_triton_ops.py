@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from reference_checks import assert_matches_reference, random_inputs
+from reference_checks import assert_compiled_matches_eager, assert_matches_reference, random_inputs
 
 from lavo import LavoAttention, LavoCrossAttention
 from lavo.layers.local import LocalAttention
@@ -170,15 +170,8 @@ def test_compiled_layers_on_the_triton_path_match_eager(layer_class):
     x = torch.randn(2, 29, 64, device=DEVICE)
     mask = torch.ones(2, 29, dtype=torch.bool, device=DEVICE)
     mask[0, :4] = False
-
-    def outputs_and_grads(module):
-        inputs = x.clone().requires_grad_()
-        y, _ = module(inputs, padding_mask=mask)
-        return [y, *torch.autograd.grad((y * y).sum(), [inputs, *layer.parameters()])]
-    torch._dynamo.reset()
-    compiled = outputs_and_grads(torch.compile(layer, fullgraph=True))
-    for got, want in zip(compiled, outputs_and_grads(layer)):
-        torch.testing.assert_close(got, want, **FLOAT32)
+    assert_compiled_matches_eager(layer, x, lambda module, x: module(x, padding_mask=mask)[0],
+                                  name=layer_class.__name__, **FLOAT32)
 
 
 def test_backend_choice_and_its_errors(monkeypatch):
