@@ -1,0 +1,70 @@
+"""What `pip install lavo` (not editable) gets: a wheel built from this tree holds every module and the bundled
+configs, nothing else, and works from where it is installed; the version stands the same everywhere."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import lavo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def project_table() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_the_version_is_the_same_in_the_package_its_metadata_and_its_citation():
+    citation = re.search(r'^version: "([^"]+)"$', (ROOT / "CITATION.cff").read_text(), re.MULTILINE)
+    assert citation is not None, "CITATION.cff has no version line"
+    assert project_table()["version"] == lavo.__version__ == citation.group(1)
+
+
+def test_the_declared_license_is_the_license_file():
+    assert project_table()["license"] == {"text": "MIT"}
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License\n")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    # No build isolation: the test extra brings the setuptools pyproject.toml asks for, so no download is needed.
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--disable-pip-version-check", "--wheel-dir", str(out), str(ROOT)], check=True)
+    (built,) = out.glob("lavo-*.whl")
+    return built
+
+
+def test_the_wheel_holds_every_module_and_bundled_config_and_nothing_else(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    package_files = {name for name in names if ".dist-info/" not in name}
+    in_tree = {path.relative_to(ROOT).as_posix() for path in (ROOT / "lavo").rglob("*")
+               if path.suffix in (".py", ".json") and "__pycache__" not in path.parts}
+    assert package_files == in_tree
+    assert any(name.startswith("lavo/configs/") for name in package_files)
+    (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
+    assert "lavo = lavo.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_the_installed_wheel_runs_and_finds_its_bundled_configs(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check",
+                    "--target", str(target), str(wheel)], check=True)
+    # From outside the source tree, with the installed copy first on the path (the editable one is behind it).
+    script = ("import lavo, lavo.config as c; print(lavo.__file__); "
+              "print(c.load_config('lavo-tiny-austen').model['attention'])")
+    env = dict(os.environ, PYTHONPATH=str(target))
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True,
+                         capture_output=True, text=True).stdout.split()
+    assert Path(out[0]).is_relative_to(target)
+    assert out[1] == "lavo"
+    cli = subprocess.run([sys.executable, "-m", "lavo.cli", "--help"], cwd=tmp_path, env=env, check=True,
+                         capture_output=True, text=True).stdout
+    assert "train" in cli and "generate" in cli
