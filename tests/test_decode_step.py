@@ -11,11 +11,12 @@ from lavo import generate as generation
 from lavo.generate import StepDecoder, generate, graphed_decoder
 from lavo.model import build_model
 from lavo.ops import lavo_attention_cached, lavo_attention_naive, lavo_decode_step
+from lavo.ops.common import TRITON_AVAILABLE
 from lavo.ops.lavo import step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    __import__("importlib").util.find_spec("triton") is None, reason="needs triton"))]
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_AVAILABLE,
+                                                                    reason="needs triton 3.3 or later"))]
 FLOAT32 = dict(atol=2e-5, rtol=1e-4)
 
 # (context, steps, window, D, rank): D = 60 (padded to 64 in the kernel) with r < D and w = 5 (a ring of 10, not a

@@ -127,6 +127,32 @@ def test_unknown_backend_names_the_valid_ones():
         LavoAttention(16, 2, backend="cuda")
 
 
+def test_triton_releases_before_3_3_are_not_used():
+    from lavo.ops.common import triton_supported
+
+    assert [triton_supported(v) for v in ("3.0.0", "3.2.0", "3.3.0", "3.3.1+git9a2b", "3.6.0", "4.0.0")] == \
+        [False, False, True, True, True, True]
+    assert triton_supported("unknown") and not triton_supported(None)
+
+
+def test_an_old_triton_leaves_auto_on_torch_and_is_named_when_triton_is_asked_for(monkeypatch):
+    from types import SimpleNamespace
+
+    from lavo.ops import common
+
+    monkeypatch.setattr(common, "TRITON_VERSION", "3.0.0")
+    monkeypatch.setattr(common, "TRITON_AVAILABLE", False)
+    cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)  # all that the choice reads of a tensor
+    assert not common.uses_triton("auto", cuda_like)
+    with pytest.raises(ValueError, match=r"^backend='triton' needs triton 3\.3 or later \(the kernels use "
+                                         r"tl\.gather\), found 3\.0\.0; torch 2\.7 and later bring a recent "
+                                         r"enough one, and backend='torch' runs without it$"):
+        common.uses_triton("triton", cuda_like)
+    monkeypatch.setattr(common, "TRITON_VERSION", None)
+    with pytest.raises(ValueError, match=r"^backend='triton' needs the triton package \(pip install 'lavo\[gpu\]'\)$"):
+        common.uses_triton("triton", cuda_like)
+
+
 # Every write rule and memory kind but the paper's (tested above), with a learned read temperature.
 VARIANTS = [("mean", "vector"), ("decay", "scalar"), ("decay", "vector"), ("gated", "scalar"), ("gated", "vector")]
 

@@ -2,6 +2,7 @@
 expected), the masking constant, the accumulation dtype and small tensor helpers."""
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 
@@ -91,19 +92,43 @@ BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# Whether the ``triton`` package can be imported, looked up once (without importing it): torch.compile (2.11)
-# cannot trace the look-up, and the ops ask it at every call.
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+def _release(version: str) -> tuple[int, ...]:
+    """``"3.6.0+cu13"`` -> ``(3, 6)``: the major and minor release of a version string."""
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
+# The oldest Triton the kernels build with: they use tl.gather, new in Triton 3.3. torch 2.7 and later bring
+# such a Triton with their CUDA wheels; torch 2.4 to 2.6 bring 3.0 to 3.2, with which "auto" keeps to torch.
+TRITON_MIN_RELEASE = (3, 3)
+
+
+def installed_triton_version() -> str | None:
+    """The version of the installed ``triton`` module, read from its distribution's metadata without importing
+    it (``triton``, or another name such as ``pytorch-triton``); None when there is no ``triton`` module, and
+    ``"unknown"`` when no installed distribution claims it (a source build)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        names = importlib.metadata.packages_distributions().get("triton", [])
+        return importlib.metadata.version(names[0]) if names else "unknown"
+
+
+def triton_supported(version: str | None) -> bool:
+    """Whether a Triton of ``version`` (as :func:`installed_triton_version` gives it) runs the kernels; one that
+    says no version is given the benefit of the doubt."""
+    return version is not None and (version == "unknown" or _release(version) >= TRITON_MIN_RELEASE)
+
+
+# Looked up once, at import: torch.compile (2.11) cannot trace the look-up, and the ops ask at every call.
+TRITON_VERSION = installed_triton_version()
+TRITON_AVAILABLE = triton_supported(TRITON_VERSION)
 
 
 def triton_interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, read when a kernel is defined)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """``"3.6.0+cu13"`` -> ``(3, 6)``: the major and minor release of a version string."""
-    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
 
 
 def check_interpreter_numpy(triton_version: str, numpy_version: str) -> None:
@@ -122,16 +147,20 @@ def check_backend(backend: str) -> None:
 def uses_triton(backend: str, q: torch.Tensor) -> bool:
     r"""Whether an op with ``backend`` (``"auto"``, ``"triton"`` or ``"torch"``) runs its Triton kernels on ``q``.
 
-    ``auto`` takes them for CUDA tensors of a dtype they handle when ``triton`` is importable, the torch path
-    otherwise; ``triton`` insists, and says why it cannot where it cannot.
+    ``auto`` takes them for CUDA tensors of a dtype they handle when Triton 3.3 or later is installed, the torch
+    path otherwise; ``triton`` insists, and says why it cannot where it cannot.
     """
     check_backend(backend)
     if backend == "torch":
         return False
     if backend == "auto":
         return q.is_cuda and q.dtype in TRITON_DTYPES and TRITON_AVAILABLE
-    if not TRITON_AVAILABLE:
+    if TRITON_VERSION is None:
         raise ValueError("backend='triton' needs the triton package (pip install 'lavo[gpu]')")
+    if not TRITON_AVAILABLE:
+        raise ValueError(f"backend='triton' needs triton 3.3 or later (the kernels use tl.gather), found "
+                         f"{TRITON_VERSION}; torch 2.7 and later bring a recent enough one, and backend='torch' "
+                         f"runs without it")
     if not q.is_cuda:
         if not triton_interpreting():
             raise ValueError(f"backend='triton' runs on CUDA tensors, got a tensor on {q.device}; set "

@@ -76,8 +76,8 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         gate: ``[H, r, D]`` write-gate vectors, with ``write="gated"``.
         read_scale: ``[H]`` factors on the memory read's logits (a learned read temperature), or None.
         backend: ``"triton"`` (the GPU kernels of :mod:`.gpu`; the paper's memory only), ``"torch"`` (this
-            module) or ``"auto"``: Triton for CUDA tensors when it is importable and the memory is the paper's
-            (see :func:`~lavo.ops.common.uses_triton`).
+            module) or ``"auto"``: Triton for CUDA tensors when Triton 3.3+ is installed and the memory is the
+            paper's (see :func:`~lavo.ops.common.uses_triton`).
     Returns:
         ``[B, T, H, D]``, and the cache when asked.
     """

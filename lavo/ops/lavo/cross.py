@@ -18,7 +18,7 @@ def code_cross_attention(q: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, 
         basis: ``[H, r, D]``.
         padding_mask: ``[B, S]`` bool over the source, True for real tokens.
         backend: ``"triton"`` (the read kernel, :mod:`.gpu`), ``"torch"`` or ``"auto"`` (Triton for CUDA tensors
-            when it is importable).
+            when Triton 3.3+ is installed).
     Returns:
         ``[B, Tq, H, D]``.
     """

@@ -35,7 +35,7 @@ def lavo_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: t
         pos_bias: ``[H, 2w]`` or None; ``padding_mask``: ``[B, 1]`` bool or None; ``scale``: default ``D^-0.5``;
             ``read_scale``: ``[H]`` factors on the memory read's logits, or None.
         backend: ``"triton"`` (the fused kernel), ``"torch"``, or ``"auto"``: the kernel for CUDA tensors when
-            Triton is importable (:func:`~lavo.ops.common.uses_triton`).
+            Triton 3.3+ is installed (:func:`~lavo.ops.common.uses_triton`).
     Returns:
         ``[B, 1, H, D]`` and the cache one position on (the same tensors).
     """

@@ -202,7 +202,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
         padding_mask: ``[B, T]`` bool, True for real tokens. Padded keys are never attended to; padded queries
             return zeros.
         scale: defaults to ``D ** -0.5``.
-        backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton for CUDA tensors when it is importable).
+        backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton for CUDA tensors when Triton 3.3+ is installed).
     Returns:
         ``[B, T, H, D]``.
     """
