@@ -14,6 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+try:
+    import tomllib  # novermin (Python 3.10 takes the fallback below)
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package
+    import tomli as tomllib
+
 from .model import ModelConfig, model_config
 from .settings import (Allowed, SettingsError, above, at_least, between, check_known, check_settings, matches,
                        one_of, setting)
@@ -181,7 +186,6 @@ def find_config(name: str | os.PathLike) -> Path:
 def read_config_file(name: str | os.PathLike) -> dict:
     path = find_config(name)
     if path.suffix == ".toml":
-        import tomllib
         return tomllib.loads(path.read_text())
     try:
         return json.loads(path.read_text())

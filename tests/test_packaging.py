@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 
 import lavo
+from lavo.config import tomllib  # the standard library's, or tomli on Python 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,6 +28,16 @@ def test_the_version_is_the_same_in_the_package_its_metadata_and_its_citation():
     assert project_table()["version"] == lavo.__version__ == citation.group(1)
 
 
+def test_the_code_needs_no_python_newer_than_the_oldest_it_declares():
+    oldest = re.fullmatch(r">=(3\.\d+)", project_table()["requires-python"]).group(1)
+    # vermin reads the source and names the first Python each construct and standard module needs.
+    vermin = [sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())"]
+    found = subprocess.run([*vermin, "--no-tips", "--violations", f"-t={oldest}-",
+                            *(str(ROOT / part) for part in ("lavo", "tests", "examples"))],
+                           capture_output=True, text=True)
+    assert found.returncode == 0, found.stdout
+
+
 def test_the_declared_license_is_the_license_file():
     assert project_table()["license"] == {"text": "MIT"}
     assert (ROOT / "LICENSE").read_text().startswith("MIT License\n")
@@ -34,10 +45,14 @@ def test_the_declared_license_is_the_license_file():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    # A copy of what the build reads, so that setuptools' build folders stay out of the work tree.
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source)
+    shutil.copytree(ROOT / "lavo", source / "lavo", ignore=shutil.ignore_patterns("__pycache__"))
     # No build isolation: the test extra brings the setuptools pyproject.toml asks for, so no download is needed.
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", "--wheel-dir", str(out), str(ROOT)], check=True)
+                    "--disable-pip-version-check", "--wheel-dir", str(out), str(source)], check=True)
     (built,) = out.glob("lavo-*.whl")
     return built
 
