@@ -41,6 +41,17 @@ def test_bad_settings_are_refused_when_the_config_loads(override, message, capsy
     assert err.startswith(f"lavo train: error: {message}") and "Traceback" not in err
 
 
+def test_a_toml_config_loads_as_its_json_twin(tmp_path):
+    (tmp_path / "run.toml").write_text(
+        '[data]\nsource = "austen"\ntokenizer = "bpe4096"\ndata_dir = "data"\n\n'
+        '[model]\npreset = "tiny"\nattention = "lavo"\nposition = "none"\n\n'
+        '[model.attention_options]\nwindow = 32\n\n'
+        '[train]\nout_dir = "runs/lavo-tiny-austen"\ntrain_length = 256\nbatch_size = 8\nsteps = 2000\n'
+        'lr = 2e-3\nmin_lr = 2e-4\nwarmup = 50\neval_interval = 250\ncheckpoint_interval = 250\n')
+    assert load_config(tmp_path / "run.toml", ["train.steps=7"]) == load_config("lavo-tiny-austen", ["train.steps=7"])
+    assert load_config(tmp_path / "run.toml").model["attention_options"] == {"window": 32}
+
+
 def test_every_bad_setting_is_listed_at_once():
     with pytest.raises(SettingsError, match=r"train.steps must be .*; got 0; train.lr must be .*; got 'x'"):
         load_config(None, ["train.steps=0", "train.lr=x"])
