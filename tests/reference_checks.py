@@ -1,7 +1,13 @@
-"""The random inputs of the op tests, and comparing a fast form with its reference on outputs and gradients."""
+"""The random inputs of the op tests, comparing a fast form with its reference on outputs and gradients, and the
+mark of tests that need the Triton kernels."""
+import pytest
 import torch
 
 from lavo.ops import orthogonal_basis
+from lavo.ops.common import TRITON_AVAILABLE
+
+# Tests that launch, patch or collect the Triton kernels: they need a Triton the kernels build with.
+needs_triton = pytest.mark.skipif(not TRITON_AVAILABLE, reason="needs triton 3.3 or later")
 
 
 def assert_same_outputs_and_grads(fast, naive, inputs, mask=None, **tolerance):

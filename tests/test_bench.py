@@ -19,6 +19,7 @@ from lavo.bench.runner import Runner
 from lavo.layers.local import LocalAttention
 from lavo.ops import lavo_attention, orthogonal_basis
 from lavo.registry import ATTENTIONS, attention_class, available_attentions, build_attention
+from reference_checks import needs_triton
 from script_loader import load_script
 
 gpu_check = load_script("gpu_check", "benchmarks/gpu_check.py")
@@ -366,9 +367,9 @@ def test_the_json_records_the_measured_commit():
 
 
 @pytest.mark.slow
+@needs_triton
 def test_gpu_check_dry_run_writes_its_summary(tmp_path):
     """scripts/gpu_check.sh --dry-run: every step of the GPU check on the CPU, kernels in Triton's interpreter."""
-    pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     subprocess.run(["bash", str(root / "scripts/gpu_check.sh"), str(tmp_path), "--dry-run"], check=True,
                    env=dict(os.environ, PYTHON=sys.executable), capture_output=True)
@@ -381,7 +382,7 @@ def test_gpu_check_dry_run_writes_its_summary(tmp_path):
     assert "## Targets" in (tmp_path / "cpu_dry_run_bf16.md").read_text()
 
 
-
+@needs_triton
 def test_gpu_check_splits_the_kernel_tests_into_commands_run_at_once():
     selection = gpu_check.pytest("-k", "backend_choice or interpreter_that or bfloat16_kernels",
                                 *gpu_check.KERNEL_TESTS)

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from lavo.ops.common import TRITON_AVAILABLE
+from reference_checks import needs_triton
 
 pytest.importorskip("triton.backends.nvidia")
-if not TRITON_AVAILABLE:
-    pytest.skip("needs triton 3.3 or later", allow_module_level=True)
+pytestmark = needs_triton
 
 
 def compile_kernels(tmp_path: Path, *options: str) -> str:

@@ -3,7 +3,7 @@ latter in Triton's CPU interpreter without a GPU) against the cached op and the 
 layer and model on that cache, and generation's CUDA-graph decoder (its fallback and its step without capture)."""
 import pytest
 import torch
-from reference_checks import random_inputs
+from reference_checks import needs_triton, random_inputs
 
 from lavo import LavoAttention
 from lavo.cache import LavoCache, LavoStepCache
@@ -11,12 +11,10 @@ from lavo import generate as generation
 from lavo.generate import StepDecoder, generate, graphed_decoder
 from lavo.model import build_model
 from lavo.ops import lavo_attention_cached, lavo_attention_naive, lavo_decode_step
-from lavo.ops.common import TRITON_AVAILABLE
 from lavo.ops.lavo import step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_AVAILABLE,
-                                                                    reason="needs triton 3.3 or later"))]
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 FLOAT32 = dict(atol=2e-5, rtol=1e-4)
 
 # (context, steps, window, D, rank): D = 60 (padded to 64 in the kernel) with r < D and w = 5 (a ring of 10, not a
@@ -95,6 +93,7 @@ def test_bfloat16_step_is_close_to_the_float32_one(backend):
     torch.testing.assert_close(outputs[0], outputs[1], atol=3e-2, rtol=3e-2)
 
 
+@needs_triton
 def test_backend_auto_takes_the_kernel_only_on_cuda(monkeypatch):
     q, k, v, basis, _, _ = _inputs(3, 1, 4, 16, 8, False)
     fixed = LavoStepCache.from_cache(LavoCache.empty(2, 3, 16, 8, device=DEVICE), 4)

@@ -5,16 +5,15 @@ import re
 
 import pytest
 import torch
-from reference_checks import assert_compiled_matches_eager, assert_matches_reference, random_inputs
+from reference_checks import assert_compiled_matches_eager, assert_matches_reference, needs_triton, random_inputs
 
 from lavo import LavoAttention, LavoCrossAttention
 from lavo.layers.local import LocalAttention
 from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_attention, lavo_attention_naive,
                       local_attention, local_attention_naive)
-from lavo.ops.common import TRITON_AVAILABLE, check_interpreter_numpy, triton_interpreting, uses_triton
+from lavo.ops.common import check_interpreter_numpy, triton_interpreting, uses_triton
 
-if not TRITON_AVAILABLE:
-    pytest.skip("needs triton 3.3 or later", allow_module_level=True)
+pytestmark = needs_triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOAT32 = dict(atol=2e-5, rtol=1e-4)
 
