@@ -275,6 +275,10 @@ class Trainer:
             self.replica = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         if self.tc.compile:  # training windows all have one shape, so this compiles once
+            if self.env.enabled and torch.__version__ < "2.6":
+                # Before 2.6, Dynamo's DDP optimizer refuses graphs with higher-order ops, which the CPU path's
+                # autograd.Functions become; without it the graph syncs gradients as one bucket.
+                torch._dynamo.config.optimize_ddp = False
             self.replica = torch.compile(self.replica)
 
     @property
