@@ -39,7 +39,10 @@ class SlotState(NamedTuple):
 
     def mean(self) -> torch.Tensor:
         """The weighted mean ``[..., r, V]``; zero for a slot nothing was written to."""
-        return self.total / self.norm.clamp(min=1)  # norm >= 1 when anything was written: its top weighs 1
+        # norm >= 1 when anything was written (its top weighs 1), and is often exactly 1, so a clamp at 1 would
+        # decide the gradient: torch 2.14 gives none at a clamp's bound (2.13 all of it). Only empty slots
+        # (norm 0, total 0) divide by 1 instead.
+        return self.total / torch.where(self.norm > 0, self.norm, 1.0)
 
 
 def is_variant(write: str, memory: str) -> bool:
