@@ -29,6 +29,7 @@ def test_the_version_is_the_same_in_the_package_its_metadata_and_its_citation():
 
 
 def test_the_code_needs_no_python_newer_than_the_oldest_it_declares():
+    pytest.importorskip("vermin")  # the test extra's
     oldest = re.fullmatch(r">=(3\.\d+)", project_table()["requires-python"]).group(1)
     # vermin reads the source and names the first Python each construct and standard module needs.
     vermin = [sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())"]
@@ -45,6 +46,7 @@ def test_the_declared_license_is_the_license_file():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    pytest.importorskip("setuptools", minversion="70.1")  # the test extra's: it builds wheels without `wheel`
     source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
     # A copy of what the build reads, so that setuptools' build folders stay out of the work tree.
     for name in ("pyproject.toml", "README.md", "LICENSE"):
