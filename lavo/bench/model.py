@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..model import PRESETS, build_model, model_config
+from ..model import PRESETS, build_model, count_parameters, model_config
 from ..registry import attention_class
 from .runner import Ratios, Runner, fill, record
 from .settings import Settings, full_attention, mechanism_options, quadratic
@@ -65,7 +65,7 @@ def train_step(name: str, length: int, runner: Runner) -> tuple[Callable[[], Non
         optimizer.zero_grad(set_to_none=True)
     if s.model_compile:
         step()
-    return step, sum(p.numel() for p in model.parameters())
+    return step, count_parameters(model)
 
 
 def run(runner: Runner) -> None:

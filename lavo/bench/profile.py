@@ -27,9 +27,8 @@ def kernel_table(events, on_device: bool, repeats: int) -> tuple[list[dict], flo
     """Rows ``{name, calls, ms, share}`` per step, longest first (the first :data:`TOP`, then one row for the
     rest), and the total ms per step. On CUDA the rows are the device's kernels and copies only: the operators
     that launched them would count the same time again."""
-    if on_device:  # torch before 2.4 names the device time after CUDA
-        rows = [(e.key, e.count, getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
-                for e in events if e.device_type != DeviceType.CPU]
+    if on_device:
+        rows = [(e.key, e.count, e.self_device_time_total) for e in events if e.device_type != DeviceType.CPU]
     else:
         rows = [(e.key, e.count, e.self_cpu_time_total) for e in events]
     rows = sorted((row for row in rows if row[2] > 0), key=lambda row: -row[2])
