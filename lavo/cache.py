@@ -150,6 +150,12 @@ class KVCache(Cache):
         return replace(self, keys=self.keys[:, drop:], values=self.values[:, drop:], key_mask=self.key_mask[:, drop:])
 
 
+def check_cache_window(made: int | None, window: int) -> None:
+    """Raise ``ValueError`` when a LAVO cache was made by a layer of another window (``made``; None: any)."""
+    if made not in (None, window):
+        raise ValueError(f"the cache was made by a layer with window {made}, not {window}")
+
+
 @dataclass(frozen=True)
 class _LavoState(Cache):
     """The fields of both LAVO caches (:class:`LavoCache`, :class:`LavoStepCache`), in either's layout."""
@@ -274,8 +280,7 @@ class LavoStepCache(_LavoState):
         """The same state in the ring layout (new tensors: ``cache`` stays valid)."""
         if cache.memory_top is not None:
             raise ValueError("a LavoStepCache holds the paper's memory; a memory variant decodes through LavoCache")
-        if cache.window not in (None, window):
-            raise ValueError(f"the cache was made by a layer with window {cache.window}, not {window}")
+        check_cache_window(cache.window, window)
         B, length, H, D = cache.keys.shape
         span = 2 * window
         slots = torch.arange(cache.position - length, cache.position, device=cache.keys.device) % span

@@ -151,6 +151,18 @@ def test_layer_continues_a_step_cache_like_its_own_cache(backend):
     assert LavoAttention(48, 3, window=4, write="decay").step_cache(cache) is None
 
 
+def test_step_cache_of_a_step_cache_is_itself_and_a_window_mismatch_is_refused():
+    layer = LavoAttention(16, 2, window=4, backend="torch")
+    with torch.no_grad():
+        _, cache = layer(torch.randn(1, 6, 16))
+        fixed = layer.step_cache(cache)
+        assert layer.step_cache(fixed) is fixed  # generic code may convert twice
+        other = LavoAttention(16, 2, window=3, position_bias=False, backend="torch")
+        for call in (lambda: other.step_cache(fixed), lambda: other(torch.randn(1, 1, 16), cache=fixed)):
+            with pytest.raises(ValueError, match="made by a layer with window 4, not 3"):
+                call()
+
+
 def _model(attention="lavo", **options):
     torch.manual_seed(0)
     options = dict(window=4, **options) if attention == "lavo" else options

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
-from ..cache import LavoCache, LavoStepCache
+from ..cache import LavoCache, LavoStepCache, check_cache_window
 from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, lavo_decode_step, orthogonal_basis
 from ..ops.common import check_backend, check_window, pos_bias_size
 from ..ops.lavo.variants import check_variant, is_variant
@@ -95,7 +95,7 @@ class LavoAttention(AttentionLayer):
         if self.is_variant:
             raise ValueError("a LavoStepCache holds the paper's memory; this layer's memory variant decodes through "
                              "LavoCache")
-        del options["window"]
+        check_cache_window(cache.window, options.pop("window"))
         outputs = []
         for t in range(q.shape[1]):
             options["padding_mask"] = None if padding_mask is None else padding_mask[:, t:t + 1]
@@ -104,9 +104,15 @@ class LavoAttention(AttentionLayer):
             outputs.append(out)
         return torch.cat(outputs, 1), cache
 
-    def step_cache(self, cache: LavoCache) -> LavoStepCache | None:
-        """A :class:`~lavo.cache.LavoStepCache` for the paper's memory; None for the variants."""
-        return None if self.is_variant else LavoStepCache.from_cache(cache, self.window)
+    def step_cache(self, cache: LavoCache | LavoStepCache) -> LavoStepCache | None:
+        """A :class:`~lavo.cache.LavoStepCache` for the paper's memory (a step cache itself as it is); None for
+        the variants."""
+        if self.is_variant:
+            return None
+        if isinstance(cache, LavoStepCache):
+            check_cache_window(cache.window, self.window)
+            return cache
+        return LavoStepCache.from_cache(cache, self.window)
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> LavoCache:
         if self.is_variant:
