@@ -1,4 +1,5 @@
-"""The contract every registered attention keeps: no causal leak, chunked decoding, padding invariance."""
+"""The contract every registered attention keeps: no causal leak, chunked decoding, padding invariance and zeros
+at padded positions."""
 import pytest
 import torch
 
@@ -62,6 +63,7 @@ def test_padding_never_changes_real_positions(name, causal):
     x_changed = torch.where(mask[..., None], x, 100 * torch.randn_like(x))
     y_changed, _ = layer(x_changed, padding_mask=mask)
     torch.testing.assert_close(y_changed[mask], y[mask])
+    assert torch.all(y[~mask] == 0), f"{name}: a padded position's output is not zero"
 
 
 def test_unknown_attention_names_the_alternatives():

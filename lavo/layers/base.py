@@ -30,6 +30,12 @@ def check_heads(dim: int, heads: int) -> int:
     return dim // heads
 
 
+def zero_padded(y: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """``y [B, T, dim]`` with zeros at the padded positions: every mechanism outputs zeros there, as LAVO does
+    (docs/DESIGN.md, decision 2), whatever its op leaves at a padded query."""
+    return y if padding_mask is None else y.masked_fill(~padding_mask[..., None], 0)
+
+
 def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -37,8 +43,9 @@ def element_size(dtype: torch.dtype) -> int:
 class Mechanism(nn.Module):
     r"""Base of every registered layer: ``forward(x, padding_mask=None, cache=None) -> (y, cache)``.
 
-    ``x`` is ``[B, T, dim]``; ``padding_mask`` ``[B, T]`` bool (True = real token); ``cache`` is whatever the
-    previous call returned (None to start a sequence). A layer without a decoding form returns None as the
+    ``x`` is ``[B, T, dim]``; ``padding_mask`` ``[B, T]`` bool (True = real token; padded positions output
+    zeros and never change the real ones); ``cache`` is whatever the previous call returned (None to start a
+    sequence). A layer without a decoding form returns None as the
     cache. Asking a layer for something its flags deny raises an error naming it.
     """
 
@@ -131,7 +138,7 @@ class AttentionLayer(Mechanism):
         self.check_call(x, padding_mask, cache)
         q, k, v = rearrange(self.to_qkv(x), "b t (three h d) -> three b t h d", three=3, h=self.heads)
         out, cache = self.attend(q, k, v, padding_mask, cache)
-        return self.to_out(rearrange(out, "b t h d -> b t (h d)")), cache
+        return zero_padded(self.to_out(rearrange(out, "b t h d -> b t (h d)")), padding_mask), cache
 
     def key_value_nbytes(self, batch_size: int, positions: int, dtype: torch.dtype) -> int:
         """Bytes of ``positions`` cached keys and values of ``dtype`` plus their bool mask."""

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.s4d import S4DCache, discretize, fft_convolution, s4d_kernel, s4d_scan
-from .base import Mechanism, element_size
+from .base import Mechanism, element_size, zero_padded
 
 SYSTEM_LR_CAP = 1e-3  # the S4D reference's peak learning rate for A and dt
 
@@ -65,7 +65,7 @@ class S4DLayer(Mechanism):
             length = x.shape[1]
             y = fft_convolution(u, s4d_kernel(log_a, c[0], length), s4d_kernel(log_a, c[1], length))
         y = F.gelu(y + self.skip * u)
-        return F.glu(self.to_glu(y), dim=-1), cache
+        return zero_padded(F.glu(self.to_glu(y), dim=-1), padding_mask), cache
 
     def no_weight_decay(self) -> list[nn.Parameter]:
         # As in the S4D reference: the system's A and dt are neither decayed nor trained faster than 1e-3.
