@@ -24,6 +24,13 @@ def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.cumsum(dim) - x
 
 
+def normalize(numerator: torch.Tensor, weight_sum: torch.Tensor, eps: float) -> torch.Tensor:
+    """``numerator [..., D] / weight_sum [...]``, the sum clamped below at ``eps`` and taken as 1 where it is
+    exactly zero: a query with no key to weigh (every key padded) gets zeros and a finite gradient, where dividing
+    by a tiny ``eps`` would overflow the backward to inf and NaN."""
+    return numerator / torch.where(weight_sum > 0, weight_sum.clamp(min=eps), 1)[..., None]
+
+
 def check_positive(owner: str, **options: int) -> None:
     """Raise naming ``owner`` and the option unless every option is a positive integer."""
     for name, value in options.items():

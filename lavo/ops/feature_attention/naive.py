@@ -1,8 +1,10 @@
 r"""Attention through positive feature maps with the explicit ``[T, S]`` weights ``phi(q) phi(k)^T``: the
-reference of :mod:`.chunked`. Quadratic; small inputs only."""
+reference of :mod:`.prefix_sums`. Quadratic; small inputs only."""
 from __future__ import annotations
 
 import torch
+
+from ..common import normalize
 
 
 def feature_attention_naive(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, *, causal: bool,
@@ -12,4 +14,4 @@ def feature_attention_naive(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch
     if causal:
         weights = weights.tril()
     out = torch.einsum("bhts,bshd->bthd", weights, v)
-    return out / weights.sum(-1).transpose(1, 2).clamp(min=eps)[..., None]
+    return normalize(out, weights.sum(-1).transpose(1, 2), eps)

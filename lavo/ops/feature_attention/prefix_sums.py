@@ -2,18 +2,20 @@ r"""Attention through positive feature maps, ``o_t = phi(q_t) S / phi(q_t) z``, 
 
 ``S = sum_s phi(k_s) v_s^T [F, D]`` and ``z = sum_s phi(k_s) [F]`` run over all keys (non-causal) or, as prefix
 sums, over keys up to the query (causal). Features are ``[B, T, H, F]``, values ``[B, T, H, D]``; a padded key is
-one whose features are zero. Denominators are clamped below at ``eps``.
+one whose features are zero. Denominators are clamped below at ``eps`` (:func:`~lavo.ops.common.normalize`).
 """
 from __future__ import annotations
 
 import torch
+
+from ..common import normalize
 
 
 def feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """Non-causal, by associativity: ``[B, T, H, F]``, ``[B, S, H, F]``, ``[B, S, H, D]`` -> ``[B, T, H, D]``."""
     kv = torch.einsum("bshf,bshd->bhfd", k_feat, v)
     numerator = torch.einsum("bthf,bhfd->bthd", q_feat, kv)
-    return numerator / torch.einsum("bthf,bhf->bth", q_feat, k_feat.sum(1)).clamp(min=eps)[..., None]
+    return normalize(numerator, torch.einsum("bthf,bhf->bth", q_feat, k_feat.sum(1)), eps)
 
 
 def check_sums(sums: tuple[torch.Tensor, torch.Tensor], k_feat: torch.Tensor, v: torch.Tensor) -> None:
@@ -56,7 +58,7 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
         weights = torch.einsum("bthf,bshf->bhts", q, k).tril()
         numerator = torch.einsum("bhts,bshd->bthd", weights, values) + torch.einsum("bthf,bhfd->bthd", q, kv)
         denominator = weights.sum(-1).transpose(1, 2) + torch.einsum("bthf,bhf->bth", q, k_sum)
-        outputs.append(numerator / denominator.clamp(min=eps)[..., None])
+        outputs.append(normalize(numerator, denominator, eps))
         kv = kv + torch.einsum("bshf,bshd->bhfd", k, values)
         k_sum = k_sum + k.sum(1)
     return torch.cat(outputs, 1), (kv, k_sum)
