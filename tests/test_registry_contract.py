@@ -69,3 +69,13 @@ def test_padding_never_changes_real_positions(name, causal):
 def test_unknown_attention_names_the_alternatives():
     with pytest.raises(ValueError, match=r"unknown attention 'nope'; available: .*lavo"):
         build_attention("nope", DIM, HEADS)
+
+
+@pytest.mark.parametrize("name", available_attentions())
+def test_an_empty_chunk_is_refused_alike(name):
+    layer = _build(name, causal=True)
+    _, cache = layer(torch.randn(1, 5, DIM, dtype=torch.float64))
+    for given in (None, cache):
+        with pytest.raises(ValueError, match=r"x has an empty time axis, shape \(1, 0, 32\); a call needs at least "
+                                             r"one position"):
+            layer(torch.randn(1, 0, DIM, dtype=torch.float64), cache=given)

@@ -110,6 +110,8 @@ class Mechanism(nn.Module):
         """The checks every ``forward`` makes first."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape [B, T, {self.dim}], got {tuple(x.shape)}")
+        if x.shape[1] == 0:  # refused by every mechanism alike (some ops would pass it through, others fail)
+            raise ValueError(f"x has an empty time axis, shape {tuple(x.shape)}; a call needs at least one position")
         check_padding_mask(padding_mask, x.shape[0], x.shape[1])
         if cache is not None and not self.causal:
             raise ValueError(f"{type(self).__name__} was built with causal=False; a cache is only for causal decoding")
