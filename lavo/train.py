@@ -53,13 +53,19 @@ def learning_rate(step: int, config) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def check_split_length(split: str, num_tokens: int, length: int) -> None:
+    """Raise unless the ``split`` holds a window of ``length + 1`` tokens (the inputs and their next tokens)."""
+    if num_tokens < length + 1:
+        add = "add text" if split == "training" else "hold out more text (data.holdout)"
+        raise ValueError(f"the {split} split has {num_tokens} tokens, fewer than train_length + 1 = {length + 1}: "
+                         f"lower train.train_length or {add}")
+
+
 class WindowSampler:
     """Random contiguous windows of ``length + 1`` tokens; draw ``i`` is a pure function of ``(seed, i)``."""
 
     def __init__(self, num_tokens: int, length: int, seed: int, draws: int = 0):
-        if num_tokens < length + 1:
-            raise ValueError(f"the training split has {num_tokens} tokens, fewer than train_length + 1 = "
-                             f"{length + 1}: lower train.train_length or add text")
+        check_split_length("training", num_tokens, length)
         self.num_tokens, self.length, self.seed, self.draws = num_tokens, length, seed, draws
 
     def next_offsets(self, count: int) -> np.ndarray:
@@ -228,6 +234,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameter_groups(tc.weight_decay, tc.lr), lr=tc.lr,
                                            betas=(tc.beta1, tc.beta2), fused=device.type == "cuda" or None)
         self.sampler = WindowSampler(len(data.train), tc.train_length, tc.seed)
+        check_split_length("validation", len(data.valid), tc.train_length)  # before training, not at the first check
         self.progress = Progress()
         self.metrics = MetricsLog(self.run_dir)
         self.replica = self.model  # what the steps call: the model, or its DDP or compiled wrapper

@@ -103,6 +103,16 @@ def test_sampler_is_seeded_and_resumable():
         WindowSampler(20, 32, seed=0)
 
 
+def test_a_validation_split_shorter_than_a_window_is_refused_before_training(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=400)
+    (corpus / "doc3.txt").write_text("the end.\n", encoding="utf-8")  # the held-out document
+    # it once scored a few tokens per window and divided by the full length: a valid loss of 0.09 at step 2
+    with pytest.raises(ValueError, match=r"the validation split has \d+ tokens, fewer than train_length \+ 1 = 33: "
+                                         r"lower train.train_length or hold out more text \(data.holdout\)"):
+        train(run(corpus, tmp_path, "short"), log=quiet)
+    assert not (tmp_path / "short" / "state.pt").exists()
+
+
 def test_config_overrides(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"model": {"preset": "tiny", "attention": "lavo"}, "train": {"steps": 5}}))
