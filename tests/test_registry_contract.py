@@ -1,5 +1,7 @@
-"""The contract every registered attention keeps: no causal leak, chunked decoding, padding invariance and zeros
-at padded positions."""
+"""The contract every registered attention keeps: no causal leak, chunked decoding, padding invariance, zeros at
+padded positions, one error for an empty chunk, and half precision (a bfloat16 or float16 layer, or autocast)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -79,3 +81,31 @@ def test_an_empty_chunk_is_refused_alike(name):
         with pytest.raises(ValueError, match=r"x has an empty time axis, shape \(1, 0, 32\); a call needs at least "
                                              r"one position"):
             layer(torch.randn(1, 0, DIM, dtype=torch.float64), cache=given)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("how", ["module", "autocast"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", available_attentions())
+def test_half_precision_follows_float64(name, causal, how, dtype):
+    reference = _build(name, causal)
+    layer = _build(name, causal).float()
+    x = torch.randn(2, 70, DIM)  # two chunks of the chunked mechanisms
+    mask = torch.ones(2, 70, dtype=torch.bool)
+    mask[0, :9] = False  # left padding: positions with no real key before them
+    if how == "module":
+        layer, x = layer.to(dtype), x.to(dtype)
+        reference.load_state_dict(layer.state_dict())  # the rounded weights: what is compared is the computation
+        context = contextlib.nullcontext()
+    else:
+        context = torch.autocast("cpu", dtype=dtype)
+    x.requires_grad_()
+    with context:
+        y, _ = layer(x, padding_mask=mask)
+    assert y.dtype == dtype
+    y.float().square().sum().backward()
+    expected, _ = reference(x.detach().double(), padding_mask=mask)
+    assert (y.double() - expected).abs().max() <= 0.03 * expected.abs().max()
+    # S4D once failed as a bfloat16 or float16 module; ABC's gradients under float16 autocast were NaN
+    for grad in (x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)):
+        assert torch.isfinite(grad).all()

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.common import accumulation_dtype
 from ..ops.s4d import S4DCache, discretize, fft_convolution, s4d_kernel, s4d_scan
 from .base import Mechanism, element_size, zero_padded
 
@@ -48,9 +49,12 @@ class S4DLayer(Mechanism):
         self.to_glu = nn.Linear(dim, 2 * dim)
 
     def system(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The discrete system: ``log_a [dim, N/2]`` and ``c_bar [directions, dim, N/2]``, complex."""
-        a = torch.complex(-self.log_a_real.exp(), self.a_imag)
-        return discretize(self.log_dt, a, torch.view_as_complex(self.c))
+        """The discrete system: ``log_a [dim, N/2]`` and ``c_bar [directions, dim, N/2]``, complex64 (complex128 for
+        float64 parameters): a bfloat16 or float16 layer keeps its system in float32, as torch has no complex
+        bfloat16 and few complex float16 ops."""
+        dtype = accumulation_dtype(self.log_dt.dtype)
+        a = torch.complex(-self.log_a_real.to(dtype).exp(), self.a_imag.to(dtype))
+        return discretize(self.log_dt.to(dtype), a, torch.view_as_complex(self.c.to(dtype)))
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 cache: S4DCache | None = None) -> tuple[torch.Tensor, S4DCache | None]:
@@ -59,12 +63,13 @@ class S4DLayer(Mechanism):
         log_a, c = self.system()
         if cache is not None:
             self.check_cache(cache, x.shape[0])
+        ssm_input = u.to(log_a.real.dtype)  # the SSM runs in the system's precision (no bfloat16 FFT either)
         if self.causal:
-            y, cache = s4d_scan(u, log_a, c[0], cache)
+            y, cache = s4d_scan(ssm_input, log_a, c[0], cache)
         else:
             length = x.shape[1]
-            y = fft_convolution(u, s4d_kernel(log_a, c[0], length), s4d_kernel(log_a, c[1], length))
-        y = F.gelu(y + self.skip * u)
+            y = fft_convolution(ssm_input, s4d_kernel(log_a, c[0], length), s4d_kernel(log_a, c[1], length))
+        y = F.gelu(y.to(x.dtype) + self.skip * u)
         return zero_padded(F.glu(self.to_glu(y), dim=-1), padding_mask), cache
 
     def no_weight_decay(self) -> list[nn.Parameter]:

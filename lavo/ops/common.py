@@ -2,6 +2,7 @@
 expected), the masking constant, the accumulation dtype and small tensor helpers."""
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -17,6 +18,14 @@ def neg_inf(dtype: torch.dtype) -> float:
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32, or float64 for float64 inputs: the dtype of sums over the context (float16 overflows past ~65K)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def no_float16_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off where it would run matmuls in float16, whose range (6.5e4) cannot hold an op's normalisers
+    and their inverses; bfloat16 autocast, with float32's range, stays on."""
+    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -10,9 +10,9 @@ and a query reads ``softmax(q K~^T / sqrt(D)) V~``. Non-causal, ``i, j`` run ove
 of step ``t`` uses the prefix ``i, j <= t``: the partition function is that of the whole prefix, so an early token's
 weight shrinks as later tokens arrive (not each step's own normalisation).
 
-The causal form keeps unnormalised prefix sums scaled by ``exp(-m)``, in at least float32, with ``m`` the
-maximum of the logits up to the end of the current chunk of positions (detached: the result does not depend on
-it): ``O(T r D)`` time and memory, and the same sums are the constant-size decoding cache. It is exact unless,
+The causal form keeps unnormalised prefix sums scaled by ``exp(-m)``, in at least float32 (float16 autocast is
+turned off: the normalisers' inverses overflow float16), with ``m`` the maximum of the logits up to the end of the
+current chunk of positions (detached: the result does not depend on it): ``O(T r D)`` time and memory, and the same sums are the constant-size decoding cache. It is exact unless,
 inside one chunk, a slot's logit rises more than ~80 (float32) above every earlier logit of that slot: those
 earlier sums underflow. ``chunk=1`` never underflows.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import Cache
-from ..common import accumulation_dtype, check_padding_mask, check_same_shape, neg_inf
+from ..common import accumulation_dtype, check_padding_mask, check_same_shape, neg_inf, no_float16_autocast
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,13 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, control: to
     if cache is not None and not causal:
         raise ValueError("a cache exists only for causal attention (causal=False was given)")
     scale = D ** -0.5 if scale is None else scale
+    with no_float16_autocast(q.device.type):
+        return _abc_attention(q, k, v, control, causal, padding_mask, cache, scale, chunk)
+
+
+def _abc_attention(q, k, v, control, causal, padding_mask, cache, scale, chunk):
+    """:func:`abc_attention` after its checks."""
+    B, T, H, D = q.shape
     out_dtype = q.dtype
     q, k, v, control = (x.to(accumulation_dtype(out_dtype)) for x in (q, k, v, control))
     real = torch.ones(B, T, dtype=q.dtype, device=q.device) if padding_mask is None else padding_mask.to(q.dtype)
@@ -178,4 +185,5 @@ def abc_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contr
     out_dtype = q.dtype
     q, k, v, control = (x.to(accumulation_dtype(out_dtype)) for x in (q, k, v, control))
     real = torch.ones(B, S, dtype=q.dtype, device=q.device) if padding_mask is None else padding_mask.to(q.dtype)
-    return _read(q, *_whole_memory(k, v, _logits(k, control, padding_mask), real), scale).to(out_dtype)
+    with no_float16_autocast(q.device.type):
+        return _read(q, *_whole_memory(k, v, _logits(k, control, padding_mask), real), scale).to(out_dtype)
