@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from lavo import LavoAttention, LavoCache, LavoCrossAttention
+from lavo.layers.orthonormal import register_orthonormal
 from lavo.ops import lavo_attention, orthogonal_basis
 
 
@@ -111,6 +112,50 @@ def test_learned_basis_stays_orthonormal_through_training():
     basis = layer.basis.detach()
     assert not torch.allclose(basis, before), "the basis did not train"
     torch.testing.assert_close(basis @ basis.transpose(-1, -2), torch.eye(6).expand(4, -1, -1), atol=1e-5, rtol=0)
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, initial):
+        super().__init__()
+        self.basis = torch.nn.Parameter(initial.clone())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rank", [16, 6])  # square (matrix exponential) and not (Householder)
+def test_learned_basis_is_torchs_orthogonal_parametrization(rank, dtype):
+    initial = orthogonal_basis(3, rank, 16, dtype=dtype)
+    ours, torchs = _Holder(initial), _Holder(initial)
+    torch.manual_seed(0)
+    register_orthonormal(ours, "basis")
+    after_ours = torch.randn(1)  # the registration draws what torch's does (a completion of a wide basis)
+    torch.manual_seed(0)
+    torch.nn.utils.parametrizations.orthogonal(torchs, "basis")
+    assert torch.equal(torch.randn(1), after_ours)
+    assert ours.state_dict().keys() == torchs.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), torchs.state_dict().values()))
+    for holder in (ours, torchs):  # one step away from the base, so that the map itself is exercised
+        with torch.no_grad():
+            holder.parametrizations.basis.original.add_(0.1 * torch.randn(initial.shape,
+                                                                         generator=torch.Generator().manual_seed(1)))
+    assert torch.equal(ours.basis, torchs.basis)
+    weights = torch.randn(initial.shape, dtype=dtype)
+    gradients = [torch.autograd.grad((h.basis * weights).sum(), h.parametrizations.basis.original)[0]
+                 for h in (ours, torchs)]
+    assert torch.equal(*gradients)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [8, 6])
+def test_learned_basis_stays_orthonormal_in_half_precision(rank, dtype):
+    # torch's own map gave entries of 1e30 (bfloat16) or failed (Householder is not implemented in half on the CPU)
+    layer = _layer(rank=rank, basis="learned", window=4).to(dtype)
+    x = torch.randn(2, 20, 32, dtype=dtype, requires_grad=True)
+    y, _ = layer(x)
+    y.float().square().sum().backward()
+    basis = layer.basis.float()
+    assert layer.basis.dtype == dtype
+    torch.testing.assert_close(basis @ basis.mT, torch.eye(rank).expand(4, -1, -1), atol=2e-2, rtol=0)
+    assert torch.isfinite(x.grad).all() and torch.isfinite(layer.parametrizations.basis.original.grad).all()
 
 
 def test_fixed_basis_is_a_buffer():

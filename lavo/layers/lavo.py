@@ -5,13 +5,13 @@ import math
 
 import torch
 from torch import nn
-from torch.nn.utils.parametrizations import orthogonal
 
 from ..cache import LavoCache, LavoStepCache, check_cache_window
 from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, lavo_decode_step, orthogonal_basis
 from ..ops.common import check_backend, check_window, pos_bias_size
 from ..ops.lavo.variants import check_variant, is_variant
 from .base import AttentionLayer, CrossAttentionLayer
+from .orthonormal import register_orthonormal
 
 
 def add_basis(module: nn.Module, heads: int, rank: int, head_dim: int, kind: str) -> None:
@@ -21,7 +21,7 @@ def add_basis(module: nn.Module, heads: int, rank: int, head_dim: int, kind: str
         module.register_buffer("basis", initial)
     elif kind == "learned":
         module.basis = nn.Parameter(initial)
-        orthogonal(module, "basis")
+        register_orthonormal(module, "basis")
     else:
         raise ValueError(f"basis must be 'fixed' or 'learned', got {kind!r}")
 
