@@ -74,6 +74,19 @@ def test_the_config_has_the_model_config_fields_and_defaults():
         H.LavoLMConfig(attention="local", attention_options={"rank": 8})
 
 
+@pytest.mark.parametrize("rank", [16, 4])  # square and wide bases: the two maps of the parametrization
+def test_a_learned_basis_saves_and_loads_in_float32_and_bfloat16(rank, tmp_path):
+    # transformers builds the model on the meta device, where the basis's base had no key and stayed None
+    model = native(attention_options={"window": 4, "basis": "learned", "rank": rank})
+    wrapped(model).save_pretrained(tmp_path)
+    ids = torch.randint(0, 61, (2, 9))
+    with torch.no_grad():
+        expected = model(ids)[0]
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.1)):
+            loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+            torch.testing.assert_close(loaded(ids).logits.float(), expected, rtol=0, atol=tolerance)
+
+
 @pytest.mark.parametrize("name", SETTINGS)
 def test_logits_and_loss_equal_the_native_model(name):
     model = native(**SETTINGS[name])

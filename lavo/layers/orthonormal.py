@@ -20,6 +20,18 @@ class Float32Orthogonal(_Orthogonal):
     map, operation for operation (tests/test_layers.py compares the two), and it keeps torch's state-dict keys and
     initialisation, so checkpoints load either way."""
 
+    def __init__(self, weight: torch.Tensor, orthogonal_map: _OrthMaps):
+        super().__init__(weight, orthogonal_map)
+        # torch registers the base as None and sets it in right_inverse, which cannot run on the meta device where
+        # transformers builds a model before loading it: the base then had no state-dict key and stayed None.
+        size = max(weight.shape[-2:])
+        self.base = weight.new_empty(*weight.shape[:-2], size, size)
+
+    def right_inverse(self, Q: torch.Tensor) -> torch.Tensor:
+        if Q.is_meta:  # shapes only: loading fills the original and the base (torch's checks fail on meta)
+            return torch.empty_like(Q)
+        return super().right_inverse(Q)
+
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         dtype = X.dtype
         X = X.to(accumulation_dtype(dtype))
