@@ -13,7 +13,9 @@ Cases: float32 and bfloat16 inputs, ``D`` in 32, 64, 128 and 60 (a padded block)
 (causal, bias, its gradient, padding mask; full rank, per-token rows, basis gradient; a wide window, bias, read
 scale, dissection) each on and off in each dtype, the first one on at ``D = 128`` (the largest tiles).
 ``--fast`` compiles one case per launcher: bfloat16, ``D = 128`` (the largest tiles), every switch on, so every
-branch of every kernel is compiled once per target (the ``else`` branches are not).
+branch of every kernel is compiled once per target (the ``else`` branches are not). Both modes also compile that
+case of the window and memory-read launchers in their form for tensors past 2^31 elements (``WIDE``, int64
+positions), forced at a small size.
 
 The launch path is Triton's own, less the driver: ``create_function_from_signature`` and
 ``JITFunction._pack_args`` are internals (Triton 3.9), the price of compiling what a launch would rather than a
@@ -46,6 +48,7 @@ import lavo
 from lavo.cache import LavoStepCache
 from lavo.ops.lavo.kernels import read_memory
 from lavo.ops.lavo.step_kernel import decode_step_triton
+from lavo.ops.local import kernels as window_kernels
 from lavo.ops.local.kernels import window_attention
 
 # What a block may use (CUDA's opt-in maximum of shared memory per block; the register file).
@@ -102,6 +105,7 @@ def decode_step_case(dtype: torch.dtype, head_dim: int, switches: tuple[bool, ..
 
 
 CASES = {window_attention_case: 4, memory_read_case: 3, decode_step_case: 4}  # each with its number of switches
+WIDE_CASES = (window_attention_case, memory_read_case)  # the launchers with a form for offsets past 2^31
 
 
 def settings(switch_count: int, fast: bool):
@@ -116,6 +120,17 @@ def settings(switch_count: int, fast: bool):
             count, flip = 2 * dtype_index + index // 2, index % 2 == 1
             chosen.append((dtype, d, tuple(bool(count >> bit & 1) != flip for bit in range(switch_count))))
     return chosen
+
+
+@contextlib.contextmanager
+def wide_offsets_forced():
+    """Within: the launchers pick their int64-offsets form (``WIDE``) for any size, as past 2^31 elements."""
+    original = window_kernels.INT32_OFFSETS
+    window_kernels.INT32_OFFSETS = 0
+    try:
+        yield
+    finally:
+        window_kernels.INT32_OFFSETS = original
 
 
 @contextlib.contextmanager
@@ -196,6 +211,9 @@ def main() -> int:
         for case, switch_count in CASES.items():
             for dtype, head_dim, switches in settings(switch_count, fast):
                 case(dtype, head_dim, switches)
+        with wide_offsets_forced():
+            for case in WIDE_CASES:
+                case(*settings(CASES[case], fast=True)[0])
     reached = {f"{kernel.fn.__module__}.{kernel.fn.__name__}" for kernel, _, _ in launches}
     failures = [f"never launched by a case: {name}" for name in sorted(all_kernels() - reached)]
     seen, compiled_count = set(), 0

@@ -26,8 +26,11 @@ def compile_kernels(tmp_path: Path, *options: str) -> str:
 
 
 def test_every_kernel_compiles_for_sm90_and_sm80(tmp_path):
-    """One case per launcher (bfloat16, D = 128, every switch on): each of the seven kernels once per target."""
-    assert compile_kernels(tmp_path, "--fast").splitlines()[-1] == "compiled 14 kernels, 0 failed"
+    """One case per launcher (bfloat16, D = 128, every switch on): each of the seven kernels once per target, and
+    the six window and memory-read kernels once more in their form for offsets past 2^31 elements."""
+    out = compile_kernels(tmp_path, "--fast").splitlines()
+    assert out[-1] == "compiled 26 kernels, 0 failed"
+    assert sum("WIDE=True" in line for line in out) == 12
 
 
 @pytest.mark.slow

@@ -209,3 +209,18 @@ def test_lavo_kernels_match_naive_over_many_windows(causal, dissection):
         lambda *x: lavo_attention(*x[:4], pos_bias=x[4], padding_mask=_on(mask, DEVICE), backend="triton", **options),
         lambda *x: lavo_attention_naive(*x[:4], pos_bias=x[4], padding_mask=mask, **options),
         [q, k, v, basis, pos_bias], device=DEVICE, **FLOAT32)
+
+
+@pytest.mark.parametrize("dissection", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_int64_offsets_form_matches_naive(monkeypatch, causal, dissection):
+    """The kernels' form for tensors past 2^31 elements (a million tokens at width 2048), forced at a small size."""
+    import lavo.ops.local.kernels as window_kernels
+    monkeypatch.setattr(window_kernels, "INT32_OFFSETS", 0)
+    q, k, v, basis, pos_bias, mask = _triton_inputs(40, 8, 32, 12, causal, True)
+    assert window_kernels.wide_offsets(q)
+    options = dict(window=8, causal=causal, dissection=dissection)
+    assert_matches_reference(
+        lambda *x: lavo_attention(*x[:4], pos_bias=x[4], padding_mask=_on(mask, DEVICE), backend="triton", **options),
+        lambda *x: lavo_attention_naive(*x[:4], pos_bias=x[4], padding_mask=mask, **options),
+        [q, k, v, basis, pos_bias], device=DEVICE, **FLOAT32)

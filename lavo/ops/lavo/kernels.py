@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..local.kernels import _shared_strides, dot_options
+from ..local.kernels import _shared_strides, _wide, dot_options, wide_offsets
 
 # Programs per (batch, head) row at most: enough to fill a GPU, few enough that the basis gradient's atomic adds
 # (one [r, D] tile per program) stay cheap.
@@ -33,10 +33,12 @@ def _rows(block, group, length, BLOCK: tl.constexpr):
 @triton.jit
 def _read(Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
           PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-          PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
-    """Recompute one block's read: positions, validity, ``q``, ``B q``, coefficients and softmax weights."""
+          PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
+    """Recompute one block's read: positions (int64 when ``WIDE``), validity, ``q``, ``B q``, coefficients and
+    softmax weights."""
     b, h = bh // heads, bh % heads
     c, t, valid = _rows(block, group, length, BLOCK)
+    t = _wide(t, WIDE)
     d = tl.arange(0, BLOCK_D)
     slot = tl.arange(0, BLOCK_R)
     q = tl.load(Q + b * stride_b + h * stride_h + t[:, None] * stride_t + d[None, :],
@@ -60,12 +62,12 @@ def _read(Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group,
 @triton.jit
 def _forward(Q, COEF, BASIS, O, stride_b, stride_t, stride_h, heads, group, length, head_dim, rank, blocks, scale,
              PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-             PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
+             PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
     bh = tl.program_id(1).to(tl.int64)  # offsets into tensors past 2^31 elements must not overflow
     for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
         b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(
             Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
-            PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION, FLOAT32_DOTS)
+            PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION, FLOAT32_DOTS, WIDE)
         out = tl.dot(weights * coef, basis, input_precision=PRECISION)
         tl.store(O + ((b * length + t[:, None]) * heads + h) * head_dim + d[None, :], out.to(O.dtype.element_ty),
                  mask=valid[:, None] & (d[None, :] < head_dim))
@@ -75,7 +77,7 @@ def _forward(Q, COEF, BASIS, O, stride_b, stride_t, stride_h, heads, group, leng
 def _backward(Q, COEF, BASIS, DO, DQ, DCOEF, DBASIS, stride_b, stride_t, stride_h, heads, group, length, head_dim,
               rank, blocks, scale, PER_TOKEN: tl.constexpr, BASIS_GRAD: tl.constexpr, BLOCK: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-              FLOAT32_DOTS: tl.constexpr):
+              FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
     """``DO``, ``DQ`` contiguous ``[B, T, H, D]``; ``DCOEF`` float32 ``[B * H, T, r]`` per token, else one row per
     block ``[B * H, blocks, r]``; ``DBASIS`` float32 ``[H, r, D]``, added to atomically."""
     bh = tl.program_id(1).to(tl.int64)
@@ -83,7 +85,7 @@ def _backward(Q, COEF, BASIS, DO, DQ, DCOEF, DBASIS, stride_b, stride_t, stride_
     for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
         b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(
             Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
-            PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION, FLOAT32_DOTS)
+            PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION, FLOAT32_DOTS, WIDE)
         place = ((b * length + t[:, None]) * heads + h) * head_dim + d[None, :]
         inside = valid[:, None] & (d[None, :] < head_dim)
         grad = tl.load(DO + place, mask=inside, other=0.0).to(tl.float32)
@@ -110,7 +112,7 @@ def _backward(Q, COEF, BASIS, DO, DQ, DCOEF, DBASIS, stride_b, stride_t, stride_
                       mask=(slot[:, None] < rank) & (d[None, :] < head_dim))
 
 
-def _config(head_dim: int, rank: int, group: int, dtype: torch.dtype) -> dict:
+def _config(head_dim: int, rank: int, group: int, dtype: torch.dtype, wide: bool) -> dict:
     """Tile sizes and launch options. A large basis tile (``D r > 4096``, e.g. ``D = r = 128``) takes 8 warps,
     blocks of 32 queries and no software pipelining: otherwise the kernels need more shared memory than a block may
     have (up to 360 KB, by tests/compile_kernels.py; an H100 has 227 KB, an A100 163 KB)."""
@@ -118,7 +120,7 @@ def _config(head_dim: int, rank: int, group: int, dtype: torch.dtype) -> dict:
     large = block_d * block_r > 4096
     launch = dict(num_warps=8, num_stages=1) if large else dict(num_warps=4)
     return dict(BLOCK=max(16, min(32 if large else 64, triton.next_power_of_2(group))), BLOCK_D=block_d,
-                BLOCK_R=block_r, **launch, **dot_options(dtype))
+                BLOCK_R=block_r, WIDE=wide, **launch, **dot_options(dtype))
 
 
 def _launch(q: Tensor, rank: int, group: int) -> tuple[bool, int, dict, int]:
@@ -126,7 +128,7 @@ def _launch(q: Tensor, rank: int, group: int) -> tuple[bool, int, dict, int]:
     T, D = q.shape[1], q.shape[3]
     per_token = group == 1
     kernel_group = T if per_token else group  # per token, blocks only have to stay inside the sequence
-    config = _config(D, rank, kernel_group, q.dtype)
+    config = _config(D, rank, kernel_group, q.dtype, wide_offsets(q))
     return per_token, kernel_group, config, triton.cdiv(T, kernel_group) * triton.cdiv(kernel_group, config["BLOCK"])
 
 

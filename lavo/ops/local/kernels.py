@@ -8,7 +8,9 @@ adds. Backward recomputes the weights twice: once per key block (``dK``, ``dV``)
 the bias gradient), so nothing of size ``T x w`` is ever stored.
 
 Inputs are ``[B, T, H, D]`` with a unit stride along ``D``; ``D`` is padded to a power of two inside the kernel.
-Scores are kept in base-2 units (``exp2``), the log-sum-exp too. Importing this module defines the kernels, so
+Scores are kept in base-2 units (``exp2``), the log-sum-exp too. Offsets are int32 unless a tensor reaches 2^31
+elements from where a program addresses it (:func:`wide_offsets`: a million tokens at width 2048), where the
+kernels are compiled with ``WIDE`` and count positions in int64. Importing this module defines the kernels, so
 ``TRITON_INTERPRET`` must be set before it is first imported.
 """
 
@@ -20,6 +22,23 @@ from torch import Tensor
 from ..common import triton_interpreting
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x log2(e))
+INT32_OFFSETS = 2**31  # an offset this large or larger needs int64 arithmetic
+
+
+def wide_offsets(q: Tensor) -> bool:
+    """Whether the kernels must count positions in int64 for ``q [B, T, H, D]``: when ``T`` rows of its stride, of
+    ``H D`` (the contiguous gradients) or the ``[B H, T]`` log-sum-exp reach 2^31 elements. Below that int32 keeps
+    the kernels' registers lower."""
+    B, T, H, D = q.shape
+    return max(T * q.stride(1), T * H * D, B * H * T) >= INT32_OFFSETS
+
+
+@triton.jit
+def _wide(x, WIDE: tl.constexpr):
+    """``x`` in int64 when ``WIDE``, else as it is."""
+    if WIDE:
+        x = x.to(tl.int64)
+    return x
 
 
 @triton.jit
@@ -89,12 +108,13 @@ def _tile(ptr, rows, d, row_stride, length, head_dim, FLOAT32_DOTS: tl.constexpr
 
 
 @triton.jit
-def _program(heads, stride_b, stride_h, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's batch ``b``, head ``h``, its block's positions, the ``D`` lanes and the input offset
-    (``b`` in int64, so offsets into tensors past 2^31 elements do not overflow)."""
+def _program(heads, stride_b, stride_h, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
+    """This program's batch ``b``, head ``h``, its block's first position and positions, the ``D`` lanes and the
+    input offset (``b`` in int64, so offsets into tensors past 2^31 elements do not overflow; positions too when
+    ``WIDE``)."""
     b, h = (tl.program_id(1) // heads).to(tl.int64), tl.program_id(1) % heads
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    return b, h, rows, tl.arange(0, BLOCK_D), b * stride_b + h * stride_h
+    first = _wide(tl.program_id(0) * BLOCK, WIDE)
+    return b, h, first, first + tl.arange(0, BLOCK), tl.arange(0, BLOCK_D), b * stride_b + h * stride_h
 
 
 @triton.jit
@@ -106,7 +126,7 @@ def _contiguous_tile(X, b, h, rows, d, heads, length, head_dim, FLOAT32_DOTS: tl
 @triton.jit
 def _per_query(X, rows, length):
     """Entries ``rows`` of this program's ``[T]`` row of a float32 ``[B * H, T]`` tensor (the lse, the deltas)."""
-    return tl.load(X + tl.program_id(1) * length + rows, mask=rows < length, other=0.0)
+    return tl.load(X + tl.program_id(1).to(rows.dtype) * length + rows, mask=rows < length, other=0.0)
 
 
 @triton.jit
@@ -129,9 +149,8 @@ def _store(X, x, b, h, rows, d, heads, length, head_dim):
 def _forward(Q, K, V, BIAS, KEEP, O, LSE, stride_b, stride_t, stride_h, bias_stride, keep_stride, heads, length,
              window, head_dim, scale_log2,
              CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr,
-             BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
-    b, h, t, d, offset = _program(heads, stride_b, stride_h, BLOCK, BLOCK_D)
-    first = tl.program_id(0) * BLOCK
+             BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
+    b, h, first, t, d, offset = _program(heads, stride_b, stride_h, BLOCK, BLOCK_D, WIDE)
     q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
     peak = tl.full([BLOCK], -1.0e30, tl.float32)  # finite: a row with nothing seen yet gives exp2(-inf) = 0
     total = tl.zeros([BLOCK], tl.float32)
@@ -152,27 +171,26 @@ def _forward(Q, K, V, BIAS, KEEP, O, LSE, stride_b, stride_t, stride_h, bias_str
     total = tl.where(total > 0, total, 1.0)  # no key at all (a padded query): output zeros
     out = acc / total[:, None]
     _store(O, out, b, h, t, d, heads, length, head_dim)
-    tl.store(LSE + tl.program_id(1) * length + t, peak + tl.log2(total), mask=t < length)
+    tl.store(LSE + tl.program_id(1).to(t.dtype) * length + t, peak + tl.log2(total), mask=t < length)
 
 
 @triton.jit
 def _row_dot(O, DO, DELTA, heads, length, head_dim, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-             FLOAT32_DOTS: tl.constexpr):
+             FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
     """``delta_t = dO_t . O_t`` in float32, ``[B * H, T]``; ``O``, ``DO`` contiguous."""
-    b, h, t, d, _ = _program(heads, 0, 0, BLOCK, BLOCK_D)
+    b, h, _, t, d, _ = _program(heads, 0, 0, BLOCK, BLOCK_D, WIDE)
     o = _contiguous_tile(O, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS).to(tl.float32)
     do = _contiguous_tile(DO, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS).to(tl.float32)
-    tl.store(DELTA + tl.program_id(1) * length + t, tl.sum(o * do, 1), mask=t < length)
+    tl.store(DELTA + tl.program_id(1).to(t.dtype) * length + t, tl.sum(o * do, 1), mask=t < length)
 
 
 @triton.jit
 def _backward_keys(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DK, DV, stride_b, stride_t, stride_h, bias_stride,
                    keep_stride, heads, length, window, head_dim, scale, scale_log2, CAUSAL: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr):
+                   PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
     """``dK`` and ``dV`` of one key block, over the query blocks that see it. DO, DK, DV are contiguous."""
-    b, h, j, d, offset = _program(heads, stride_b, stride_h, BLOCK, BLOCK_D)
-    first = tl.program_id(0) * BLOCK
+    b, h, first, j, d, offset = _program(heads, stride_b, stride_h, BLOCK, BLOCK_D, WIDE)
     k = _tile(K + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
     v = _tile(V + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
     dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
@@ -219,11 +237,10 @@ def _backward_queries(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DQ, DBIAS, stride_b, 
                       keep_stride, bias_size, heads, length, window, head_dim, scale, scale_log2,
                       CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_KEEP: tl.constexpr,
                       BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                      FLOAT32_DOTS: tl.constexpr):
+                      FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
     """``dQ`` of one query block over the key blocks it sees, and its part of the bias gradient (``DBIAS``,
     float32 ``[H, bias_size]``, atomically). DO and DQ are contiguous."""
-    b, h, t, d, offset = _program(heads, stride_b, stride_h, BLOCK, BLOCK_D)
-    first = tl.program_id(0) * BLOCK
+    b, h, first, t, d, offset = _program(heads, stride_b, stride_h, BLOCK, BLOCK_D, WIDE)
     q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
     do = _contiguous_tile(DO, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS)
     delta = _per_query(DELTA, t, length)
@@ -242,11 +259,12 @@ def _backward_queries(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DQ, DBIAS, stride_b, 
     _store(DQ, dq * scale, b, h, t, d, heads, length, head_dim)
 
 
-def _config(head_dim: int, dtype: torch.dtype) -> dict:
+def _config(head_dim: int, dtype: torch.dtype, wide: bool) -> dict:
     """Tile sizes and launch options: ``BLOCK`` queries and keys per tile, ``D`` padded to a power of two (at least
-    16, what a Triton matmul needs); float32 inputs multiply in full float32, not TF32."""
+    16, what a Triton matmul needs); float32 inputs multiply in full float32, not TF32; int64 positions when
+    ``wide``."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    return dict(BLOCK=64 if block_d <= 64 else 32, BLOCK_D=block_d, **dot_options(dtype))
+    return dict(BLOCK=64 if block_d <= 64 else 32, BLOCK_D=block_d, WIDE=wide, **dot_options(dtype))
 
 
 def dot_options(dtype: torch.dtype) -> dict:
@@ -273,7 +291,7 @@ def _window_forward(q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor | None, ke
     q, k, v = _shared_strides(q, k, v)
     B, T, H, D = q.shape
     out, lse = _window_forward_fake(q, k, v, pos_bias, keep, causal, window, scale)  # one place for the layout
-    config = _config(D, q.dtype)
+    config = _config(D, q.dtype, wide_offsets(q))
     grid = (triton.cdiv(T, config["BLOCK"]), B * H)
     _forward[grid](q, k, v, pos_bias, keep, out, lse, *q.stride()[:3],
                    0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0), H, T,
@@ -295,12 +313,12 @@ def _window_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_bias
     """The gradients of ``q, k, v`` and of ``pos_bias`` (an empty tensor unless ``bias_grad``)."""
     q, k, v = _shared_strides(q, k, v)
     B, T, H, D = q.shape
-    config = _config(D, q.dtype)
+    config = _config(D, q.dtype, wide_offsets(q))
     grid = (triton.cdiv(T, config["BLOCK"]), B * H)
     grad_out = grad_out.to(q.dtype).contiguous()
     delta = torch.empty_like(lse)
     _row_dot[grid](out, grad_out, delta, H, T, D, BLOCK=config["BLOCK"], BLOCK_D=config["BLOCK_D"],
-                   FLOAT32_DOTS=config["FLOAT32_DOTS"])
+                   FLOAT32_DOTS=config["FLOAT32_DOTS"], WIDE=config["WIDE"])
     grad_q, grad_k, grad_v = (torch.empty(B, T, H, D, dtype=q.dtype, device=q.device) for _ in range(3))
     bias_size = 0 if pos_bias is None else pos_bias.shape[1]
     grad_bias = torch.zeros(H, bias_size, dtype=torch.float32, device=q.device) if bias_grad else None
