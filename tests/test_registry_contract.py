@@ -68,6 +68,14 @@ def test_padding_never_changes_real_positions(name, causal):
     assert torch.all(y[~mask] == 0), f"{name}: a padded position's output is not zero"
 
 
+def test_a_switch_takes_only_a_bool():
+    with pytest.raises(ValueError, match="attention 'softmax' option rotary must be true or false, got 'yes'"):
+        build_attention("softmax", DIM, HEADS, rotary="yes")
+    with pytest.raises(ValueError, match="attention 'lavo' option dissection must be true or false, got 0"):
+        build_attention("lavo", DIM, HEADS, dissection=0)
+    assert build_attention("lavo", DIM, HEADS, dissection=False).dissection is False
+
+
 def test_unknown_attention_names_the_alternatives():
     with pytest.raises(ValueError, match=r"unknown attention 'nope'; available: .*lavo"):
         build_attention("nope", DIM, HEADS)
