@@ -12,9 +12,10 @@ weight shrinks as later tokens arrive (not each step's own normalisation).
 
 The causal form keeps unnormalised prefix sums scaled by ``exp(-m)``, in at least float32 (float16 autocast is
 turned off: the normalisers' inverses overflow float16), with ``m`` the maximum of the logits up to the end of the
-current chunk of positions (detached: the result does not depend on it): ``O(T r D)`` time and memory, and the same sums are the constant-size decoding cache. It is exact unless,
-inside one chunk, a slot's logit rises more than ~80 (float32) above every earlier logit of that slot: those
-earlier sums underflow. ``chunk=1`` never underflows.
+current chunk of positions (detached: the result does not depend on it): ``O(T r D)`` time and memory, and the
+same sums are the constant-size decoding cache. It is exact unless, inside one chunk, a slot's logit rises more
+than ~80 (float32) above every earlier logit of that slot: those earlier sums underflow. ``chunk=1`` never
+underflows.
 """
 from __future__ import annotations
 
