@@ -589,9 +589,11 @@ def prepare(source: str = "austen", tokenizer: str = "bpe4096", data_dir: str | 
     fix = (f"delete {directory} or run `lavo data --source {source} --tokenizer {tokenizer} "
            f"--data-dir {data_dir} --rebuild`")
     remove_orphans(directory.parent)
-    if rebuild or not (directory / "manifest.json").is_file():
-        build_cache(directory, folders, splits, source, tokenizer, fingerprint, log)
     manifest_path = directory / "manifest.json"
+    if rebuild or not manifest_path.is_file():
+        # folders are published whole, so one without its manifest is damaged: it is replaced, as on --rebuild
+        build_cache(directory, folders, splits, source, tokenizer, fingerprint, log,
+                    replace=rebuild or directory.exists())
     try:
         manifest = json.loads(manifest_path.read_text())
         manifest["splits"], manifest["dtype"], manifest["fingerprint"]
@@ -613,8 +615,9 @@ def provenance(folders: dict[str, Path]) -> dict[str, dict]:
 
 
 def build_cache(directory: Path, folders: dict[str, Path], splits: dict[str, list[Document]], source: str,
-                tokenizer: str, fingerprint: str, log) -> None:
-    """Tokenise the splits into a staging folder beside ``directory``, then move it into place whole."""
+                tokenizer: str, fingerprint: str, log, replace: bool = False) -> None:
+    """Tokenise the splits into a staging folder beside ``directory``, then move it into place whole; an existing
+    folder is replaced only when ``replace`` (``--rebuild``), else the first one published stays."""
     vocab_size = parse_tokenizer(tokenizer)
     staging = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -637,7 +640,9 @@ def build_cache(directory: Path, folders: dict[str, Path], splits: dict[str, lis
         atomic_write(staging / file, tokens.tofile)
         manifest["splits"][split] = {"file": file, "num_tokens": len(tokens), "documents": bounds}
     write_json(staging / "manifest.json", manifest)
-    if directory.exists():  # --rebuild: the old folder goes only once the new one is complete
+    # --rebuild: the old folder goes only once the new one is complete. Without it, a folder that exists now was
+    # published by another process meanwhile, which may be reading it: it stays (retiring it failed such a reader).
+    if replace and directory.exists():
         retired = directory.with_name(f".{directory.name}.old{os.getpid()}")
         os.replace(directory, retired)
         shutil.rmtree(retired)

@@ -142,6 +142,22 @@ def test_error_corrupt_prepared_file(corpus, tmp_path):
     assert len(rebuilt.train) == len(prepared.train)
 
 
+def test_a_folder_another_process_published_meanwhile_stays_and_a_damaged_one_is_replaced(corpus, tmp_path):
+    first = D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)  # published by one process, which reads it
+    valid = first.directory / "valid.bin"
+    inode = valid.stat().st_ino
+    # a second process that found no folder, built its own and publishes it now (was: it retired the first
+    # folder, so the reader found "valid.bin ... no file": a data-parallel race in the GPU-scale workers)
+    splits, folders = D.source_splits(str(corpus), tmp_path, None, log=quiet)
+    D.build_cache(first.directory, folders, splits, str(corpus), "bpe300", first.manifest["fingerprint"], quiet)
+    assert valid.stat().st_ino == inode
+    assert [p.name for p in first.directory.parent.iterdir()] == [first.directory.name]  # no staging folder left
+    (first.directory / "manifest.json").unlink()  # folders are published whole: this one is damaged
+    again = D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
+    np.testing.assert_array_equal(again.valid.tokens, first.valid.tokens)
+    assert valid.stat().st_ino != inode
+
+
 def test_error_corrupt_austen_download(tmp_path):
     package = tmp_path / "janeaustenr"
     (package / "data").mkdir(parents=True)
