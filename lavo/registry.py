@@ -7,7 +7,6 @@ Cross-attention classes are built as ``cls(dim, heads, **options)`` and called a
 """
 from __future__ import annotations
 
-import inspect
 from typing import Callable
 
 from .layers.abc import ABCAttention, ABCCrossAttention
@@ -65,15 +64,13 @@ def attention_class(name: str) -> type[Mechanism]:
 def check_options(name: str, options: dict) -> None:
     """Raise naming the mechanism and its valid options when ``options`` has one its constructor lacks, or a
     switch (an option whose default is True or False) set to anything but a bool ("yes" would count as on)."""
-    cls = attention_class(name)
-    known = cls.option_names()
-    unknown = sorted(set(options) - set(known))
+    defaults = attention_class(name).option_defaults()
+    unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise ValueError(f"attention {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
-                         f"{', '.join(known) or 'none'}")
-    defaults = inspect.signature(cls.__init__).parameters
+                         f"{', '.join(defaults) or 'none'}")
     for option, value in options.items():
-        if isinstance(defaults[option].default, bool) and not isinstance(value, bool):
+        if isinstance(defaults[option], bool) and not isinstance(value, bool):
             raise ValueError(f"attention {name!r} option {option} must be true or false, got {value!r}")
 
 

@@ -66,10 +66,15 @@ class Mechanism(nn.Module):
         self.dim, self.heads, self.causal = dim, heads, causal
 
     @classmethod
-    def option_names(cls) -> list[str]:
-        """The keyword options of the constructor (``causal`` aside): what ``attention_options`` may set."""
+    def option_defaults(cls) -> dict[str, Any]:
+        """The keyword options of the constructor (``causal`` aside), what ``attention_options`` may set, with
+        their defaults."""
         parameters = inspect.signature(cls.__init__).parameters.values()
-        return [p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.name != "causal"]
+        return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.name != "causal"}
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return list(cls.option_defaults())
 
     def no_weight_decay(self) -> list[nn.Parameter]:
         """Parameters to keep out of weight decay besides those with fewer than two dimensions."""

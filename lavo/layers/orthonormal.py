@@ -49,8 +49,7 @@ class Float32Orthogonal(_Orthogonal):
             A = X.tril(diagonal=-1)
             Q = torch.linalg.householder_product(A, 2.0 / (1.0 + (A * A).sum(dim=-2)))
             Q = Q * X.diagonal(dim1=-2, dim2=-1).int().unsqueeze(-2)
-        if hasattr(self, "base"):
-            Q = self.base.to(Q.dtype) @ Q
+        Q = self.base.to(Q.dtype) @ Q  # always trivialised: the base is set in __init__
         return (Q.mT if transposed else Q).to(dtype)
 
 
