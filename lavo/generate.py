@@ -48,6 +48,8 @@ def sample_next(logits: torch.Tensor, generator: torch.Generator, temperature: f
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(-1)
+    # shifted so the largest logit is 0: a tiny temperature then sends the others to -inf, never one to +inf
+    logits = logits - logits.amax(-1, keepdim=True)
     logits = filter_logits(logits / temperature, top_k, top_p)
     probs = logits.softmax(-1)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)

@@ -47,6 +47,12 @@ def test_greedy_and_top_k_one_agree():
     assert generate(m, [1], 12, temperature=0) == generate(m, [1], 12, temperature=1.0, top_k=1, seed=5)
 
 
+def test_a_vanishing_temperature_samples_the_most_likely_token():
+    """At 1e-45 the logits over the temperature reach +inf unless they are shifted below 0 first."""
+    m = model()
+    assert generate(m, [1], 12, temperature=1e-45, top_k=0, top_p=None) == generate(m, [1], 12, temperature=0)
+
+
 def test_stop_token_ends_a_sample():
     m = model()
     free = generate(m, [1], 20, temperature=0)[0]

@@ -172,6 +172,94 @@ def test_left_padded_batch_continues_each_prompt_as_alone(name):
     assert out[:, width:].tolist() == alone
 
 
+def native_greedy(model, prompt, new_tokens):
+    """Greedy continuation by recomputing the whole sequence each token: no cache involved."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("name", ["lavo", "softmax-rope"])
+def test_generate_continues_from_a_returned_state_given_the_whole_sequence(name):
+    """transformers' way to reuse a state: the whole sequence so far with the state; the consumed positions must
+    be cut off, not fed twice."""
+    model = native(50, **SETTINGS[name])  # a vocabulary on which feeding the context twice changes the tokens
+    hub = wrapped(model)
+    first = hub.generate(torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), max_new_tokens=5, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
+    extended = torch.cat([first.sequences, torch.tensor([[3, 4, 5]])], 1)
+    out = hub.generate(extended, cache=first.cache, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)
+    expected = native_greedy(model, extended[0].tolist(), 6)
+    assert len(set(expected)) > 2 and out[0, extended.shape[1]:].tolist() == expected
+
+
+def test_past_key_values_is_another_name_for_the_state():
+    model = native()
+    hub = wrapped(model)
+    ids = torch.randint(0, 61, (2, 10))
+    with torch.no_grad():
+        expected, _ = model(ids)
+        state = hub(ids[:, :6]).cache
+        continued = hub(ids[:, 6:], past_key_values=state).logits
+        torch.testing.assert_close(continued, expected[:, 6:], rtol=0, atol=1e-5)
+        with pytest.raises(ValueError, match="pass the state as cache or as past_key_values, not both"):
+            hub(ids[:, 6:], cache=state, past_key_values=state)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(inputs_embeds=torch.zeros(1, 3, 32)), "LavoLMForCausalLM takes input_ids only, not inputs_embeds"),
+    (dict(output_hidden_states=True), "does not return hidden states: call it without output_hidden_states=True"),
+    (dict(output_attentions=True), "does not return attention weights: call it without output_attentions=True"),
+])
+def test_what_the_model_cannot_return_is_refused(options, message):
+    ids = None if "inputs_embeds" in options else torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=message):
+        wrapped(native())(ids, **options)
+
+
+def test_use_cache_on_a_mechanism_without_decoding_recomputes_instead_of_feeding_one_token():
+    model = native(50, attention="longshort", attention_options={})
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    out = hub_generate(wrapped(model), prompt, 6, do_sample=False, use_cache=True)
+    expected = native_greedy(model, prompt, 6)
+    assert len(set(expected)) > 2 and out == expected
+
+
+def test_resized_embeddings_score_a_padded_batch():
+    hub = wrapped(native())
+    hub.resize_token_embeddings(70)
+    ids = torch.tensor([[0, 1, 2], [1, 2, 3]])
+    with torch.no_grad():
+        padded = hub(ids, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]])).logits
+        alone = hub(ids[:1, 1:]).logits
+    assert padded.shape == (2, 3, 70)
+    torch.testing.assert_close(padded[:1, 1:], alone, rtol=0, atol=1e-5)
+
+
+def test_a_loss_over_num_items_in_batch_is_the_summed_loss_over_that_count():
+    """Trainer passes the token count of a whole accumulated batch; the loss must divide by it, not average."""
+    hub = wrapped(native())
+    ids = torch.randint(0, 61, (2, 9))
+    labels = ids.clone()
+    labels[0, :4] = -100  # 3 of the 16 shifted labels ignored
+    with torch.no_grad():
+        mean = hub(ids, labels=labels).loss
+        over_count = hub(ids, labels=labels, num_items_in_batch=torch.tensor(40)).loss
+    torch.testing.assert_close(over_count, mean * 13 / 40)
+
+
+def test_a_bfloat16_native_model_wraps_as_bfloat16():
+    model = native().to(torch.bfloat16)
+    hub = wrapped(model)
+    assert {p.dtype for p in hub.parameters()} == {torch.bfloat16}
+    ids = torch.randint(0, 61, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(hub(ids).logits, model(ids)[0])
+
+
 def test_padding_inside_a_row_is_refused():
     model = wrapped(native())
     with pytest.raises(ValueError, match=r"rows \[1\] have padding between real tokens"):

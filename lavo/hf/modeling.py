@@ -52,20 +52,33 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         """The same model (weights copied) with ``config`` (any other :class:`LavoLMConfig` field) set."""
         wrapped = cls(LavoLMConfig.from_model_config(model.config, **config))
         wrapped.lavo.load_state_dict(model.state_dict())
-        return wrapped.to(next(model.parameters()).device)
+        weight = next(model.parameters())
+        return wrapped.to(device=weight.device, dtype=weight.dtype)
+
+    def generate(self, *args, **kwargs):
+        if not self.lavo.supports_decoding:
+            # with use_cache, generate() would feed only the last token, which a model without a cache cannot take
+            kwargs["use_cache"] = False
+        return super().generate(*args, **kwargs)
 
     @can_return_tuple
-    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 cache: LavoState | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, **kwargs) -> CausalLMOutputWithPast:
+                use_cache: bool | None = None, num_items_in_batch: int | torch.Tensor | None = None,
+                **kwargs) -> CausalLMOutputWithPast:
         r"""``input_ids [B, T]`` -> ``logits [B, T, vocab]`` (zero at padding), the state to continue with (when
-        ``use_cache``), and the mean next-token loss when ``labels [B, T]`` are given (-100 is ignored).
+        ``use_cache``), and the next-token loss when ``labels [B, T]`` are given (-100 is ignored): the mean, or
+        the sum over ``num_items_in_batch`` when given (``Trainer`` does, to weigh every token of an accumulated
+        batch alike).
 
         ``attention_mask [B, past + T]`` (1 for real tokens) is the mask of the whole sequence so far, as
         ``generate()`` passes it; each row's real tokens must be consecutive. Padding is never fed to the model.
-        Other keyword arguments of the ``transformers`` interface (``position_ids``, ...) are accepted and unused:
-        the model counts positions itself.
+        ``past_key_values`` is taken as another name for ``cache``. Other keyword arguments of the
+        ``transformers`` interface (``position_ids``, ...) are accepted and unused: the model counts positions
+        itself. Embeddings in place of ids, hidden states and attention weights are refused.
         """
+        cache = merge_cache_names(cache, kwargs.pop("past_key_values", None))
+        refuse_unsupported(input_ids, kwargs)
         use_cache = (self.config.use_cache if use_cache is None else use_cache) and self.lavo.supports_decoding
         if cache is not None and not self.lavo.supports_decoding:
             raise ValueError(f"attention {self.config.attention!r} has no decoding form: call without a cache")
@@ -78,7 +91,34 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
                                  "of the whole sequence and only the new input_ids")
             real = attention_mask[:, -input_ids.shape[1]:].bool()
         logits = state.feed(self.lavo, input_ids, real)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        loss = None if labels is None else next_token_loss(logits, labels, num_items_in_batch)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=state if use_cache else None)
+
+
+def merge_cache_names(cache: LavoState | None, past_key_values: LavoState | None) -> LavoState | None:
+    """The state passed as ``cache`` or under its older name ``past_key_values`` (not both)."""
+    if cache is not None and past_key_values is not None:
+        raise ValueError("pass the state as cache or as past_key_values, not both")
+    return past_key_values if cache is None else cache
+
+
+def refuse_unsupported(input_ids: torch.Tensor | None, kwargs: dict) -> None:
+    """Errors for the ``transformers`` options that would change what forward returns but that it lacks."""
+    if kwargs.get("inputs_embeds") is not None:
+        raise ValueError("LavoLMForCausalLM takes input_ids only, not inputs_embeds")
+    if input_ids is None:
+        raise ValueError("input_ids are required")
+    for flag, what in (("output_hidden_states", "hidden states"), ("output_attentions", "attention weights")):
+        if kwargs.get(flag):
+            raise ValueError(f"LavoLMForCausalLM does not return {what}: call it without {flag}=True")
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor,
+                    num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of ``logits [B, T, V]`` at position ``t`` against ``labels [B, T]`` at ``t + 1`` (-100
+    ignored): the mean over the counted labels, or their sum divided by ``num_items_in_batch``."""
+    logits, labels = logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device)
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits, labels, ignore_index=-100)
+    total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    return total / torch.as_tensor(num_items_in_batch, device=total.device)

@@ -62,6 +62,12 @@ class LavoState(HubCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.columns
 
+    @property
+    def is_linear(self) -> list[bool]:
+        # not a linear-attention cache to transformers: generate() then cuts the positions already consumed off
+        # input_ids passed in full with the state (transformers never cuts them for a linear one)
+        return [False]
+
     def nbytes(self) -> int:
         """Bytes held by the native caches."""
         return sum(group.cache.nbytes() for group in self.groups if group.cache is not None)
@@ -92,7 +98,8 @@ class LavoState(HubCache):
         self.columns += T
         if len(pieces) == 1 and pieces[0][2].shape[:2] == (B, T):
             return pieces[0][2]  # no padding: the rows are in order already
-        out = torch.zeros(B, T, model.config.vocab_size, dtype=model.embed.weight.dtype, device=ids.device)
+        # the tied embedding's rows, not model.config.vocab_size, which resize_token_embeddings leaves as it was
+        out = torch.zeros(B, T, model.embed.num_embeddings, dtype=model.embed.weight.dtype, device=ids.device)
         for device_rows, columns, logits in pieces:
             out[device_rows, columns] = logits.to(out.dtype)
         return out
