@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from lavo import available_attentions
+from lavo.registry import attention_class
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, re.DOTALL)
@@ -30,3 +31,16 @@ def run(source: str, namespace: dict) -> list[str]:
     with contextlib.redirect_stdout(printed):
         exec(compile(source, "README.md", "exec"), namespace)
     return printed.getvalue().splitlines()
+
+
+def test_the_attentions_table_lists_every_option_with_its_default():
+    """docs/ATTENTIONS.md's options column: each mechanism's constructor options and defaults, no more, no less
+    (``rank=D`` stands for LAVO's None: the head dimension)."""
+    table = (Path(__file__).resolve().parents[1] / "docs" / "ATTENTIONS.md").read_text()
+    for name in available_attentions():
+        row = re.search(rf"^\| `{name}` \| (.*?) \|", table, re.MULTILINE).group(1)
+        listed = dict(re.findall(r"`(\w+)=([^`]+)`", row))
+        expected = attention_class(name).option_defaults()
+        if name == "lavo":
+            assert listed.pop("rank") == "D" and expected.pop("rank") is None
+        assert {option: ast.literal_eval(value) for option, value in listed.items()} == expected, name
