@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The committed CPU run (benchmarks/results/cpu_fp32*): every section, fp32, both cores of an otherwise idle
-# 2-core machine; see benchmarks/RESULTS.md for how to read it.
+# The full CPU run into benchmarks/results/cpu_fp32.{json,md} and its plots: every section, fp32, both cores of
+# an otherwise idle 2-core machine. Not re-run on the current code (benchmarks/RESULTS.md says what is quoted).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results/cpu_fp32

@@ -47,8 +47,8 @@ def horizons_of(grouped: dict, data: str, input_len: int) -> list[int]:
 
 
 def score_table(grouped: dict, data: str, input_len: int) -> str:
-    """Rows: methods; columns: MSE and MAE at each horizon. The best transformer of a column is bold, the best
-    method of a column in italics when it is a baseline."""
+    """Rows: methods; columns: MSE and MAE at each horizon. The best transformer of a column is bold, and every
+    baseline better than it in italics."""
     horizons = horizons_of(grouped, data, input_len)
     header = ["method"] + [f"{metric} {h}" for h in horizons for metric in ("MSE", "MAE")]
     best = {}
@@ -57,8 +57,8 @@ def score_table(grouped: dict, data: str, input_len: int) -> str:
             scores = {m: summary(grouped[data, input_len, h, m], metric)[0]
                       for m in CROSS + BASELINES if grouped.get((data, input_len, h, m))}
             transformers = [m for m in CROSS if m in scores]
-            best[h, metric] = (min(transformers, key=scores.get) if transformers else None,
-                               min(scores, key=scores.get) if scores else None)
+            leader = min(transformers, key=scores.get) if transformers else None
+            best[h, metric] = (leader, scores[leader] if leader else float("-inf"))
     rows = []
     for method in CROSS + BASELINES:
         row = [method]
@@ -71,10 +71,10 @@ def score_table(grouped: dict, data: str, input_len: int) -> str:
                 mean, std = summary(runs, metric)
                 trained = "steps" in runs[0]  # the other baselines are deterministic
                 text = f"{mean:.3f}" + (f" ± {std:.3f}" if len(runs) > 1 and trained else "")
-                best_transformer, best_overall = best[h, metric]
-                if method == best_transformer:
+                leader, leader_score = best[h, metric]
+                if method == leader:
                     text = f"**{text}**"
-                elif method == best_overall:
+                elif method in BASELINES and mean < leader_score:
                     text = f"*{text}*"
                 row.append(text)
         rows.append(row)

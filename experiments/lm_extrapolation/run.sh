@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Experiment 1: extrapolation. Seven mechanisms, same model size, data, steps, batch and tokens; trained at L=256,
-# scored at 1x .. 16x L on the same held-out tokens. Re-running skips finished runs and resumes interrupted ones.
+# Experiment 1: extrapolation. Eight models of six mechanisms, same model size, data, steps, batch and tokens;
+# trained at L=256, scored at 1x .. 16x L on the same held-out tokens. Re-running skips finished runs and resumes
+# interrupted ones.
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 E=experiments/lm_extrapolation
 train_run $E lavo            --set model.attention=lavo --set model.attention_options.window=32
