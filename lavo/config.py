@@ -1,8 +1,9 @@
 """Run configuration: JSON (or TOML) files in three sections, ``data``, ``model`` and ``train``, plus
-``--set section.key=value`` overrides (values are read as JSON, else kept as strings).
+``--set section.key=value`` overrides (values are read as JSON, else kept as strings). An override replaces the
+value it names, a whole table included: ``--set model.attention_options={}`` drops the options of the file.
 
 ``--config`` takes a file path or the name of a config bundled with the package (``lavo/configs/``, e.g.
-``lavo-tiny-austen``). Files, overrides and the demo's per-run settings are all combined by :func:`deep_merge`.
+``lavo-tiny-austen``). Files and the demo's per-run settings are combined by :func:`deep_merge`.
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ from .settings import (Allowed, SettingsError, above, at_least, between, check_k
 
 
 # a tokenizer name: GPT-2's, or a byte-level BPE trained on the data (more than the 256 bytes and <|endoftext|>)
-TOKENIZERS = Allowed(lambda v: v == "gpt2" or (re.fullmatch(r"bpe\d+", v) is not None and int(v[3:]) > 257),
-                     "gpt2 or bpe<vocab size> with vocab size > 257, e.g. bpe4096")
+MAX_BPE_VOCAB = 2**20  # far above what a corpus merges into; the BPE trainer allocates for the size asked
+TOKENIZERS = Allowed(lambda v: v == "gpt2" or (re.fullmatch(r"bpe\d+", v) is not None
+                                               and 257 < int(v[3:]) <= MAX_BPE_VOCAB),
+                     f"gpt2 or bpe<vocab size> with vocab size > 257 and at most {MAX_BPE_VOCAB}, e.g. bpe4096")
 DEVICES = matches(r"auto|cpu|cuda(:\d+)?", "auto, cpu, cuda or cuda:N")
 
 
@@ -43,7 +46,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    out_dir: str = "runs/lavo"
+    out_dir: str = setting("runs/lavo", matches(r"\S.*", "a folder path"))
     train_length: int = setting(256, at_least(1))
     batch_size: int = setting(16, at_least(1))  # windows per process and micro-step
     grad_accum: int = setting(1, at_least(1))
@@ -89,6 +92,10 @@ class RunConfig:
         unknown = sorted(set(values) - {"data", "model", "train"})
         if unknown:
             raise ValueError(f"unknown config sections {unknown}; sections: data, model, train")
+        not_tables = [name for name in ("data", "model", "train") if not isinstance(values.get(name, {}), dict)]
+        if not_tables:
+            raise ValueError(f"config sections {not_tables} must be tables of settings, e.g. "
+                             '{"train": {"steps": 100}}')
         sections = {}
         for name, kind in SECTIONS.items():
             given = values.get(name, {})
@@ -103,6 +110,10 @@ class RunConfig:
         values = dict(self.model)
         preset = values.pop("preset", None)
         if vocab_size is not None:
+            if values.get("vocab_size", vocab_size) != vocab_size:
+                raise SettingsError(f"model.vocab_size is {values['vocab_size']}, but the tokenizer "
+                                    f"({self.data.tokenizer}) has {vocab_size} tokens: the tokenizer sets it, so "
+                                    "leave model.vocab_size out")
             values["vocab_size"] = vocab_size
         return model_config(preset, **values)
 
@@ -155,11 +166,22 @@ def apply_overrides(values: dict, overrides: list[str], allow_top_level: bool = 
         parts = key.strip().split(".")
         if len(parts) < 2 and not allow_top_level:
             raise ValueError(f"--set keys name a section and a setting, e.g. train.steps=100; got {key!r}")
-        update = parse_value(text)
-        for part in reversed(parts):
-            update = {part: update}
-        values = deep_merge(values, update)
+        values = set_at(values, parts, parse_value(text))
     return values
+
+
+def set_at(values: dict, path: list[str], value: Any) -> dict:
+    """A copy of ``values`` with ``value`` at the key ``path`` names, replacing what was there, a table too
+    (``model.attention_options={}`` empties the options a file set), and creating the sections on the way."""
+    merged = copy.deepcopy(values)
+    section, where = merged, ""
+    for part in path[:-1]:
+        where += part
+        if not isinstance(section.setdefault(part, {}), dict):
+            raise ValueError(f"{where} is a setting ({section[part]!r}), not a section")
+        section, where = section[part], where + "."
+    section[path[-1]] = value
+    return merged
 
 
 BUNDLED = Path(__file__).parent / "configs"
@@ -185,12 +207,14 @@ def find_config(name: str | os.PathLike) -> Path:
 
 def read_config_file(name: str | os.PathLike) -> dict:
     path = find_config(name)
-    if path.suffix == ".toml":
-        return tomllib.loads(path.read_text())
+    kind, parse = ("TOML", tomllib.loads) if path.suffix == ".toml" else ("JSON", json.loads)
     try:
-        return json.loads(path.read_text())
-    except ValueError as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from error
+        values = parse(path.read_text())
+    except ValueError as error:  # tomllib.TOMLDecodeError is one too
+        raise ValueError(f"{path} is not valid {kind}: {error}") from error
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a table of sections (data, model, train), not a {type(values).__name__}")
+    return values
 
 
 def load_config(name: str | os.PathLike | None = None, overrides: list[str] = ()) -> RunConfig:

@@ -451,13 +451,14 @@ def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
     return Tokenizer(inner, f"bpe{vocab_size}")
 
 
-def load_tokenizer_file(path: str | os.PathLike, name: str) -> Tokenizer:
+def load_tokenizer_file(path: str | os.PathLike, name: str,
+                        remedy: str = "delete it and prepare the data again (`lavo data ...`)") -> Tokenizer:
+    """The tokenizer saved at ``path``; an unreadable file raises :class:`DataError` that ends with ``remedy``."""
     tk = _tokenizers()
     try:
         return Tokenizer(tk.Tokenizer.from_file(str(path)), name)
     except Exception as error:
-        raise DataError(f"tokenizer file {path} is unreadable ({error}): delete it and prepare the data again "
-                        "(`lavo data ...`)") from error
+        raise DataError(f"tokenizer file {path} is unreadable ({error}): {remedy}") from error
 
 
 def parse_tokenizer(spec: str) -> int | None:

@@ -98,6 +98,19 @@ def seconds_per_step(config: RunConfig, vocab_size: int, steps: int = 4, warmup:
     return min(times)
 
 
+def check_only_demo_runs(out: Path, runs: dict) -> None:
+    """The demo trains its models afresh, replacing what their folders hold: refuse when ``out`` has no
+    ``demo.json`` (an earlier demo's) but holds a run where a demo model would go, e.g. ``out_dir=runs``."""
+    from .run import trained_files
+
+    if (out / "demo.json").exists():
+        return
+    taken = [str(Path(config.train.out_dir)) for config in runs.values() if trained_files(config.train.out_dir)]
+    if taken:
+        raise FileExistsError(f"{', '.join(taken)} already hold runs that the demo did not make, and the demo would "
+                              "train over them: choose another out_dir (--set out_dir=FOLDER)")
+
+
 def run_demo(name: str | None = None, overrides: list[str] = (), log=print) -> dict:
     from .data import describe, prepare
     from .evaluate import evaluate_runs
@@ -106,6 +119,7 @@ def run_demo(name: str | None = None, overrides: list[str] = (), log=print) -> d
 
     demo = demo_config(name, overrides)
     out = Path(demo.out_dir)
+    check_only_demo_runs(out, demo.runs)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "demo.json", demo.settings)
     begin = time.perf_counter()

@@ -24,6 +24,7 @@ from .settings import above, at_least, check_settings, setting
 
 
 DEFAULT_MULTIPLES = [1, 2, 4, 8]
+SCORED = {"valid": "held-out tokens", "train": "training tokens"}  # what the table says each split scored
 
 
 @dataclass
@@ -153,12 +154,15 @@ def held_out_tokens(config, tokenizer, split: str, data_dir: str | None, parts: 
                     ) -> np.ndarray:
     """The split ``split`` of a run's data (from ``data_dir``, default the run's own), tokenised with
     ``tokenizer``; ``parts``: only the documents of those parts of a mixed source."""
-    from .data import DataError, split_tokens
+    from .data import DataError, is_builtin, split_tokens
     data = config.data
     try:
         return split_tokens(data.source, data_dir or data.data_dir, data.holdout, split, tokenizer, parts)
     except DataError as error:
-        raise DataError(f"{error} (or, if the run's data is elsewhere: `lavo eval --data-dir FOLDER`)") from error
+        where = ("if the run's data is elsewhere: `lavo eval --data-dir FOLDER`" if is_builtin(data.source) else
+                 "the run read its texts from that folder: put them back there, or score a file or folder with "
+                 "--text, which scores all of it, not only the held-out documents")
+        raise DataError(f"{error} ({where})") from error
 
 
 def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, multiples: list[float] | None = None,
@@ -178,6 +182,8 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     settings = EvalSettings(multiples=multiples, lengths=lengths, max_tokens=max_tokens, batch_size=batch_size,
                             chunk_size=chunk_size)
     device = resolve_device(device)
+    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ValueError(f"--out {out_dir} is a file: give a folder for results.json and perplexity.png")
     names = [Path(run).name for run in run_dirs]
     if len(set(names)) < len(names):  # same folder name in different places: use the paths
         names = [str(run) for run in run_dirs]
@@ -213,7 +219,7 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
         results[name] = perplexity_by_length(model, texts[key], lengths, batch_size=batch_size,
                                              chunk_size=chunk_size, max_tokens=max_tokens, device=device,
                                              progress=progress)
-    log(format_table(results, "held-out tokens" if text is None else f"tokens of {text}"))
+    log(format_table(results, f"tokens of {text}" if text else SCORED[split]))
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -110,7 +110,9 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu"
     config = read_run_config(run_dir)
     model = LanguageModel(config.model_config())
     load_weights(model, run_dir / WEIGHTS, run_dir / CONFIG)
-    tokenizer = load_tokenizer_file(run_dir / TOKENIZER, config.data.tokenizer)
+    tokenizer = load_tokenizer_file(run_dir / TOKENIZER, config.data.tokenizer,
+                                    "restore it (the prepared data the run trained on holds a copy, unless the "
+                                    "tokenizer is gpt2's), or train the run again")
     if tokenizer.vocab_size != model.config.vocab_size:
         raise RunError(f"{run_dir / TOKENIZER} has {tokenizer.vocab_size} tokens, but the model of "
                        f"{run_dir / CONFIG} has {model.config.vocab_size}: the files come from different runs")
@@ -131,7 +133,11 @@ def is_exported(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` was written by ``lavo export`` (a Hugging Face model directory) rather than being a
     run directory: its ``config.json`` names the model type ``lavo_lm``."""
     path = Path(directory) / CONFIG
-    return path.is_file() and json.loads(path.read_text()).get("model_type") == EXPORTED_MODEL_TYPE
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError):  # none or unreadable: read_run_config says what is wrong with it
+        return False
+    return isinstance(values, dict) and values.get("model_type") == EXPORTED_MODEL_TYPE
 
 
 def load_model_dir(directory: str | os.PathLike, device: str | torch.device = "cpu"

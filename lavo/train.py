@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -28,8 +28,13 @@ import torch.nn.functional as F
 from .config import RunConfig
 from .data import Prepared, prepare
 from .model import LanguageModel, count_parameters
-from .run import (MetricsLog, RunError, RunLock, clear_run, has_checkpoint, load_checkpoint, recover_checkpoint,
-                  save_checkpoint, save_run_config, trained_files)
+from .run import (MetricsLog, RunError, RunLock, clear_run, has_checkpoint, load_checkpoint, read_run_config,
+                  recover_checkpoint, save_checkpoint, save_run_config, trained_files)
+
+
+# what a resumed run may change: how long and how it runs, not what it computes (train.steps extends a run)
+RESUMABLE_CHANGES = {"out_dir", "steps", "time_limit", "device", "compile", "progress", "log_interval",
+                     "eval_interval", "eval_batches", "checkpoint_interval"}
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -41,7 +46,8 @@ def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
         name = f"cuda:{local_rank}"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} was asked for but CUDA is not available; use --set train.device=cpu")
+        raise ValueError(f"device {name!r} was asked for, but no CUDA device is available: choose the CPU "
+                         "(--device cpu; for lavo train, --set train.device=cpu)")
     return device
 
 
@@ -247,6 +253,7 @@ class Trainer:
         if not has_checkpoint(self.run_dir):
             self.log(f"no checkpoint in {self.run_dir}; starting a new run")
             return
+        self.check_same_settings()
         state = load_checkpoint(self.run_dir, self.model)
         self.check_same_data(state)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -258,6 +265,20 @@ class Trainer:
         if self.env.main:
             self.metrics.forget_after(self.progress.step)
         self.log(f"resumed {self.run_dir} at step {self.progress.step}")
+
+    def check_same_settings(self) -> None:
+        """Refuse to resume with model or training settings other than the run's own (``config.json``): the
+        checkpoint holds what they made. Only :data:`RESUMABLE_CHANGES` may differ."""
+        saved = read_run_config(self.run_dir)
+        before = {"model": saved.model_config().to_dict(), "train": asdict(saved.train)}
+        now = {"model": self.model_config.to_dict(), "train": asdict(self.tc)}
+        changed = [f"{section}.{key}={now[section][key]!r} (the run's: {value!r})"
+                   for section, values in before.items() for key, value in values.items()
+                   if key not in RESUMABLE_CHANGES and now[section][key] != value]
+        if changed:
+            raise RunError(f"{self.run_dir} was trained with other settings than asked now: {'; '.join(changed)}. "
+                           "A resumed run continues with its own settings (its config.json): drop these, or "
+                           "start again with --overwrite or another train.out_dir")
 
     def check_same_data(self, state: dict) -> None:
         data = self.data

@@ -4,6 +4,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from lavo.cli import main
 from lm_corpus import tiny_run, write_corpus
@@ -96,6 +97,45 @@ def test_errors_are_one_clear_line(tmp_path, capsys):
     assert "is not a trained run" in capsys.readouterr().err
     assert main(["train", "--set", "train.nonsense=1"]) == 2
     assert "unknown train settings ['nonsense']" in capsys.readouterr().err
+
+
+def test_misused_run_folders_and_outputs_are_refused_with_what_to_do(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
+    (tmp_path / "run.json").write_text(json.dumps(tiny_run(corpus, tmp_path / "data", tmp_path / "run", steps=2)))
+    assert main(["train", "--config", str(tmp_path / "run.json")]) == 0
+    run = str(tmp_path / "run")
+    evaluate = ["eval", run, "--lengths", "32", "--quiet"]
+    (tmp_path / "taken.txt").write_text("")
+    capsys.readouterr()
+    assert main([*evaluate, "--out", str(tmp_path / "taken.txt")]) == 2  # refused before scoring
+    assert capsys.readouterr().err.endswith("taken.txt is a file: give a folder for results.json and "
+                                            "perplexity.png\n")
+    assert main([*evaluate, "--split", "train"]) == 0
+    assert "training tokens at every length" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert main(["generate", run, "--device", "cuda", "--prompt", "the"]) == 2
+        assert "no CUDA device is available: choose the CPU (--device cpu" in capsys.readouterr().err
+
+    shutil.move(corpus, tmp_path / "moved")  # the folder the run read its texts from
+    assert main(evaluate) == 2
+    assert "the run read its texts from that folder: put them back there" in capsys.readouterr().err
+    config = tmp_path / "run" / "config.json"
+    config.write_text("{not json")
+    assert main(["generate", run, "--prompt", "the"]) == 2
+    err = capsys.readouterr().err
+    assert f"{config} is not a valid run config" in err and "Traceback" not in err
+
+
+def test_the_demo_does_not_train_over_runs_it_did_not_make(tmp_path):
+    from lavo.demo import check_only_demo_runs, demo_config
+    demo = demo_config(None, [f"out_dir={tmp_path}"])
+    check_only_demo_runs(tmp_path, demo.runs)  # nothing there yet
+    (tmp_path / "lavo").mkdir()
+    (tmp_path / "lavo" / "metrics.jsonl").write_text("")
+    with pytest.raises(FileExistsError, match="lavo already hold runs that the demo did not make"):
+        check_only_demo_runs(tmp_path, demo.runs)
+    (tmp_path / "demo.json").write_text("{}")  # an earlier demo's folder: rerunning it trains again
+    check_only_demo_runs(tmp_path, demo.runs)
 
 
 def test_demo_config_is_one_run_config_per_model_with_overrides():

@@ -220,6 +220,29 @@ def test_resume_refuses_another_tokenizer(setup, tmp_path):
         train(RunConfig.from_dict(values), resume=True, log=quiet)
 
 
+def test_resume_refuses_other_settings_and_takes_more_steps(setup, tmp_path):
+    values = config_for(setup, tmp_path, steps=4)
+    train(RunConfig.from_dict(values), stop_after=2, log=quiet)
+    config_before = (tmp_path / "run" / "config.json").read_text()
+    changed = {**values, "train": {**values["train"], "lr": 0.5, "seed": 7},
+               "model": {**values["model"], "dim": 64}}
+    with pytest.raises(RunError, match=re.escape(
+            "was trained with other settings than asked now: model.dim=64 (the run's: 32); train.lr=0.5 (the "
+            "run's: 0.003); train.seed=7 (the run's: 0). A resumed run continues with its own settings")):
+        train(RunConfig.from_dict(changed), resume=True, log=quiet)
+    assert (tmp_path / "run" / "config.json").read_text() == config_before  # left as the run made it
+    longer = {**values, "train": {**values["train"], "steps": 5, "log_interval": 2}}
+    assert train(RunConfig.from_dict(longer), resume=True, log=quiet)["step"] == 5
+
+
+def test_a_vocabulary_size_other_than_the_tokenizers_is_refused(setup, tmp_path):
+    values = config_for(setup, tmp_path)
+    values["model"]["vocab_size"] = 10
+    with pytest.raises(ValueError, match=re.escape("model.vocab_size is 10, but the tokenizer (bpe320) has 320 "
+                                                   "tokens: the tokenizer sets it, so leave model.vocab_size out")):
+        train(RunConfig.from_dict(values), log=quiet)
+
+
 def test_damaged_run_files_are_named(setup, tmp_path):
     train(RunConfig.from_dict(config_for(setup, tmp_path, steps=1)), log=quiet)
     run_dir = tmp_path / "run"

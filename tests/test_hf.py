@@ -357,6 +357,18 @@ def trained(tmp_path_factory):
     return root
 
 
+def test_export_refuses_its_own_run_folder_and_an_exported_folder(trained, capsys):
+    from lavo.cli import main
+    run, exported = str(trained / "run"), str(trained / "exported")
+    assert main(["export", run, run, "--overwrite"]) == 2
+    assert "is the run directory itself: exporting there would replace the run's config.json and weights" in (
+        capsys.readouterr().err)
+    assert (trained / "run" / "state.pt").is_file() and not (trained / "run" / "generation_config.json").exists()
+    assert main(["export", exported, str(trained / "again")]) == 2
+    assert "is already an exported model directory: copy it, or export the run it came from" in (
+        capsys.readouterr().err)
+
+
 def test_export_writes_a_directory_pipelines_and_the_cli_read(trained, capsys):
     from lavo.cli import main
     from lavo.run import is_exported, load_run

@@ -28,6 +28,9 @@ from lavo.settings import SettingsError, at_least, check_settings, flag_type, on
     ("train.time_limit=-1", "train.time_limit must be a number >= 0, or null; got -1"),
     ("train.min_lr=0.5", "train.min_lr must be at most train.lr (0.002); got 0.5"),
     ("data.tokenizer=bpe100", "data.tokenizer must be gpt2 or bpe<vocab size> with vocab size > 257"),
+    ("data.tokenizer=bpe99999999999", "data.tokenizer must be gpt2 or bpe<vocab size> with vocab size > 257 and "
+                                      "at most 1048576, e.g. bpe4096; got 'bpe99999999999'"),
+    ("train.out_dir=", "train.out_dir must be a folder path; got ''"),
     ("data.holdout=\"persuasion\"", "data.holdout must be a non-empty list of strings, or null; got 'persuasion'"),
     ("model.depth=0", "model.depth must be an integer >= 1; got 0"),
     ("model.dropout=1.5", "model.dropout must be a number in [0, 1); got 1.5"),

@@ -1,6 +1,7 @@
 """Training: exact resume, checkpoint files, schedule, data-parallel processes agree."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +124,22 @@ def test_config_overrides(tmp_path):
         load_config(path, ["train.stepz=1"])
     with pytest.raises(ValueError, match="model.attention is a setting"):
         load_config(path, ["model.attention.window=16"])
+
+
+def test_an_override_replaces_a_whole_table_and_a_file_must_hold_sections(tmp_path):
+    """The bundled config's window would not build a softmax layer: --set model.attention_options={} drops it."""
+    config = load_config("lavo-tiny-austen", ["model.attention=softmax", "model.position=rope",
+                                              "model.attention_options={}"])
+    assert config.model["attention_options"] == {} and config.model["attention"] == "softmax"
+    replaced = load_config("lavo-tiny-austen", ['model.attention_options={"rank": 8}'])
+    assert replaced.model["attention_options"] == {"rank": 8}  # the file's window is gone, not merged
+    bad = {"broken.toml": ("[train\nsteps = 1", "broken.toml is not valid TOML: "),
+           "list.json": ("[1, 2]", "list.json must hold a table of sections (data, model, train), not a list"),
+           "section.json": ('{"data": 3}', "config sections ['data'] must be tables of settings")}
+    for name, (text, message) in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config(tmp_path / name)
 
 
 def test_deep_merge_merges_sections_and_leaves_its_inputs_alone():

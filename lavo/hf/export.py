@@ -11,10 +11,11 @@ import os
 from pathlib import Path
 
 import torch
+
 from ..config import RunConfig
 from ..data import Tokenizer, load_tokenizer_file
 from ..model import LanguageModel
-from ..run import TOKENIZER, load_run, run_config_at
+from ..run import TOKENIZER, is_exported, load_run, run_config_at
 from .modeling import LavoLMForCausalLM
 from .tokenization import hub_tokenizer
 
@@ -22,6 +23,12 @@ from .tokenization import hub_tokenizer
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
     """Write the trained run ``run_dir`` to ``out_dir`` as a Hugging Face model directory; return ``out_dir``."""
     out = Path(out_dir)
+    if is_exported(run_dir):
+        raise ValueError(f"{run_dir} is already an exported model directory: copy it, or export the run it "
+                         "came from")
+    if out.resolve() == Path(run_dir).resolve():
+        raise ValueError(f"{out} is the run directory itself: exporting there would replace the run's "
+                         "config.json and weights; choose another directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty: choose another directory or pass --overwrite")
     model, config, tokenizer = load_run(run_dir)
