@@ -5,7 +5,8 @@ tokens -> linear head. The blocks, initialisation, optimizer groups and learning
 model's (:mod:`lavo.model`, :func:`lavo.train.learning_rate`); only the causal flag and the head differ.
 
 :func:`train_listops` trains one model on a seeded ListOps task, validates every ``eval_interval`` steps, scores
-the test split at the end and writes ``results.json`` (a finished ``results.json`` makes a rerun skip).
+the test split at the end and writes ``results.json`` (a finished ``results.json`` makes a rerun of the same
+settings skip).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch import nn
 from .files import write_json
 from .listops import CLASSES, VOCAB, ListOpsSpec, Split, make_splits
 from .model import Block, ModelConfig, add_positions, count_parameters, initialise, parameter_groups
-from .settings import check_known
+from .settings import SettingsError, above, at_least, check_known, check_same_settings, check_settings, setting
 from .train import learning_rate
 
 
@@ -60,29 +61,37 @@ class ListOpsRun:
     # every mechanism gets absolute positions, as in LRA: without them a non-causal softmax, Performer or ABC
     # layer sees a bag of tokens, and LAVO stayed at the majority class (docs/DESIGN.md, decision 11)
     position: str = "sinusoidal"
-    dim: int = 64
-    depth: int = 2
-    heads: int = 4
-    mlp_ratio: int = 4
+    dim: int = setting(64, at_least(1))
+    depth: int = setting(2, at_least(1))
+    heads: int = setting(4, at_least(1))
+    mlp_ratio: int = setting(4, at_least(1))
     spec: ListOpsSpec = ListOpsSpec()
-    train_size: int = 20000
-    valid_size: int = 1000
-    test_size: int = 1000
-    steps: int = 1000
-    batch_size: int = 32
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup: int = 100
-    weight_decay: float = 0.01
-    clip: float = 1.0
-    eval_interval: int = 100
-    seed: int = 0
+    train_size: int = setting(20000, at_least(1))
+    valid_size: int = setting(1000, at_least(1))
+    test_size: int = setting(1000, at_least(1))
+    steps: int = setting(1000, at_least(1))
+    batch_size: int = setting(32, at_least(1))
+    lr: float = setting(1e-3, above(0))
+    min_lr: float = setting(1e-4, at_least(0))  # at most lr
+    warmup: int = setting(100, at_least(0))
+    weight_decay: float = setting(0.01, at_least(0))
+    clip: float = setting(1.0, above(0))  # the largest gradient norm
+    eval_interval: int = setting(100, at_least(1))
+    seed: int = setting(0, at_least(0))
+
+    def __post_init__(self):
+        check_settings(self, "listops")
+        if self.min_lr > self.lr:
+            raise SettingsError(f"listops.min_lr must be at most listops.lr ({self.lr:g}); got {self.min_lr:g}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "ListOpsRun":
         check_known(cls, values, "listops")
         values = dict(values)
         if "spec" in values:
+            if not isinstance(values["spec"], dict):
+                raise SettingsError(f"listops.spec must be a table; got {values['spec']!r}")
+            check_known(ListOpsSpec, values["spec"], "listops.spec")
             values["spec"] = ListOpsSpec(**values["spec"])
         return cls(**values)
 
@@ -111,14 +120,18 @@ def accuracy(model: SequenceClassifier, split: Split, batch_size: int) -> float:
 
 def train_listops(run: ListOpsRun, out_dir: str | Path, progress: bool = True, log=print) -> dict:
     """Train ``run`` on its seeded splits, write ``out_dir/results.json`` and return it; a finished
-    ``results.json`` is returned as it is (the run is skipped)."""
+    ``results.json`` of the same settings is returned as it is (the run is skipped), one of other settings is
+    refused."""
     import json
 
     from tqdm import tqdm
     out = Path(out_dir) / "results.json"
     if out.exists():
+        results = json.loads(out.read_text())
+        check_same_settings(out, results["run"], asdict(run),
+                            f"train into another --out folder, or delete {Path(out_dir)} to train this run there")
         log(f"[skip] {out} exists")
-        return json.loads(out.read_text())
+        return results
     torch.manual_seed(run.seed)
     model = run.build_model()  # first, so that a bad setting fails before the data is drawn
     splits = make_splits({"train": run.train_size, "valid": run.valid_size, "test": run.test_size},

@@ -236,8 +236,9 @@ def add_listops(commands) -> None:
                             description="Generate the seeded ListOps splits (nested MAX, MIN, MED, SM over digits; "
                             "10 classes), train a non-causal encoder with mean pooling over --attention, report "
                             "validation accuracy during training and test accuracy at the end, and write "
-                            "OUT/results.json (a rerun with results.json present skips). Settings: the fields of "
-                            "lavo.classify.ListOpsRun, from --config (JSON) and --set, e.g. --set steps=2000 "
+                            "OUT/results.json (a rerun of the same settings finds it and skips; other settings "
+                            "are refused). Settings: the fields of lavo.classify.ListOpsRun, from --config (JSON) "
+                            "and --set, e.g. --set steps=2000 "
                             "--set spec.max_length=500 --set attention_options.dissection=false.")
     p.add_argument("--attention", help="a registered mechanism (default: lavo, or the config's)")
     p.add_argument("--seed", type=int, help="seeds the data splits, the initialisation and the batches "
@@ -253,10 +254,10 @@ def cmd_forecast(args) -> None:
     from .forecast.data import load_series
     from .forecast.experiment import Settings, run_cells
     from .report import text_table
-    series = load_series(args.data, args.data_dir)
     methods = args.cross + args.baseline
     if not methods:
         raise ValueError("name at least one --cross or --baseline method")
+    series = load_series(args.data, args.data_dir)
     cells = run_cells(series, args.input, args.horizon, methods, args.seed, Settings(max_steps=args.max_steps),
                       args.results, progress=not args.quiet)
     rows = [[key, f"{cell['mse']:.4f}", f"{cell['mae']:.4f}", cell.get("steps", 0), f"{cell['wall_s']:.1f}"]
@@ -266,8 +267,9 @@ def cmd_forecast(args) -> None:
 
 def add_forecast(commands) -> None:
     from .forecast.data import DATASETS
-    from .forecast.experiment import BASELINES, Settings
+    from .forecast.experiment import BASELINES, Grid, Settings
     from .registry import CROSS_ATTENTIONS
+    from .settings import flag_type
 
     def names(allowed):
         def parse(text: str) -> list[str]:
@@ -276,29 +278,21 @@ def add_forecast(commands) -> None:
                 raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(allowed)}")
             return text.split(",")
         return parse
-
-    def integers(text: str) -> list[int]:
-        try:
-            values = [int(x) for x in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-        if min(values) < 0:
-            raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
-        return values
     p = commands.add_parser("forecast", help="multivariate forecasting: an encoder-decoder per cross attention",
                             description="Train and score forecasting cells (Informer-style encoder-decoder whose "
                             "cross attention is --cross, or a --baseline) on a dataset fetched from a pinned "
                             "package; MSE and MAE over every test window, on standardised values. Lists run every "
                             "combination; with --results, finished cells are recorded there and skipped on a rerun.")
     p.add_argument("--data", required=True, choices=DATASETS)
-    p.add_argument("--horizon", type=integers, required=True, help="steps to forecast, e.g. 96 or 96,192,336,720")
-    p.add_argument("--input", type=integers, default=[96], help="input steps (default: 96)")
+    p.add_argument("--horizon", type=flag_type(Grid, "horizon"), required=True,
+                   help="steps to forecast, e.g. 96 or 96,192,336,720")
+    p.add_argument("--input", type=flag_type(Grid, "input"), default=[96], help="input steps (default: 96)")
     p.add_argument("--cross", type=names(sorted(CROSS_ATTENTIONS)), default=[],
                    help=f"cross attentions, comma-separated: {', '.join(sorted(CROSS_ATTENTIONS))}")
     p.add_argument("--baseline", type=names(BASELINES), default=[],
                    help=f"baselines, comma-separated: {', '.join(BASELINES)}")
-    p.add_argument("--seed", type=integers, default=[0], help="seeds, comma-separated (default: 0)")
-    p.add_argument("--max-steps", type=int, default=Settings.max_steps,
+    p.add_argument("--seed", type=flag_type(Grid, "seed"), default=[0], help="seeds, comma-separated (default: 0)")
+    p.add_argument("--max-steps", type=flag_type(Settings, "max_steps"), default=Settings.max_steps,
                    help=f"training steps at most (default: {Settings.max_steps})")
     p.add_argument("--data-dir", default="data/forecast", help="where the package archives are cached "
                    "(default: data/forecast)")

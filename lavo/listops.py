@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .settings import SettingsError, at_least, check_settings, setting
+
 OPERATORS = ("[MAX", "[MIN", "[MED", "[SM")
 CLOSE = "]"
 DIGITS = tuple(str(d) for d in range(10))
@@ -54,16 +56,16 @@ class TooLong(Exception):
 class ListOpsSpec:
     """What a split is drawn from: token-count window, maximum depth and arguments per operator."""
 
-    min_length: int = 500
-    max_length: int = 2000
-    max_depth: int = 10
-    max_args: int = 10
+    min_length: int = setting(500, at_least(1))
+    max_length: int = setting(2000, at_least(1))
+    max_depth: int = setting(10, at_least(1))
+    max_args: int = setting(10, at_least(2))
 
     def __post_init__(self):
-        if not 1 <= self.min_length <= self.max_length:
-            raise ValueError(f"need 1 <= min_length <= max_length, got {self.min_length}, {self.max_length}")
-        if self.max_depth < 1 or self.max_args < 2:
-            raise ValueError(f"need max_depth >= 1 and max_args >= 2, got {self.max_depth}, {self.max_args}")
+        check_settings(self, "listops.spec")
+        if self.min_length > self.max_length:
+            raise SettingsError(f"listops.spec.min_length must be at most listops.spec.max_length "
+                                f"({self.max_length}); got {self.min_length}")
 
 
 def draw_expression(rng: random.Random, spec: ListOpsSpec) -> tuple[list[str], int]:

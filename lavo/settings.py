@@ -183,3 +183,13 @@ def flag_type(cls: type, name: str) -> Callable[[str], Any]:
     flag_kind = Kind(kind.base, kind.item, optional=False)  # a flag cannot be null: leaving it out is
     parse_flag.__name__ = flag_kind.words(allowed)  # what argparse calls the type in its own messages
     return parse_flag
+
+
+def check_same_settings(path: Any, recorded: dict, requested: dict, advice: str) -> None:
+    """Raise ``ValueError`` unless the settings ``recorded`` with the results in ``path`` equal the ``requested``
+    ones (results are reused only for the settings they were made with); the message names each setting that
+    differs and ends with ``advice``, what to do instead."""
+    differing = [f"{key} {recorded.get(key)!r}, asked for {requested.get(key)!r}"
+                 for key in dict.fromkeys([*requested, *recorded]) if recorded.get(key) != requested.get(key)]
+    if differing:
+        raise ValueError(f"{path} was written with other settings ({'; '.join(differing)}); {advice}")

@@ -91,11 +91,37 @@ def test_help_documents_every_section(capsys):
         assert option in text
 
 
-def test_unknown_mechanism_is_an_error():
-    with pytest.raises(SystemExit, match="unknown"):
-        cli.main(["--quick", "--attentions", "nope"])
-    with pytest.raises(SystemExit, match="longshort.* no decoding form"):
-        cli.main(["--quick", "--decode-attentions", "longshort"])
+def bench_error(capsys, *args: str) -> str:
+    """The error line of ``python -m lavo.bench ARGS``, which must exit with status 2 (as argparse does)."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--quick", "--no-progress", *args])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+def test_unknown_mechanism_is_an_error(capsys):
+    assert bench_error(capsys, "--attentions", "nope") == (
+        f"python -m lavo.bench: error: --attentions: unknown ['nope']; choose from {', '.join(available_attentions())}")
+    assert re.fullmatch(r"python -m lavo.bench: error: --decode-attentions: \['longshort'\] have no decoding form; "
+                        r"choose from .*", bench_error(capsys, "--decode-attentions", "longshort"))
+
+
+@pytest.mark.parametrize("flag, value, allowed", [
+    ("--threads", "0", "an integer >= 1"), ("--repeats", "0", "an integer >= 1"), ("--warmup", "-1", "an integer >= 0"),
+    ("--time-limit", "-1", "a number >= 0"), ("--device", "gpu", "cpu, cuda or cuda:N")])
+def test_numbers_and_the_device_are_checked_when_parsed(flag, value, allowed, capsys):
+    assert bench_error(capsys, flag, value) == (
+        f"python -m lavo.bench: error: argument {flag}: must be {allowed}; got '{value}'")
+
+
+def test_a_cuda_device_the_machine_lacks_is_refused(monkeypatch, capsys):
+    from lavo.cli import main
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert bench_error(capsys, "--device", "cuda") == (
+        "python -m lavo.bench: error: --device cuda: no such CUDA device on this machine (it has 0); use --device cpu")
+    assert main(["bench", "--quick", "--no-progress", "--device", "cuda:1"]) == 2
+    assert capsys.readouterr().err == ("lavo bench: error: --device cuda:1: no such CUDA device on this machine "
+                                       "(it has 0); use --device cpu\n")
 
 
 def quick_settings(*args: str) -> settings.Settings:

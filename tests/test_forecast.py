@@ -2,7 +2,9 @@
 fitted on training steps only, the baselines, the model's equal parameter counts, and one cell end to end."""
 import lzma
 import pickle
+import re
 import subprocess
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -215,8 +217,43 @@ def test_cells_are_recorded_and_skipped_on_a_rerun(tmp_path):
     assert "example" not in first["weather_nc|L24|H12|softmax|seed1"]
     again = run_cells(series, [24], [12], ["softmax"], [0], SMALL, path, progress=False)
     assert again["weather_nc|L24|H12|softmax|seed0"]["wall_s"] == first["weather_nc|L24|H12|softmax|seed0"]["wall_s"]
-    with pytest.raises(ValueError, match="was written with other settings"):
-        run_cells(series, [24], [12], ["softmax"], [0], Settings(), path, progress=False)
+    with pytest.raises(ValueError, match=rf"^{path} was written with other settings \(max_steps 6, asked for 7\); "
+                       "use another file$"):
+        run_cells(series, [24], [12], ["softmax"], [0], replace(SMALL, max_steps=7), path, progress=False)
+
+
+def test_a_file_that_is_not_a_results_file_is_named(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("not json\n")
+    with pytest.raises(ValueError, match=rf"^{path} is not a results file of `lavo forecast` \(a JSON object of "
+                       r"settings and cells\); name another file$"):
+        run_cells(generated_series(300), [24], [12], ["repeat_last"], [0], SMALL, path, progress=False)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(max_steps=0), "forecast.max_steps must be an integer >= 1; got 0"),
+    (dict(max_steps=-3), "forecast.max_steps must be an integer >= 1; got -3"),
+    (dict(patience=0, eval_every=0), "forecast.eval_every must be an integer >= 1; got 0; "
+                                     "forecast.patience must be an integer >= 1; got 0"),
+    (dict(dropout=1.0), "forecast.dropout must be a number in [0, 1); got 1.0"),
+])
+def test_settings_are_checked(changes, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        Settings(**changes)
+
+
+@pytest.mark.parametrize("grid, message", [
+    (([24], [0], ["repeat_last"], [0]), "forecast.horizon must be a non-empty list of integers, each >= 1; got [0]"),
+    (([0], [12], ["repeat_last"], [0]), "forecast.input must be a non-empty list of integers, each >= 1; got [0]"),
+    (([24], [12], ["repeat_last"], [-1]), "forecast.seed must be a non-empty list of integers, each >= 0; got [-1]"),
+    (([24], [12], ["nope"], [0]), "forecast.method must be a non-empty list of strings, each one of abc, cosformer, "
+                                  "lavo, performer, softmax, repeat_last, seasonal_naive, dlinear; got ['nope']"),
+])
+def test_the_grid_is_checked_before_any_cell_runs(grid, message, tmp_path):
+    path = tmp_path / "results.json"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        run_cells(generated_series(300), *grid, SMALL, path, progress=False)
+    assert not path.exists()
 
 
 def test_training_is_reproducible_per_seed():
@@ -234,3 +271,20 @@ def test_cli_forecast_prints_the_scores(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["forecast", "--data", "elecdemand", "--horizon", "12", "--cross", "nope"])
     assert "unknown nope; choose from abc, cosformer, lavo, performer, softmax" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["forecast", "--data", "elecdemand", "--horizon", "0", "--baseline", "repeat_last"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "lavo forecast: error: argument --horizon: must be a non-empty list of integers, each >= 1; got '0'")
+    with pytest.raises(SystemExit):
+        main(["forecast", "--data", "elecdemand", "--horizon", "12", "--baseline", "repeat_last", "--max-steps", "0"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "lavo forecast: error: argument --max-steps: must be an integer >= 1; got '0'")
+
+
+def test_cli_forecast_asks_for_a_method_before_loading_the_data(monkeypatch, capsys):
+    def no_data(name, cache_dir):
+        raise AssertionError("the data was loaded")
+
+    monkeypatch.setattr(forecast_data, "load_series", no_data)
+    assert main(["forecast", "--data", "elecdemand", "--horizon", "12"]) == 2
+    assert capsys.readouterr().err == "lavo forecast: error: name at least one --cross or --baseline method\n"

@@ -113,8 +113,11 @@ def test_split_tensors_decode_to_the_examples():
 
 
 def test_spec_is_checked():
-    with pytest.raises(ValueError, match="need 1 <= min_length <= max_length, got 50, 10"):
+    with pytest.raises(ValueError, match=r"^listops.spec.min_length must be at most listops.spec.max_length \(10\); "
+                       r"got 50$"):
         ListOpsSpec(min_length=50, max_length=10)
+    with pytest.raises(ValueError, match=r"^listops.spec.max_args must be an integer >= 2; got 1$"):
+        ListOpsSpec(max_args=1)
 
 
 MECHANISMS = ["lavo", "softmax", "local", "performer", "cosformer", "abc", "s4d", "longshort"]
@@ -219,15 +222,15 @@ def test_listops_command_trains_tests_and_skips_a_finished_run(tmp_path, capsys)
                                   "test_size": 10, "steps": 4, "batch_size": 4, "warmup": 1, "eval_interval": 2}))
     out = tmp_path / "run"
     arguments = ["listops", "--config", str(config), "--attention", "softmax", "--seed", "1", "--out", str(out),
-                 "--quiet"]
-    assert main([*arguments, "--set", "attention_options.rotary=false"]) == 0
+                 "--quiet", "--set", "attention_options.rotary=false"]
+    assert main(arguments) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     results = json.loads((out / "results.json").read_text())
     assert [point["step"] for point in results["curve"]] == [2, 4]
     assert results["run"]["attention"] == "softmax" and results["run"]["seed"] == 1
     assert results["run"]["spec"] == {"min_length": 10, "max_length": 40, "max_depth": 4, "max_args": 10}
     assert printed["test_accuracy"] == results["test_accuracy"]
-    assert main(arguments) == 0  # finished: skipped, the same results printed
+    assert main(arguments) == 0  # finished with the same settings: skipped, the same results printed
     assert "[skip]" in capsys.readouterr().out
 
 
@@ -235,6 +238,42 @@ def test_listops_command_names_an_unknown_setting(tmp_path, capsys):
     from lavo.cli import main
     assert main(["listops", "--out", str(tmp_path), "--set", "stpes=3"]) == 2
     assert "unknown listops settings ['stpes']; known: attention, attention_options," in capsys.readouterr().err
+
+
+def test_a_finished_run_is_reused_only_for_the_settings_it_was_made_with(tmp_path, capsys):
+    import json
+    from dataclasses import asdict
+
+    from lavo.classify import train_listops
+    from lavo.cli import main
+    (tmp_path / "results.json").write_text(json.dumps({"run": asdict(ListOpsRun()), "test_accuracy": 0.5}))
+    assert train_listops(ListOpsRun(), tmp_path, log=lambda line: None)["test_accuracy"] == 0.5
+    assert main(["listops", "--attention", "softmax", "--seed", "5", "--out", str(tmp_path), "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        f"lavo listops: error: {tmp_path}/results.json was written with other settings (attention 'lavo', asked for "
+        f"'softmax'; seed 0, asked for 5); train into another --out folder, or delete {tmp_path} to train this "
+        "run there\n")
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("steps=0", "listops.steps must be an integer >= 1; got 0"),
+    ("steps=abc", "listops.steps must be an integer >= 1; got 'abc' (a string)"),
+    ("steps=2.5", "listops.steps must be an integer >= 1; got 2.5"),
+    ("batch_size=0", "listops.batch_size must be an integer >= 1; got 0"),
+    ("test_size=0", "listops.test_size must be an integer >= 1; got 0"),
+    ("eval_interval=0", "listops.eval_interval must be an integer >= 1; got 0"),
+    ("lr=-1", "listops.lr must be a number > 0; got -1"),
+    ("min_lr=0.1", "listops.min_lr must be at most listops.lr (0.001); got 0.1"),
+    ("spec.foo=1", "unknown listops.spec settings ['foo']; known: max_args, max_depth, max_length, min_length"),
+    ("spec=5", "listops.spec must be a table; got 5"),
+    ("spec.max_depth=0", "listops.spec.max_depth must be an integer >= 1; got 0"),
+])
+def test_listops_settings_are_checked_before_any_work(setting, message, tmp_path, monkeypatch, capsys):
+    import lavo.classify
+    from lavo.cli import main
+    monkeypatch.setattr(lavo.classify, "make_splits", None)  # not called: calling it would raise TypeError
+    assert main(["listops", "--out", str(tmp_path), "--quiet", "--set", setting]) == 2
+    assert capsys.readouterr().err == f"lavo listops: error: {message}\n"
 
 
 def test_a_bad_mechanism_setting_fails_before_the_data_is_drawn(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import torch
 from ..model import PRESETS
 from ..ops.common import BACKENDS
 from ..registry import attention_class, available_attentions
+from ..settings import SettingsError, flag_type
 from . import attention, decode, flops, model, profile
 from .measure import machine_info
 from .output import markdown, plots, write_records
@@ -35,6 +36,11 @@ def _list(kind):
     def parse(text: str) -> list:
         return [kind(item.strip()) for item in text.split(",") if item.strip()]
     return parse
+
+
+def _flag(name: str):
+    """The ``type=`` of the flag that sets ``Settings.name``: the type and range declared on that field."""
+    return flag_type(Settings, name)
 
 
 def _length_value(text: str) -> int:
@@ -61,43 +67,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-quadratic-length", type=_length_value, default=None,
       help=f"longest sequence for the quadratic mechanisms ({','.join(quadratic_ones)}) and SDPA (attention, "
            f"model sections; decode fills their longer caches without running the attention) [16K]")
-    a("--batch", type=int, default=1, help="batch size of the attention and decode sections [1]")
-    a("--heads", type=int, default=None, help="heads H [8]")
-    a("--head-dim", type=int, default=None, help="head dim D; the layers' dim is H*D [64]")
-    a("--rank", type=int, default=None,
+    a("--batch", type=_flag("batch"), default=1, help="batch size of the attention and decode sections [1]")
+    a("--heads", type=_flag("heads"), default=None, help="heads H [8]")
+    a("--head-dim", type=_flag("head_dim"), default=None, help="head dim D; the layers' dim is H*D [64]")
+    a("--rank", type=_flag("rank"), default=None,
       help=f"memory rank r of LAVO's op and of the mechanisms with a rank option "
            f"({','.join(having_option('rank', registered))}) [64]")
-    a("--window", type=int, default=None,
+    a("--window", type=_flag("window"), default=None,
       help=f"window w of LAVO's op and of the mechanisms with a window option "
            f"({','.join(having_option('window', registered))}) [128]")
     a("--dtype", choices=sorted(DTYPES), default="fp32",
       help="fp32, or bf16: ops take bf16 inputs, layers and models run under bf16 autocast [fp32]")
-    a("--repeats", type=int, default=None, help="timed calls per measurement; the median is reported [5]")
-    a("--warmup", type=int, default=None, help="untimed calls before each measurement [1]")
-    a("--time-limit", type=float, default=None,
+    a("--repeats", type=_flag("repeats"), default=None,
+      help="timed calls per measurement; the median is reported [5]")
+    a("--warmup", type=_flag("warmup"), default=None, help="untimed calls before each measurement [1]")
+    a("--time-limit", type=_flag("time_limit"), default=None,
       help="seconds one call may take; slower measurements and the longer lengths after them are skipped [60]")
     a("--decode-attentions", type=_list(str), default=["lavo", "softmax", "local"],
       help="decode section: mechanisms (need a decoding form) [lavo,softmax,local]")
     a("--decode-lengths", type=_list(_length_value), default=None, help="context lengths [1K,...,64K]")
-    a("--decode-steps", type=int, default=None, help="timed single-token steps per context length [32]")
+    a("--decode-steps", type=_flag("decode_steps"), default=None,
+      help="timed single-token steps per context length [32]")
     a("--model-preset", default=None, help="model section: preset of lavo.model.PRESETS [small]")
     a("--model-attentions", type=_list(str), default=None,
       help=f"model section: attentions (those taking rotary positions, {','.join(rotary)}, run with rope; '' for "
            f"none) [all registered]")
     a("--model-lengths", type=_list(_length_value), default=None, help="training sequence lengths [1K,4K]")
-    a("--model-batch", type=int, default=1, help="model section batch size [1]")
-    a("--model-repeats", type=int, default=None, help="timed training steps per measurement [3]")
+    a("--model-batch", type=_flag("model_batch"), default=1, help="model section batch size [1]")
+    a("--model-repeats", type=_flag("model_repeats"), default=None, help="timed training steps per measurement [3]")
     a("--model-compile", action="store_true",
       help="model section: torch.compile every model (the compiling call is not timed) [off]")
-    a("--matmul-size", type=int, default=None, help="flops section: square matmul size for the peak rate [2048]")
+    a("--matmul-size", type=_flag("matmul_size"), default=None,
+      help="flops section: square matmul size for the peak rate [2048]")
     a("--attention-options", type=json.loads, default={},
       help='JSON options per mechanism on top of the defaults, e.g. \'{"performer": {"features": 128}}\'')
-    a("--device", default="cpu", help="cpu or cuda[:N] [cpu]")
+    a("--device", default="cpu", type=_flag("device"), help="cpu or cuda[:N] [cpu]")
     a("--backend", choices=BACKENDS, default="auto",
       help=f"LAVO's op and the mechanisms with a backend option ({','.join(having_option('backend', registered))}): "
            f"triton kernels, the torch path, or auto (triton on CUDA when importable) [auto]")
-    a("--threads", type=int, default=None, help="torch intra-op threads [torch's default]")
-    a("--seed", type=int, default=0, help="random seed [0]")
+    a("--threads", type=_flag("threads"), default=None, help="torch intra-op threads [torch's default]")
+    a("--seed", type=_flag("seed"), default=0, help="random seed [0]")
     a("--json", type=Path, default=None, help="write the records and machine info to this JSON file")
     a("--plots", type=Path, default=None, help="write PNG plots into this directory")
     a("--no-progress", action="store_true", help="no progress bar")
@@ -122,15 +131,18 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                                    ("--model-attentions", args.model_attentions or [], registered)):
         unknown = [n for n in names if n not in allowed]
         if unknown:
-            raise SystemExit(f"{option}: unknown {unknown}; choose from {', '.join(allowed)}")
+            raise SettingsError(f"{option}: unknown {unknown}; choose from {', '.join(allowed)}")
     cannot = [name for name in args.decode_attentions if not attention_class(name).supports_decoding]
     if cannot:
-        raise SystemExit(f"--decode-attentions: {cannot} have no decoding form; choose from "
-                         f"{', '.join(name for name in registered if attention_class(name).supports_decoding)}")
+        raise SettingsError(f"--decode-attentions: {cannot} have no decoding form; choose from "
+                            f"{', '.join(name for name in registered if attention_class(name).supports_decoding)}")
     if values["model_preset"] not in PRESETS:
-        raise SystemExit(f"--model-preset: unknown {values['model_preset']!r}; choose from {', '.join(PRESETS)}")
+        raise SettingsError(f"--model-preset: unknown {values['model_preset']!r}; choose from {', '.join(PRESETS)}")
     if not isinstance(args.attention_options, dict):
-        raise SystemExit("--attention-options must be a JSON object of {mechanism: {option: value}}")
+        raise SettingsError("--attention-options must be a JSON object of {mechanism: {option: value}}")
+    if args.device != "cpu" and (torch.device(args.device).index or 0) >= torch.cuda.device_count():
+        raise SettingsError(f"--device {args.device}: no such CUDA device on this machine (it has "
+                            f"{torch.cuda.device_count()}); use --device cpu")
     return Settings(sections=args.sections, attentions=registered if args.attentions is None else args.attentions,
                     ops=args.ops,
                     passes=args.passes, batch=args.batch, dtype=args.dtype, decode_attentions=args.decode_attentions,
@@ -187,4 +199,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_from_args(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run_from_args(args)
+    except SettingsError as error:
+        parser.error(str(error))

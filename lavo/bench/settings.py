@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..registry import attention_class
+from ..settings import at_least, matches, setting
 
 DEFAULT_SECTIONS = ("attention", "decode", "model", "flops")
 SECTIONS = DEFAULT_SECTIONS + ("profile",)  # the profile runs when asked for
@@ -25,37 +26,39 @@ QUICK = dict(lengths=[128, 256], max_quadratic_length=256, repeats=2, warmup=1, 
 
 @dataclass
 class Settings:
+    """What a run measures; the allowed values declared here are checked on the command-line flags."""
+
     sections: list
     attentions: list
     ops: list
     passes: list
     lengths: list
     max_quadratic_length: int
-    batch: int
-    heads: int
-    head_dim: int
-    rank: int
-    window: int
+    batch: int = setting(allowed=at_least(1))
+    heads: int = setting(allowed=at_least(1))
+    head_dim: int = setting(allowed=at_least(1))
+    rank: int = setting(allowed=at_least(1))
+    window: int = setting(allowed=at_least(1))
     dtype: str
-    repeats: int
-    warmup: int
-    time_limit: float
+    repeats: int = setting(allowed=at_least(1))
+    warmup: int = setting(allowed=at_least(0))
+    time_limit: float = setting(allowed=at_least(0))
     decode_attentions: list
     decode_lengths: list
-    decode_steps: int
+    decode_steps: int = setting(allowed=at_least(1))
     model_preset: str
     model_overrides: dict
     model_attentions: list
     model_lengths: list
-    model_batch: int
-    model_repeats: int
+    model_batch: int = setting(allowed=at_least(1))
+    model_repeats: int = setting(allowed=at_least(1))
     model_compile: bool
-    matmul_size: int
+    matmul_size: int = setting(allowed=at_least(1))
     attention_options: dict
-    device: str
+    device: str = setting(allowed=matches(r"cpu|cuda(:\d+)?", "cpu, cuda or cuda:N"))
     backend: str
-    threads: int | None
-    seed: int
+    threads: int | None = setting(allowed=at_least(1))
+    seed: int = setting(allowed=at_least(0))
     quick: bool
 
     @property

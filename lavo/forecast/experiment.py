@@ -8,6 +8,7 @@ finishes; cells already in it are skipped, so an interrupted sweep resumes.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,7 @@ from tqdm import tqdm
 from ..files import write_json
 from ..model import count_parameters
 from ..registry import CROSS_ATTENTIONS
+from ..settings import above, at_least, between, check_same_settings, check_settings, one_of, setting
 from .baselines import DLinear, RepeatLast, SeasonalNaive
 from .data import TARGET_COLUMN, Series, Standardised, gather_windows, standardise, window_starts
 from .model import Forecaster
@@ -31,20 +33,39 @@ BASELINES = ("repeat_last", "seasonal_naive", "dlinear")
 class Settings:
     """Model size and training budget, the same for every transformer cell."""
 
-    dim: int = 32
-    heads: int = 4
-    layers: int = 1
-    hidden: int = 64
-    label_len: int = 48
-    dropout: float = 0.05
-    batch_size: int = 16
-    learning_rate: float = 1e-3
-    max_steps: int = 80
-    eval_every: int = 20
-    patience: int = 2  # evaluations without a better validation loss before training stops
-    val_windows: int = 128  # evenly spaced validation windows scored at each evaluation
-    eval_batch: int = 32
+    dim: int = setting(32, at_least(1))
+    heads: int = setting(4, at_least(1))
+    layers: int = setting(1, at_least(1))
+    hidden: int = setting(64, at_least(1))
+    label_len: int = setting(48, at_least(0))
+    dropout: float = setting(0.05, between(0, 1, high_open=True))
+    batch_size: int = setting(16, at_least(1))
+    learning_rate: float = setting(1e-3, above(0))
+    max_steps: int = setting(80, at_least(1))
+    eval_every: int = setting(20, at_least(1))
+    patience: int = setting(2, at_least(1))  # evaluations without a better validation loss before training stops
+    val_windows: int = setting(128, at_least(1))  # evenly spaced validation windows scored at each evaluation
+    eval_batch: int = setting(32, at_least(1))
     cross_options: dict = field(default_factory=lambda: {"abc": {"slots": 8}, "performer": {"features": 32}})
+
+    def __post_init__(self):
+        check_settings(self, "forecast")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The cells of a sweep: every combination of an input length, a horizon, a method and a seed."""
+
+    input: list[int] = setting(allowed=at_least(1))
+    horizon: list[int] = setting(allowed=at_least(1))
+    method: list[str] = setting(allowed=one_of(*sorted(CROSS_ATTENTIONS), *BASELINES))
+    seed: list[int] = setting(allowed=at_least(0))
+
+    def __post_init__(self):
+        check_settings(self, "forecast")
+
+    def cells(self) -> list[tuple[int, int, str, int]]:
+        return list(itertools.product(self.input, self.horizon, self.method, self.seed))
 
 
 def cell_key(data: str, input_len: int, horizon: int, method: str, seed: int) -> str:
@@ -151,22 +172,30 @@ def run_cell(series: Series, input_len: int, horizon: int, method: str, seed: in
 
 def load_results(path: Path | None) -> dict:
     """The grid recorded in ``path``; an empty one when there is no file (or no path)."""
-    return json.loads(path.read_text()) if path is not None and path.is_file() else {"settings": None, "cells": {}}
+    if path is None or not path.is_file():
+        return {"settings": None, "cells": {}}
+    try:
+        results = json.loads(path.read_text())
+    except ValueError:
+        results = None
+    if not isinstance(results, dict) or not {"settings", "cells"} <= results.keys():
+        raise ValueError(f"{path} is not a results file of `lavo forecast` (a JSON object of settings and cells); "
+                         "name another file")
+    return results
 
 
 def run_cells(series: Series, input_lens: list[int], horizons: list[int], methods: list[str], seeds: list[int],
               settings: Settings, results_path: str | Path | None = None, progress: bool = True) -> dict[str, dict]:
     """Every cell of the grid, skipping those already in ``results_path`` (written after each cell); the
     settings must match the file's."""
+    grid = Grid(input_lens, horizons, methods, seeds)
     results_path = None if results_path is None else Path(results_path)
     results = load_results(results_path)
-    recorded = results["settings"]
-    if recorded is not None and recorded != asdict(settings):
-        raise ValueError(f"{results_path} was written with other settings ({recorded}); use another file")
+    if results["settings"] is not None:
+        check_same_settings(results_path, results["settings"], asdict(settings), "use another file")
     results["settings"] = asdict(settings)
     done = {}
-    grid = [(L, H, m, s) for L in input_lens for H in horizons for m in methods for s in seeds]
-    for L, H, method, seed in tqdm(grid, disable=not progress, desc=series.name):
+    for L, H, method, seed in tqdm(grid.cells(), disable=not progress, desc=series.name):
         key = cell_key(series.name, L, H, method, seed)
         if key not in results["cells"]:
             cell = run_cell(series, L, H, method, seed, settings, progress=progress)
