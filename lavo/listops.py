@@ -66,6 +66,17 @@ class ListOpsSpec:
         if self.min_length > self.max_length:
             raise SettingsError(f"listops.spec.min_length must be at most listops.spec.max_length "
                                 f"({self.max_length}); got {self.min_length}")
+        if self.min_length > self.longest():  # no draw could ever be long enough: generate() would never end
+            raise SettingsError(f"listops.spec.min_length ({self.min_length}) is longer than any expression of "
+                                f"depth {self.max_depth} with {self.max_args} arguments per operator can be "
+                                f"({self.longest()} tokens): raise max_depth or max_args, or lower min_length")
+
+    def longest(self) -> int:
+        """Tokens of the longest expression: every operator below ``max_depth`` with ``max_args`` arguments."""
+        length = 1  # a digit at the deepest level
+        for _ in range(self.max_depth - 1):
+            length = 2 + self.max_args * length  # operator, arguments, closing bracket
+        return length
 
 
 def draw_expression(rng: random.Random, spec: ListOpsSpec) -> tuple[list[str], int]:

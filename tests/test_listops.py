@@ -118,6 +118,12 @@ def test_spec_is_checked():
         ListOpsSpec(min_length=50, max_length=10)
     with pytest.raises(ValueError, match=r"^listops.spec.max_args must be an integer >= 2; got 1$"):
         ListOpsSpec(max_args=1)
+    # depth 2 with 3 arguments: at most [MAX d d d ], 5 tokens; asking for 6 would make generate() draw forever
+    with pytest.raises(ValueError, match=r"^listops.spec.min_length \(6\) is longer than any expression of depth "
+                       r"2 with 3 arguments per operator can be \(5 tokens\)"):
+        ListOpsSpec(min_length=6, max_length=10, max_depth=2, max_args=3)
+    longest = ListOpsSpec(min_length=5, max_length=5, max_depth=2, max_args=3)
+    assert [len(tokens) for tokens, _ in generate(4, 0, longest)] == [5] * 4
 
 
 MECHANISMS = ["lavo", "softmax", "local", "performer", "cosformer", "abc", "s4d", "longshort"]
