@@ -114,6 +114,12 @@ def test_numbers_and_the_device_are_checked_when_parsed(flag, value, allowed, ca
         f"python -m lavo.bench: error: argument {flag}: must be {allowed}; got '{value}'")
 
 
+@pytest.mark.parametrize("flag", ["--lengths", "--decode-lengths", "--model-lengths"])
+def test_lengths_below_one_are_refused_when_parsed(flag, capsys):
+    assert bench_error(capsys, flag, "1K,0") == (
+        f"python -m lavo.bench: error: argument {flag}: a length must be at least 1; got '0'")
+
+
 def test_a_cuda_device_the_machine_lacks_is_refused(monkeypatch, capsys):
     from lavo.cli import main
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)

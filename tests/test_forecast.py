@@ -208,6 +208,13 @@ def test_a_cell_trains_scores_every_test_window_and_beats_repeating_the_last_val
     assert len(cell["example"]["forecast"]) == 24 and len(cell["example"]["history"]) == 48
 
 
+def test_a_diverging_training_is_named_instead_of_failing_on_its_missing_best_weights():
+    with pytest.raises(ValueError, match=r"^training diverged: the validation MSE is (nan|inf) at step 3 \(learning "
+                                         r"rate 1e\+30\); lower forecast.learning_rate$"):
+        run_cell(generated_series(300), 24, 12, "dlinear", 0, Settings(max_steps=6, eval_every=3,
+                                                                        learning_rate=1e30))
+
+
 def test_cells_are_recorded_and_skipped_on_a_rerun(tmp_path):
     series, path = generated_series(300), tmp_path / "results.json"
     first = run_cells(series, [24], [12], ["softmax", "seasonal_naive"], [0, 1], SMALL, path, progress=False)

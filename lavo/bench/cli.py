@@ -44,8 +44,12 @@ def _flag(name: str):
 
 
 def _length_value(text: str) -> int:
+    """``"4K"`` -> 4096, ``"300"`` -> 300; a length must be at least 1."""
     text = text.strip().lower()
-    return int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+    length = int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+    if length < 1:
+        raise argparse.ArgumentTypeError(f"a length must be at least 1; got {text!r}")
+    return length
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

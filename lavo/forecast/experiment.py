@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -135,6 +136,10 @@ def fit(model: torch.nn.Module, train: Windows, val: Windows, settings: Settings
         bar.update()
         if step % settings.eval_every == 0 or step == settings.max_steps:
             val_mse = errors(predict(model, val, settings.eval_batch), val.targets)["mse"]
+            if not math.isfinite(val_mse):
+                bar.close()
+                raise ValueError(f"training diverged: the validation MSE is {val_mse} at step {step} (learning rate "
+                                 f"{settings.learning_rate:g}); lower forecast.learning_rate")
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{val_mse:.3f}")
             if val_mse < best:
                 best, best_state, best_step, waited = val_mse, copy.deepcopy(model.state_dict()), step, 0
