@@ -32,6 +32,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())  # what open() gives; safetensors creates its files 0600
         fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -39,6 +40,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
         raise
     fsync_path(path.parent)  # the rename itself
     return path
+
+
+def current_umask() -> int:
+    umask = os.umask(0)  # reading it means setting it
+    os.umask(umask)
+    return umask
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

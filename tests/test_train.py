@@ -64,6 +64,9 @@ def test_checkpoint_files(corpus, tmp_path):
                                                      "tokenizer.json"]
     weights = load_file(str(out / "model.safetensors"))
     assert "embed.weight" in weights and not any(k.startswith("head") for k in weights)
+    # every file as open() makes it (safetensors alone makes its files 0600: unreadable to a group sharing runs)
+    (tmp_path / "probe").write_text("")
+    assert {(out / name).stat().st_mode for name in os.listdir(out)} == {(tmp_path / "probe").stat().st_mode}
     state = torch.load(out / "state.pt", weights_only=True)
     assert set(state) == {"step", "tokens", "elapsed", "loss", "optimizer", "sampler", "rng", "checkpoint",
                           "tokenizer_sha256", "data_fingerprint"}
