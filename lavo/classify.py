@@ -22,7 +22,8 @@ from torch import nn
 from .files import write_json
 from .listops import CLASSES, VOCAB, ListOpsSpec, Split, make_splits
 from .model import Block, ModelConfig, add_positions, count_parameters, initialise, parameter_groups
-from .settings import SettingsError, above, at_least, check_known, check_same_settings, check_settings, setting
+from .settings import (SEED, SettingsError, above, at_least, check_known, check_same_settings, check_settings,
+                       setting)
 from .train import learning_rate
 
 
@@ -77,7 +78,7 @@ class ListOpsRun:
     weight_decay: float = setting(0.01, at_least(0))
     clip: float = setting(1.0, above(0))  # the largest gradient norm
     eval_interval: int = setting(100, at_least(1))
-    seed: int = setting(0, at_least(0))
+    seed: int = setting(0, SEED)
 
     def __post_init__(self):
         check_settings(self, "listops")

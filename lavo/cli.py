@@ -232,6 +232,8 @@ def cmd_listops(args) -> None:
 
 
 def add_listops(commands) -> None:
+    from .classify import ListOpsRun
+    from .settings import flag_type
     p = commands.add_parser("listops", help="train and test a non-causal classifier on seeded ListOps",
                             description="Generate the seeded ListOps splits (nested MAX, MIN, MED, SM over digits; "
                             "10 classes), train a non-causal encoder with mean pooling over --attention, report "
@@ -241,7 +243,8 @@ def add_listops(commands) -> None:
                             "and --set, e.g. --set steps=2000 "
                             "--set spec.max_length=500 --set attention_options.dissection=false.")
     p.add_argument("--attention", help="a registered mechanism (default: lavo, or the config's)")
-    p.add_argument("--seed", type=int, help="seeds the data splits, the initialisation and the batches "
+    p.add_argument("--seed", type=flag_type(ListOpsRun, "seed"),
+                   help="seeds the data splits, the initialisation and the batches "
                    "(default: 0, or the config's)")
     p.add_argument("--config", help="a JSON file of ListOpsRun settings")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")

@@ -21,7 +21,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package
     import tomli as tomllib
 
 from .model import ModelConfig, model_config
-from .settings import (Allowed, SettingsError, above, at_least, between, check_known, check_settings, matches,
+from .settings import (SEED, Allowed, SettingsError, above, at_least, between, check_known, check_settings, matches,
                        one_of, setting)
 
 
@@ -58,7 +58,7 @@ class TrainConfig:
     beta1: float = setting(0.9, between(0, 1, high_open=True))
     beta2: float = setting(0.95, between(0, 1, high_open=True))
     grad_clip: float = setting(1.0, at_least(0))  # 0: no clipping
-    seed: int = setting(0, at_least(0))
+    seed: int = setting(0, SEED)
     device: str = setting("auto", DEVICES)
     dtype: str = setting("float32", one_of("float32", "bfloat16"))  # bfloat16: autocast
     compile: bool = False  # torch.compile the training step's forward and backward

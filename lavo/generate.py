@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from .settings import at_least, between, check_settings, setting
+from .settings import SEED, at_least, between, check_settings, setting
 
 
 @dataclass
@@ -21,7 +21,7 @@ class SamplingSettings:
     temperature: float = setting(0.8, at_least(0))  # 0: greedy
     top_k: int | None = setting(50, at_least(0))  # 0 or None: no top-k filter
     top_p: float | None = setting(0.95, between(0, 1, low_open=True))  # 1 or None: no top-p filter
-    seed: int = setting(0, at_least(0))
+    seed: int = setting(0, SEED)
     num_samples: int = setting(1, at_least(1))
 
     def __post_init__(self):

@@ -50,6 +50,10 @@ def between(low: float, high: float, *, high_open: bool = False, low_open: bool 
                    f"in {left}{low:g}, {high:g}{right}")
 
 
+# a random seed: what torch's generators take (they read it as a signed 64-bit integer)
+SEED = Allowed(lambda v: 0 <= v < 2**63, "in [0, 2^63)")
+
+
 def one_of(*choices: str) -> Allowed:
     return Allowed(lambda v: v in choices, f"one of {', '.join(choices)}")
 

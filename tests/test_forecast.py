@@ -252,7 +252,8 @@ def test_settings_are_checked(changes, message):
 @pytest.mark.parametrize("grid, message", [
     (([24], [0], ["repeat_last"], [0]), "forecast.horizon must be a non-empty list of integers, each >= 1; got [0]"),
     (([0], [12], ["repeat_last"], [0]), "forecast.input must be a non-empty list of integers, each >= 1; got [0]"),
-    (([24], [12], ["repeat_last"], [-1]), "forecast.seed must be a non-empty list of integers, each >= 0; got [-1]"),
+    (([24], [12], ["repeat_last"], [-1]),
+     "forecast.seed must be a non-empty list of integers, each in [0, 2^63); got [-1]"),
     (([24], [12], ["nope"], [0]), "forecast.method must be a non-empty list of strings, each one of abc, cosformer, "
                                   "lavo, performer, softmax, repeat_last, seasonal_naive, dlinear; got ['nope']"),
 ])

@@ -79,6 +79,8 @@ def test_numbers_are_converted_to_their_type():
     (["generate", "r", "--top-k", "-5"], "argument --top-k: must be an integer >= 0; got '-5'"),
     (["generate", "r", "--temperature", "-1"], "argument --temperature: must be a number >= 0; got '-1'"),
     (["generate", "r", "--device", "gpu"], "argument --device: must be auto, cpu, cuda or cuda:N; got 'gpu'"),
+    (["generate", "r", "--seed", str(2**63)], f"argument --seed: must be an integer in [0, 2^63); got '{2**63}'"),
+    (["listops", "--out", "o", "--seed", "-1"], "argument --seed: must be an integer in [0, 2^63); got '-1'"),
     (["data", "--tokenizer", "wordpiece"], "argument --tokenizer: must be gpt2 or bpe<vocab size>"),
     (["train", "--resume", "--overwrite"], "argument --overwrite: not allowed with argument --resume"),
 ])

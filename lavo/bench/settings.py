@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..registry import attention_class
-from ..settings import at_least, matches, setting
+from ..settings import SEED, at_least, matches, setting
 
 DEFAULT_SECTIONS = ("attention", "decode", "model", "flops")
 SECTIONS = DEFAULT_SECTIONS + ("profile",)  # the profile runs when asked for
@@ -58,7 +58,7 @@ class Settings:
     device: str = setting(allowed=matches(r"cpu|cuda(:\d+)?", "cpu, cuda or cuda:N"))
     backend: str
     threads: int | None = setting(allowed=at_least(1))
-    seed: int = setting(allowed=at_least(0))
+    seed: int = setting(allowed=SEED)
     quick: bool
 
     @property

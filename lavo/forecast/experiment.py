@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..files import write_json
 from ..model import count_parameters
 from ..registry import CROSS_ATTENTIONS
-from ..settings import above, at_least, between, check_same_settings, check_settings, one_of, setting
+from ..settings import SEED, above, at_least, between, check_same_settings, check_settings, one_of, setting
 from .baselines import DLinear, RepeatLast, SeasonalNaive
 from .data import TARGET_COLUMN, Series, Standardised, gather_windows, standardise, window_starts
 from .model import Forecaster
@@ -60,7 +60,7 @@ class Grid:
     input: list[int] = setting(allowed=at_least(1))
     horizon: list[int] = setting(allowed=at_least(1))
     method: list[str] = setting(allowed=one_of(*sorted(CROSS_ATTENTIONS), *BASELINES))
-    seed: list[int] = setting(allowed=at_least(0))
+    seed: list[int] = setting(allowed=SEED)
 
     def __post_init__(self):
         check_settings(self, "forecast")
