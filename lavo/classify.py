@@ -22,8 +22,8 @@ from torch import nn
 from .files import write_json
 from .listops import CLASSES, VOCAB, ListOpsSpec, Split, make_splits
 from .model import Block, ModelConfig, add_positions, count_parameters, initialise, parameter_groups
-from .settings import (SEED, SettingsError, above, at_least, check_known, check_same_settings, check_settings,
-                       setting)
+from .settings import (SEED, SettingsError, above, at_least, check_at_most, check_known, check_same_settings,
+                       check_settings, setting)
 from .train import learning_rate
 
 
@@ -82,8 +82,7 @@ class ListOpsRun:
 
     def __post_init__(self):
         check_settings(self, "listops")
-        if self.min_lr > self.lr:
-            raise SettingsError(f"listops.min_lr must be at most listops.lr ({self.lr:g}); got {self.min_lr:g}")
+        check_at_most(self, "listops", "min_lr", "lr")
 
     @classmethod
     def from_dict(cls, values: dict) -> "ListOpsRun":

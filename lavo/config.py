@@ -21,8 +21,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package
     import tomli as tomllib
 
 from .model import ModelConfig, model_config
-from .settings import (SEED, Allowed, SettingsError, above, at_least, between, check_known, check_settings, matches,
-                       one_of, setting)
+from .settings import (SEED, Allowed, SettingsError, above, at_least, between, check_at_most, check_known,
+                       check_settings, matches, one_of, setting)
 
 
 # a tokenizer name: GPT-2's, or a byte-level BPE trained on the data (more than the 256 bytes and <|endoftext|>)
@@ -71,8 +71,7 @@ class TrainConfig:
 
     def __post_init__(self):
         check_settings(self, "train")
-        if self.min_lr > self.lr:
-            raise SettingsError(f"train.min_lr must be at most train.lr ({self.lr:g}); got {self.min_lr:g}")
+        check_at_most(self, "train", "min_lr", "lr")
 
 
 SECTIONS = {"data": DataConfig, "train": TrainConfig}

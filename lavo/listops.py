@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .settings import SettingsError, at_least, check_settings, setting
+from .settings import SettingsError, at_least, check_at_most, check_settings, setting
 
 OPERATORS = ("[MAX", "[MIN", "[MED", "[SM")
 CLOSE = "]"
@@ -63,9 +63,7 @@ class ListOpsSpec:
 
     def __post_init__(self):
         check_settings(self, "listops.spec")
-        if self.min_length > self.max_length:
-            raise SettingsError(f"listops.spec.min_length must be at most listops.spec.max_length "
-                                f"({self.max_length}); got {self.min_length}")
+        check_at_most(self, "listops.spec", "min_length", "max_length")
         if self.min_length > self.longest():  # no draw could ever be long enough: generate() would never end
             raise SettingsError(f"listops.spec.min_length ({self.min_length}) is longer than any expression of "
                                 f"depth {self.max_depth} with {self.max_args} arguments per operator can be "

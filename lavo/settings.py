@@ -189,6 +189,14 @@ def flag_type(cls: type, name: str) -> Callable[[str], Any]:
     return parse_flag
 
 
+def check_at_most(obj: Any, section: str, name: str, bound: str) -> None:
+    """Raise :class:`SettingsError` when the setting ``name`` of ``obj`` exceeds its setting ``bound`` (e.g. a
+    minimum learning rate above the peak one)."""
+    value, limit = getattr(obj, name), getattr(obj, bound)
+    if value > limit:
+        raise SettingsError(f"{section}.{name} must be at most {section}.{bound} ({limit:g}); got {value:g}")
+
+
 def check_same_settings(path: Any, recorded: dict, requested: dict, advice: str) -> None:
     """Raise ``ValueError`` unless the settings ``recorded`` with the results in ``path`` equal the ``requested``
     ones (results are reused only for the settings they were made with); the message names each setting that
