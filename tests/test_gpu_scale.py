@@ -120,10 +120,10 @@ def test_a_run_that_cannot_finish_within_one_call_is_not_started(dry, capsys):
     run, out = dry
     results = out / "results"
     results.mkdir(parents=True)
-    calls = [{"finished": [], "stopped": "local-s1", "step_seconds": {"local": 9.0, "abc": 1.0}},
-             {"finished": [], "stopped": "local-s2", "step_seconds": {"local": 50.0}}]
+    calls = [{"finished": [], "stopped": "local-s1", "step_seconds": {"local": 50.0, "abc": 1.0}},
+             {"finished": [], "stopped": "local-s2", "step_seconds": {"local": 90.0}}]
     (results / "calls.jsonl").write_text("".join(json.dumps(call) + "\n" for call in calls))
-    assert driver.measured_step_seconds(results) == {"local": 50.0, "abc": 1.0}
+    assert driver.measured_step_seconds(results) == {"local": 50.0, "abc": 1.0}  # the fastest measured
     assert run("--only", "local-s0,lavo-s0", "--budget", "150") == 0
     log = capsys.readouterr().out
     # 4 steps at 50 s, plus the time kept for scoring (1.5 times lavo-s0's, a second or so): > 150 s
@@ -137,6 +137,29 @@ def test_a_run_that_cannot_finish_within_one_call_is_not_started(dry, capsys):
         lavo["train_seconds_this_machine"] + lavo["eval_seconds"])
     assert driver.estimate_seconds(planned["abc-s0"], [lavo], {"abc": 1.0}) == pytest.approx(
         4 * 1.0 + 1.5 * lavo["eval_seconds"])
+
+def test_a_run_that_fails_is_recorded_and_cannot_hold_up_the_others(dry, capsys, monkeypatch):
+    run, out = dry
+    train_and_score = driver.train_and_score
+
+    def out_of_memory(planned, *args):
+        if planned.name == "lavo-s0":
+            raise RuntimeError("CUDA out of memory")
+        return train_and_score(planned, *args)
+
+    monkeypatch.setattr(driver, "train_and_score", out_of_memory)
+    assert run("--only", "lavo-s0,local-s0") == 0
+    log = capsys.readouterr().out
+    assert "[failed] lavo-s0:" in log and "RuntimeError: CUDA out of memory" in log
+    results = out / "results"
+    assert sorted(p.name for p in results.glob("*.json")) == ["local-s0.json"]
+    call = json.loads((results / "calls.jsonl").read_text().splitlines()[-1])
+    assert call["failed"] == {"lavo-s0": "RuntimeError: CUDA out of memory"} and call["finished"] == ["local-s0"]
+    # the next call takes the run that failed last: another run goes first
+    assert run("--only", "lavo-s0,local-s1", "--max-runs", "1") == 0
+    log = capsys.readouterr().out
+    assert "[train] local-s1" in log and "[train] lavo-s0" not in log
+
 
 def test_dry_run_of_an_unknown_run_is_refused(dry):
     run, _ = dry

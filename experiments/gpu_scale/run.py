@@ -20,6 +20,7 @@ import shutil
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -115,7 +116,7 @@ def check_corpus(plan: dict, data_dir: str) -> None:
 def train_within(config: RunConfig, deadline: float, step_limit: int | None, log) -> tuple[bool, float | None]:
     """Train (or resume) one run, whose directory the caller has locked, until it is finished, ``deadline``
     (``time.monotonic()``) is near or ``step_limit`` steps were done in this call; checkpoints on the way. Returns
-    whether the run is finished and the seconds per step of its last chunk (None if it trained none)."""
+    whether the run is finished and its seconds per step (:func:`train_within`'s pace; None if it trained none)."""
     from lavo.train import Distributed, Trainer, check_run_directory, prepare_run, resolve_device
 
     env, steps, interval = Distributed(), config.train.steps, config.train.checkpoint_interval or config.train.steps
@@ -124,18 +125,20 @@ def train_within(config: RunConfig, deadline: float, step_limit: int | None, log
     trainer.restore()
     trainer.start()
     budget = steps if step_limit is None else step_limit
-    seconds_per_step = None
+    timings = []  # seconds per step of each chunk
     while trainer.progress.step < steps and budget > 0:
         chunk = min(interval, steps - trainer.progress.step, budget)
-        if seconds_per_step is not None:  # the next chunk must end before the deadline
-            chunk = min(chunk, int((deadline - time.monotonic()) / seconds_per_step))
+        if timings:  # the next chunk must end before the deadline, at the last chunk's pace
+            chunk = min(chunk, int((deadline - time.monotonic()) / timings[-1]))
             if chunk < 1:
                 break
         started, first = time.monotonic(), trainer.progress.step
         trainer.run(first + chunk)  # checkpoints at its end
-        seconds_per_step = (time.monotonic() - started) / max(1, trainer.progress.step - first)
+        timings.append((time.monotonic() - started) / max(1, trainer.progress.step - first))
         budget -= trainer.progress.step - first
-    return trainer.progress.step >= steps, seconds_per_step
+    # the model's pace: the fastest chunk after the first, which also compiles and warms up (all there is of one)
+    pace = min(timings[1:] or timings) if timings else None
+    return trainer.progress.step >= steps, pace
 
 
 def evaluate(run_dir: Path, run: PlannedRun, plan_eval: dict, long_eval: dict, device, log) -> dict:
@@ -190,11 +193,18 @@ def past_calls(results_dir: Path) -> list[dict]:
 
 
 def measured_step_seconds(results_dir: Path) -> dict[str, float]:
-    """Seconds per training step by model, as the last call that stopped a run of it measured them."""
-    step_seconds = {}
+    """Seconds per training step by model: the fastest any call that stopped a run of it measured (a slower one
+    shared the GPU with more workers, or timed a run's first chunk)."""
+    step_seconds: dict[str, float] = {}
     for call in past_calls(results_dir):
-        step_seconds.update(call.get("step_seconds", {}))
+        for model, seconds in call.get("step_seconds", {}).items():
+            step_seconds[model] = min(seconds, step_seconds.get(model, seconds))
     return step_seconds
+
+
+def failed_before(results_dir: Path) -> set[str]:
+    """The runs an earlier call saw fail (``calls.jsonl``'s ``failed``)."""
+    return {name for call in past_calls(results_dir) for name in call.get("failed", {})}
 
 
 def same_model_first(run: PlannedRun, done: list[dict]) -> list[dict]:
@@ -229,8 +239,8 @@ def finished_results(results_dir: Path) -> dict[str, dict]:
 def train_and_score(run: PlannedRun, runs_dir: Path, plan_eval: dict, long_eval: dict, deadline: float,
                     step_limit: int | None, log) -> tuple[dict | None, float | None]:
     """Train ``run`` (its directory locked by the caller) until done or ``deadline`` less the time its scoring
-    needs, then score it. Returns its results record (None when training stopped first) and the seconds per
-    step of its last training chunk."""
+    needs, then score it. Returns its results record (None when training stopped first) and its seconds per
+    step (:func:`train_within`'s pace)."""
     from lavo.train import resolve_device
 
     config = run_config(run, runs_dir)
@@ -286,19 +296,23 @@ def claimed(run_dir: Path):
 
 def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir: Path, results_dir: Path,
              budget: float, max_runs: int | None, step_limit: int | None, archive: Path | None = None,
-             log=print, call: dict | None = None) -> dict:
+             log=print, call: dict | None = None, call_budget: float | None = None) -> dict:
     """Train and score the unfinished ``runs`` in order until ``budget`` seconds are spent or ``max_runs`` have
     finished; returns what this call did (also appended to ``results/calls.jsonl``, with ``call``'s entries).
     ``archive``: a tar file of the results folder, written again after each finished run. Each run is trained
     under its directory's lock, so workers of one call (:func:`run_workers`) share the plan: a run another
-    process holds is passed over."""
+    process holds is passed over. A run that raises is logged, recorded under ``failed`` and passed over; in
+    later calls the runs that failed come last, so that one cannot stop the others. ``call_budget``: a whole
+    call's seconds (default ``budget``), what a run must fit in to be started at all."""
     from lavo.train import resolve_device
 
     started, start_time = time.monotonic(), datetime.now(timezone.utc).isoformat(timespec="seconds")
     deadline = started + budget
     results_dir.mkdir(parents=True, exist_ok=True)
     step_seconds, measured = measured_step_seconds(results_dir), {}
-    finished, stopped, device = [], None, None
+    failed_earlier = failed_before(results_dir)
+    runs = sorted(runs, key=lambda run: run.name in failed_earlier)  # stable: the plan's order otherwise
+    finished, stopped, failed, device = [], None, {}, None
     with GpuUtilization() as utilization:
         for run in runs:
             results = finished_results(results_dir)  # other workers' too
@@ -311,7 +325,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
             if left <= eval_reserve:
                 break
             resuming = (runs_dir / run.name / "state.pt").exists()
-            reason = not_now(run, list(results.values()), step_seconds, budget, left, resuming)
+            reason = not_now(run, list(results.values()), step_seconds, call_budget or budget, left, resuming)
             if reason is not None:
                 log(reason)
                 continue
@@ -323,8 +337,13 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
                     continue
                 log(f"[train] {run.name}" + (" (resuming)" if resuming else ""))
                 device = device_name(resolve_device(run.values["train"]["device"]))
-                record, seconds_per_step = train_and_score(run, runs_dir, plan_eval, long_eval,
-                                                           deadline - eval_reserve, step_limit, log)
+                try:
+                    record, seconds_per_step = train_and_score(run, runs_dir, plan_eval, long_eval,
+                                                               deadline - eval_reserve, step_limit, log)
+                except Exception as error:  # e.g. out of memory: the other runs still get their turn
+                    log(f"[failed] {run.name}:\n{traceback.format_exc()}")
+                    failed[run.name] = f"{type(error).__name__}: {error}"[:500]
+                    continue
                 if record is not None:  # written under the lock: no other worker starts the run again
                     write_json(results_dir / f"{run.name}.json", record)
             if record is None:
@@ -339,7 +358,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
     done = finished_results(results_dir)
     call = {**(call or {}), "started": start_time, "wall_s": round(time.monotonic() - started, 1),
             "budget_s": budget, "device": device, "gpu_utilization": utilization.mean(),
-            "finished": finished, "stopped": stopped, "step_seconds": measured,
+            "finished": finished, "stopped": stopped, "failed": failed, "step_seconds": measured,
             "remaining": [r.name for r in runs if r.name not in done]}
     add_call(results_dir, call, archive)
     return call
@@ -368,8 +387,8 @@ def call_with_workers(workers: str, command: list[str], limits: list[str], runs:
             log(f"[probe] {count} worker(s)")
     call["workers"] = count
     left = budget - (time.monotonic() - started)
-    status = run_workers(command + limits + ["--budget", f"{left:.0f}", "--call", call_id], count, results_dir,
-                         lambda: pack(results_dir, archive))
+    status = run_workers(command + limits + ["--budget", f"{left:.0f}", "--call-budget", f"{budget:.0f}", "--call",
+                                             call_id], count, results_dir, lambda: pack(results_dir, archive))
     call |= {"started": call_id, "wall_s": round(time.monotonic() - started, 1), "budget_s": budget}
     add_call(results_dir, call, archive)
     return status
@@ -444,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"seconds each phase of the --workers auto probe trains [{PROBE_SECONDS:g}]")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "k/n": one of --workers' processes
     parser.add_argument("--call", default=None, help=argparse.SUPPRESS)  # the call a worker belongs to
+    parser.add_argument("--call-budget", type=float, default=None, help=argparse.SUPPRESS)  # its whole budget
     parser.add_argument("--probe-worker", default=None, help=argparse.SUPPRESS)  # "k/n": one of the probe's
     parser.add_argument("--probe-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", default=None, help="the prepared corpus (default: the plan's data_dir)")
@@ -492,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         log = lambda message: print(f"[worker {args.worker}] {message}", flush=True)  # noqa: E731
         call = {"call": args.call, "worker": args.worker}
     call = run_plan(runs, plan_eval, long_eval, runs_dir, results_dir, args.budget, args.max_runs, args.step_limit,
-                    archive, log, call)
+                    archive, log, call, args.call_budget)
     print(json.dumps({key: call[key] for key in ("wall_s", "finished", "stopped")}
                      | {"remaining": len(call["remaining"])}))
     return 0
