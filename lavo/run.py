@@ -43,12 +43,15 @@ EXPORTED_MODEL_TYPE = "lavo_lm"  # `model_type` in the config.json of a director
 
 
 def save_run_config(run_dir: str | os.PathLike, config: RunConfig, model_config: ModelConfig,
-                    tokenizer: Tokenizer) -> None:
-    """``config.json`` and ``tokenizer.json``: what :func:`load_run` needs besides the weights."""
+                    tokenizer: Tokenizer, held_out: list[str]) -> None:
+    """``config.json`` and ``tokenizer.json``: what :func:`load_run` needs besides the weights. ``held_out``: the
+    names of the documents the run held out, recorded as ``data.holdout``, so that its evaluation scores those
+    even after the source has changed (a folder's default, its last ~10%, moves when files are added)."""
     values = config.to_dict()
     values["model"] = model_config.to_dict()
     del values["train"]["out_dir"]
     data = values["data"]
+    data["holdout"] = list(held_out)
     # absolute, so that the run finds its data from any working directory (`lavo eval --data-dir` overrides)
     data["data_dir"] = str(Path(data["data_dir"]).resolve())
     if not is_builtin(data["source"]):

@@ -295,7 +295,8 @@ class Trainer:
         """Write the run's config and tokenizer, describe the model, and wrap it for data parallelism."""
         config, model = self.model_config, self.model
         if self.env.main:
-            save_run_config(self.run_dir, self.config, config, self.data.tokenizer)
+            held_out = [doc["name"] for doc in self.data.manifest["splits"]["valid"]["documents"]]
+            save_run_config(self.run_dir, self.config, config, self.data.tokenizer, held_out)
             self.log(f"model: {config.attention} {config.attention_options or ''} position={config.position}, "
                      f"{count_parameters(model) / 1e6:.2f}M parameters "
                      f"({count_parameters(model, exclude_embedding=True) / 1e6:.2f}M without embeddings)")

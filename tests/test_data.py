@@ -246,3 +246,64 @@ def test_orphaned_temporary_files_are_removed(corpus, tmp_path):
     mine.write_text("still being written")
     D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
     assert not orphan.exists() and mine.exists()
+
+
+def test_the_text_of_the_end_of_text_token_stays_text(corpus, tmp_path):
+    """Only the separator between documents is <|endoftext|>; a document that mentions it keeps its words."""
+    prepared = D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
+    tok = prepared.tokenizer
+    ids = tok.encode("the <|endoftext|> marker")
+    assert tok.eot_id not in ids and tok.decode(ids) == "the <|endoftext|> marker"
+
+
+def test_a_held_out_document_that_is_also_a_training_document_is_refused(tmp_path):
+    source = write_corpus(tmp_path / "c", documents=3, words=80)
+    (source / "link.txt").symlink_to(source / "doc1.txt")
+    with pytest.raises(D.DataError, match=r"held-out document 'doc1' has the same text as training document "
+                                          r"'link' \(a copy, or a link to the same file\)"):
+        D.prepare(str(source), "bpe300", tmp_path / "data", holdout=["doc1"], log=quiet)
+
+
+def test_a_run_of_text_too_long_for_bpe_training_is_refused_before_it(tmp_path):
+    source = write_corpus(tmp_path / "c", documents=3, words=80)
+    (source / "blob.txt").write_text("x" * (D.LONGEST_WORD + 1))
+    with pytest.raises(D.DataError, match=r"document 'blob' has a run of 100,001 characters without whitespace"):
+        D.prepare(str(source), "bpe300", tmp_path / "data", holdout=["doc0"], log=quiet)
+
+
+@pytest.mark.parametrize("name, message", [
+    (b"caf\xe9.txt", r"the file name 'caf\\udce9.txt' in .* is not valid UTF-8: rename it"),
+    (b"blank.txt", r"held-out documents \['blank'\] are not in the source \(an empty or whitespace-only \.txt "
+                   r"file is not a document\)"),
+])
+def test_files_that_are_no_document_are_named(tmp_path, name, message):
+    source = write_corpus(tmp_path / "c", documents=3, words=80)
+    with open(os.path.join(os.fsencode(source), name), "w") as file:
+        file.write(" \n")
+    with pytest.raises(D.DataError, match=message):
+        D.prepare(str(source), "bpe300", tmp_path / "data", holdout=["blank"], log=quiet)
+
+
+def test_a_missing_folder_with_a_plus_in_its_path_is_not_taken_for_a_mix(tmp_path):
+    with pytest.raises(D.DataError, match=r"data source '.*my\+corpus' is neither a built-in corpus"):
+        D.prepare(str(tmp_path / "my+corpus"), "bpe300", tmp_path / "data", log=quiet)
+
+
+def test_a_damaged_tokenizer_in_the_cache_says_to_rebuild(corpus, tmp_path):
+    prepared = D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
+    (prepared.directory / "tokenizer.json").write_text("{")
+    with pytest.raises(D.DataError, match=r"tokenizer.json is unreadable .*: delete .* or run .*--rebuild"):
+        D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
+
+
+def test_staging_folders_and_retired_folders_of_dead_processes_are_removed(tmp_path):
+    import subprocess
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    texts = tmp_path / "python" / "texts"
+    staged, retired = texts.with_name(f".texts.tmp{dead.pid}"), texts.with_name(f".cache.old{dead.pid}")
+    for folder in (staged, retired):
+        (folder / "sub").mkdir(parents=True)
+    staging = D.staging_folder(texts)
+    assert staging == texts.with_name(f".texts.tmp{os.getpid()}") and staging.is_dir()
+    assert not staged.exists() and not retired.exists()

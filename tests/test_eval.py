@@ -76,7 +76,6 @@ def test_table_and_plot(tmp_path):
 def test_any_text_is_scored_with_the_runs_tokenizer(tmp_path, capsys):
     from lavo.cli import main
     from lavo.config import RunConfig
-    from lavo.data import EOT
     from lavo.evaluate import text_tokens
     from lavo.run import load_run
     from lavo.train import train
@@ -88,7 +87,8 @@ def test_any_text_is_scored_with_the_runs_tokenizer(tmp_path, capsys):
 
     folder = text_tokens(texts, tokenizer)
     one = text_tokens(texts / "doc1.txt", tokenizer)
-    assert folder.tolist() == tokenizer.encode((texts / "doc0.txt").read_text() + EOT) + one.tolist()
+    first = tokenizer.encode((texts / "doc0.txt").read_text()) + [tokenizer.eot_id]
+    assert folder.tolist() == first + one.tolist()
     assert one[-1] == tokenizer.eot_id
 
     capsys.readouterr()
@@ -101,3 +101,22 @@ def test_any_text_is_scored_with_the_runs_tokenizer(tmp_path, capsys):
     assert saved["results"]["run"] == {str(length): result for length, result in expected.items()}
     assert main(["eval", str(tmp_path / "run"), "--text", str(tmp_path / "nothing.txt"), "--lengths", "16"]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_a_run_scores_the_documents_it_held_out_after_files_are_added_to_its_folder(tmp_path, capsys):
+    """A folder's default held-out documents are its last ~10% by name: the run records which they were, so a
+    file added later (sorting after them) does not move a training document into the evaluation."""
+    from lavo.config import RunConfig
+    from lavo.evaluate import evaluate_runs
+    from lavo.train import train
+    from lm_corpus import tiny_run, write_corpus
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
+    config = tiny_run(corpus, tmp_path / "data", tmp_path / "run", steps=2)
+    config["data"]["holdout"] = None
+    train(RunConfig.from_dict(config), log=lambda *_: None)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["data"]["holdout"] == ["doc3"]
+    before = evaluate_runs([str(tmp_path / "run")], lengths=[32], device="cpu", progress=False, log=lambda *_: None)
+    for name in ("zz0", "zz1", "zz2", "zz3", "zz4", "zz5"):  # 10 documents: the default would hold out two
+        (corpus / f"{name}.txt").write_text((corpus / "doc0.txt").read_text())
+    after = evaluate_runs([str(tmp_path / "run")], lengths=[32], device="cpu", progress=False, log=lambda *_: None)
+    assert after == before
