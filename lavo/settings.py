@@ -176,7 +176,8 @@ def flag_type(cls: type, name: str) -> Callable[[str], Any]:
 
     def parse_flag(text: str) -> Any:
         try:
-            value = [parse(item) for item in text.split(",") if item.strip()] if kind.base is list else parse(text)
+            items = [item.strip() for item in text.split(",")]  # "doc0, doc1": the names, not " doc1"
+            value = [parse(item) for item in items if item] if kind.base is list else parse(text)
         except ValueError:
             value = text
         value, ok = check_value(value, kind, allowed)

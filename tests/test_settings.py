@@ -91,6 +91,13 @@ def test_bad_flags_are_refused_by_the_parser(argv, message, capsys):
     assert f"lavo {argv[0]}: error: {message}" in capsys.readouterr().err
 
 
+def test_list_flags_drop_the_spaces_around_their_items():
+    from lavo.config import DataConfig
+    from lavo.evaluate import EvalSettings
+    assert flag_type(DataConfig, "holdout")("doc0, doc1") == ["doc0", "doc1"]
+    assert flag_type(EvalSettings, "lengths")(" 256 , 512") == [256, 512]
+
+
 def test_the_library_checks_the_same_ranges():
     with pytest.raises(SettingsError, match=r"eval.lengths must be a non-empty list of integers, each >= 1, or null; "
                                             r"got \[-256\]"):
