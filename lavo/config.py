@@ -66,7 +66,8 @@ class TrainConfig:
     eval_interval: int = setting(0, at_least(0))  # 0: no validation during training
     eval_batches: int = setting(4, at_least(1))
     checkpoint_interval: int = setting(100, at_least(0))  # 0: only at the end (and on interruption)
-    time_limit: float | None = setting(None, at_least(0))  # seconds; stop early (and checkpoint) when reached
+    # seconds one call may train (each --resume has its own); then it stops after the step and checkpoints
+    time_limit: float | None = setting(None, at_least(0))
     progress: bool = True
 
     def __post_init__(self):

@@ -52,7 +52,8 @@ def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
 
 
 def learning_rate(step: int, config) -> float:
-    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr`` at ``steps``."""
+    """The rate of step ``step`` (0-based): linear warmup to ``lr`` over ``warmup`` steps, then cosine decay that
+    would reach ``min_lr`` at step ``steps``, one past the last step trained."""
     if step < config.warmup:
         return config.lr * (step + 1) / config.warmup
     progress = min(1.0, (step - config.warmup) / max(1, config.steps - config.warmup))
@@ -246,6 +247,7 @@ class Trainer:
         self.replica = self.model  # what the steps call: the model, or its DDP or compiled wrapper
         self.bar = None  # the progress bar, while run() runs
         self.window_start, self.window_tokens = time.perf_counter(), 0  # throughput since the last record
+        self.call_started = self.window_start  # when this call's run() began: what train.time_limit counts from
 
     def restore(self) -> None:
         """Continue from the run directory's checkpoint: weights, optimiser, sampler, counters and RNG. Refuses
@@ -253,7 +255,7 @@ class Trainer:
         if not has_checkpoint(self.run_dir):
             self.log(f"no checkpoint in {self.run_dir}; starting a new run")
             return
-        self.check_same_settings()
+        saved = self.check_same_settings()
         state = load_checkpoint(self.run_dir, self.model)
         self.check_same_data(state)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -265,10 +267,15 @@ class Trainer:
         if self.env.main:
             self.metrics.forget_after(self.progress.step)
         self.log(f"resumed {self.run_dir} at step {self.progress.step}")
+        if saved.train.steps != self.tc.steps:
+            step = self.progress.step
+            self.log(f"train.steps is {self.tc.steps}, the run's was {saved.train.steps}: the learning-rate schedule "
+                     f"now decays to step {self.tc.steps}, so the rate at step {step} is "
+                     f"{learning_rate(step, self.tc):.3g} instead of {learning_rate(step, saved.train):.3g}")
 
-    def check_same_settings(self) -> None:
+    def check_same_settings(self) -> RunConfig:
         """Refuse to resume with model or training settings other than the run's own (``config.json``): the
-        checkpoint holds what they made. Only :data:`RESUMABLE_CHANGES` may differ."""
+        checkpoint holds what they made. Only :data:`RESUMABLE_CHANGES` may differ. Returns the run's config."""
         saved = read_run_config(self.run_dir)
         before = {"model": saved.model_config().to_dict(), "train": asdict(saved.train)}
         now = {"model": self.model_config.to_dict(), "train": asdict(self.tc)}
@@ -279,6 +286,7 @@ class Trainer:
             raise RunError(f"{self.run_dir} was trained with other settings than asked now: {'; '.join(changed)}. "
                            "A resumed run continues with its own settings (its config.json): drop these, or "
                            "start again with --overwrite or another train.out_dir")
+        return saved
 
     def check_same_data(self, state: dict) -> None:
         data = self.data
@@ -356,6 +364,12 @@ class Trainer:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{speed:,.0f}")
 
+    def off_the_clock(self, work: Callable[[], None]) -> None:
+        """Do ``work`` (validation, a checkpoint) without counting its time in the training throughput."""
+        begin = time.perf_counter()
+        work()
+        self.window_start += time.perf_counter() - begin
+
     def validate(self) -> None:
         tc = self.tc
         valid = valid_loss(self.model, self.data.valid.tokens, tc.train_length, tc.eval_batches, tc.batch_size,
@@ -387,14 +401,14 @@ class Trainer:
         """``"interrupt"``, ``"time"`` or None: whether to stop now, agreed by every process (so that all of
         them stop after the same step)."""
         tc = self.tc
-        flags = torch.tensor([float(stops.requested),
-                              float(tc.time_limit is not None and self.progress.elapsed > tc.time_limit)])
+        late = tc.time_limit is not None and time.perf_counter() - self.call_started > tc.time_limit
+        flags = torch.tensor([float(stops.requested), float(late)])
         if self.env.enabled:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0]:
             return "interrupt"
         if flags[1]:
-            self.say(f"time limit of {tc.time_limit:.0f}s reached at step {self.progress.step}")
+            self.say(f"time limit of {tc.time_limit:g} s for this call reached at step {self.progress.step}")
             return "time"
         return None
 
@@ -413,7 +427,8 @@ class Trainer:
             self.bar = tqdm(total=tc.steps, initial=p.step, desc=self.run_dir.name, unit="step", dynamic_ncols=True)
         self.model.train()
         self.window_start, self.window_tokens = time.perf_counter(), 0
-        started = time.perf_counter() - p.elapsed
+        self.call_started = time.perf_counter()
+        started = self.call_started - p.elapsed
         try:
             with StopRequests() as stops:
                 while p.step < end:
@@ -429,7 +444,7 @@ class Trainer:
                     if self.bar is not None:
                         self.bar.update(1)
                     if tc.eval_interval and (p.step % tc.eval_interval == 0 or p.step == tc.steps) and self.env.main:
-                        self.validate()
+                        self.off_the_clock(self.validate)
                     stop = self.stop_reason(stops)
                     if stop == "interrupt":
                         self.say(f"interrupted after step {p.step}; saving a checkpoint (resume with --resume)")
@@ -438,7 +453,7 @@ class Trainer:
                     if stop == "time":
                         break
                     if tc.checkpoint_interval and p.step % tc.checkpoint_interval == 0 and p.step < end:
-                        self.checkpoint()
+                        self.off_the_clock(self.checkpoint)
         finally:
             if self.bar is not None:
                 self.bar.close()

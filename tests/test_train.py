@@ -207,6 +207,34 @@ def test_bfloat16_autocast_and_time_limit(corpus, tmp_path):
     assert state["step"] == 1
 
 
+def test_a_time_limit_is_per_call_and_validation_is_not_counted_as_training_speed(corpus, tmp_path, monkeypatch):
+    from lavo.train import Trainer
+    lines = []
+    first = train(run(corpus, tmp_path, "limited", steps=10_000, time_limit=2.0, log_interval=1000), log=quiet)
+    assert 1 < first["step"] < 10_000
+    second = train(run(corpus, tmp_path, "limited", steps=10_000, time_limit=2.0, log_interval=1000), resume=True,
+                   log=lines.append)
+    assert second["step"] > first["step"] + 1  # two new seconds, not the ones the first call spent
+    assert any("time limit of 2 s for this call reached" in line for line in lines)
+
+    validate = Trainer.validate
+    monkeypatch.setattr(Trainer, "validate", lambda self: (time.sleep(0.3), validate(self)))
+    train(run(corpus, tmp_path, "validated", steps=3, eval_interval=1), log=quiet)
+    records = [json.loads(line) for line in (tmp_path / "validated" / "metrics.jsonl").read_text().splitlines()]
+    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["step"] > 1]
+    assert len(speeds) == 2 and min(speeds) > 4 * 32 / 0.3  # the 0.3 s of validation would cap it there
+
+
+def test_resuming_with_more_steps_says_how_the_schedule_changes(corpus, tmp_path):
+    train(run(corpus, tmp_path, "r", steps=4), log=quiet)
+    lines = []
+    train(run(corpus, tmp_path, "r", steps=8), resume=True, log=lines.append)
+    config = run(corpus, tmp_path, "r", steps=8).train
+    before = TrainConfig(**{**vars(config), "steps": 4})
+    assert (f"train.steps is 8, the run's was 4: the learning-rate schedule now decays to step 8, so the rate at "
+            f"step 4 is {learning_rate(4, config):.3g} instead of {learning_rate(4, before):.3g}") in lines
+
+
 def test_each_parameter_group_follows_the_schedule_at_its_own_scale(corpus, tmp_path):
     config = run(corpus, tmp_path, "s4d", steps=2, lr=4e-3)
     config.model.update(attention="s4d", attention_options={})
