@@ -31,7 +31,11 @@ class Cache:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def to(self: C, device: torch.device | str) -> C:
-        """The same cache with its tensors on ``device``."""
+        """The same cache with its tensors on ``device``; its dtypes are what the layer wrote (a cache cannot
+        change dtype: masks are bool, and sums may be kept in float32 under other inputs)."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"Cache.to moves a cache to a device, not to {device}: a cache keeps the dtypes its "
+                            "layer wrote")
         return _map(self, lambda t: t.to(device))
 
     def select(self: C, index: torch.Tensor) -> C:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .files import write_json
+from .layers.base import after_optimizer_step
 from .listops import CLASSES, VOCAB, ListOpsSpec, Split, make_splits
 from .model import Block, ModelConfig, add_positions, count_parameters, initialise, parameter_groups
 from .settings import (SEED, SettingsError, above, at_least, check_at_most, check_known, check_same_settings,
@@ -151,6 +152,7 @@ def train_listops(run: ListOpsRun, out_dir: str | Path, progress: bool = True, l
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), run.clip)
         optimizer.step()
+        after_optimizer_step(model)
         losses.append(loss.item())
         if not math.isfinite(losses[-1]):
             raise ValueError(f"{run.attention}: the training loss is {losses[-1]} at step {step + 1}")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .config import RunConfig
 from .data import Prepared, prepare
+from .layers.base import after_optimizer_step
 from .model import LanguageModel, count_parameters
 from .run import (MetricsLog, RunError, RunLock, clear_run, has_checkpoint, load_checkpoint, read_run_config,
                   recover_checkpoint, save_checkpoint, save_run_config, trained_files)
@@ -341,6 +342,7 @@ class Trainer:
             total += loss.detach() / tc.grad_accum
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip) if tc.grad_clip > 0 else None
         self.optimizer.step()
+        after_optimizer_step(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         if env.enabled:
             dist.all_reduce(total)

@@ -1,9 +1,11 @@
 """Performer (FAVOR+): chunked prefix sums and the associative form against explicit quadratic weights."""
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from reference_checks import assert_same_outputs_and_grads
 
 from lavo import build_attention
+from lavo.layers import after_optimizer_step
 from lavo.ops.performer import (orthogonal_random_features, performer_attention, performer_attention_causal,
                                 performer_attention_naive)
 
@@ -109,26 +111,44 @@ def test_layer_projection_is_a_buffer_saved_with_the_model():
     torch.testing.assert_close(other(x)[0], layer(x)[0])
 
 
-def test_redrawing_draws_new_features_every_interval_in_training_only():
+def test_redrawing_draws_new_features_every_interval_of_optimizer_steps():
     torch.manual_seed(0)
     layer = build_attention("performer", 16, 2, features=12, redraw_interval=2)
     fixed = build_attention("performer", 16, 2, features=12)
-    assert "training_calls" in layer.state_dict() and "training_calls" not in fixed.state_dict()
+    assert "optimizer_steps" in layer.state_dict() and "optimizer_steps" not in fixed.state_dict()
     x = torch.randn(1, 5, 16)
     draws = []
     for _ in range(5):
         draws.append(layer.projection.clone())
         layer(x)[0].sum().backward()
-    # new features before calls 2 and 4 (counting from 0): draws[3] is the first new one
-    assert [torch.equal(a, b) for a, b in zip(draws, draws[1:])] == [True, True, False, True]
-    assert int(layer.training_calls) == 5
+        layer(x)  # forward calls alone never redraw
+        after_optimizer_step(layer)
+    # new features after steps 2 and 4: draws[2] and draws[4] are the new ones
+    assert [torch.equal(a, b) for a, b in zip(draws, draws[1:])] == [True, False, True, False]
+    assert int(layer.optimizer_steps) == 5
     directions = layer.projection / layer.projection.norm(dim=1, keepdim=True)
     torch.testing.assert_close(directions[:8] @ directions[:8].T, torch.eye(8), atol=1e-5, rtol=0)
-    layer.eval()
-    before = layer.projection.clone()
-    for _ in range(4):
-        layer(x)
-    assert torch.equal(layer.projection, before) and int(layer.training_calls) == 5
+    before = fixed.projection.clone()
+    after_optimizer_step(fixed)
+    assert torch.equal(fixed.projection, before)
+
+
+def test_with_redraws_a_forward_is_a_function_checkpointing_and_caches_can_rely_on():
+    """Activation checkpointing runs the forward again during backward, and a training step may carry a cache
+    across chunks: with the redraw inside the forward, both used other features the second time."""
+    torch.manual_seed(0)
+    layer = build_attention("performer", 16, 2, features=12, redraw_interval=1).train()
+    x = torch.randn(2, 12, 16, requires_grad=True)
+    plain = torch.autograd.grad(layer(x)[0].square().sum(), x)[0]
+    recomputed = checkpoint(lambda a: layer(a)[0], x, use_reentrant=False).square().sum()
+    torch.testing.assert_close(torch.autograd.grad(recomputed, x)[0], plain)
+    whole, _ = layer(x)
+    first, cache = layer(x[:, :7])
+    rest, _ = layer(x[:, 7:], cache=cache)
+    torch.testing.assert_close(torch.cat([first, rest], 1), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_redraw_interval_is_checked():
     with pytest.raises(ValueError, match="redraw_interval must be a positive integer"):
         build_attention("performer", 16, 2, redraw_interval=0)
 

@@ -91,6 +91,52 @@ def test_an_empty_chunk_is_refused_alike(name):
             layer(torch.randn(1, 0, DIM, dtype=torch.float64), cache=given)
 
 
+@pytest.mark.parametrize("name", available_attentions())
+def test_an_empty_batch_is_refused_alike(name):
+    layer = _build(name, causal=True)
+    with pytest.raises(ValueError, match=r"x has an empty batch, shape \(0, 5, 32\); a call needs at least one "
+                                         r"sequence"):
+        layer(torch.randn(0, 5, DIM, dtype=torch.float64))
+
+
+def test_a_cache_of_another_kind_is_refused_by_name():
+    caches = {name: _build(name, causal=True)(torch.randn(1, 5, DIM, dtype=torch.float64))[1]
+              for name in available_attentions()}
+    for name in available_attentions():
+        layer = _build(name, causal=True)
+        if not layer.supports_decoding:
+            continue
+        for other, cache in caches.items():
+            if cache is None or isinstance(cache, layer.cache_types):
+                continue
+            with pytest.raises(ValueError, match=rf"{type(layer).__name__} continues a .*, got a "
+                                                 rf"{type(cache).__name__}: pass the cache this layer's previous "
+                                                 r"call returned"):
+                layer(torch.randn(1, 1, DIM, dtype=torch.float64), cache=cache)
+    local = build_attention("local", DIM, HEADS, window=4).double()
+    _, trimmed = local(torch.randn(1, 20, DIM, dtype=torch.float64))  # the last 4 to 7 positions only
+    with pytest.raises(ValueError, match=r"the cache holds the last \d+ of 20 positions \(a sliding-window "
+                                         r"layer's\)"):
+        _build("softmax", causal=True)(torch.randn(1, 1, DIM, dtype=torch.float64), cache=trimmed)
+
+
+def test_a_cache_moves_between_devices_but_keeps_its_dtypes():
+    _, cache = _build("lavo", causal=True)(torch.randn(1, 5, DIM, dtype=torch.float64))
+    assert [t.dtype for t in cache.to("cpu").tensors()] == [t.dtype for t in cache.tensors()]
+    with pytest.raises(TypeError, match="Cache.to moves a cache to a device, not to torch.bfloat16"):
+        cache.to(torch.bfloat16)
+
+
+def test_softmax_caches_what_autocast_computes_and_needs_no_parameters_to_start_one():
+    layer = build_attention("softmax", DIM, HEADS)
+    x = torch.randn(2, 9, DIM)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, cache = layer(x)
+    assert cache.keys.dtype == torch.bfloat16 and cache.nbytes() <= layer.cache_nbytes(2, 9, torch.bfloat16)
+    layer.parameters = lambda recurse=True: iter(())  # as in a replica nn.DataParallel makes
+    assert layer.empty_cache(2).keys.dtype == torch.get_default_dtype()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("how", ["module", "autocast"])
 @pytest.mark.parametrize("causal", [True, False])

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..files import write_json
+from ..layers.base import after_optimizer_step
 from ..model import count_parameters
 from ..registry import CROSS_ATTENTIONS
 from ..settings import SEED, above, at_least, between, check_same_settings, check_settings, one_of, setting
@@ -132,6 +133,7 @@ def fit(model: torch.nn.Module, train: Windows, val: Windows, settings: Settings
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
+        after_optimizer_step(model)
         step += 1
         bar.update()
         if step % settings.eval_every == 0 or step == settings.max_steps:

@@ -25,6 +25,8 @@ class ABCAttention(AttentionLayer):
     context length.
     """
 
+    cache_types = (ABCCache,)
+
     def __init__(self, dim: int, heads: int, *, causal: bool = True, slots: int = 64):
         super().__init__(dim, heads, causal=causal)
         add_control(self, slots)

@@ -54,6 +54,7 @@ class Mechanism(nn.Module):
     supports_decoding = True  # a causal layer can continue a sequence from the cache it returns
     accepts_rotary = False  # takes ``rotary=True`` (the model's ``position="rope"``)
     time_complexity = "linear"  # "linear" | "quadratic" in the sequence length
+    cache_types: tuple[type, ...] = ()  # the caches a call may continue (those its calls return)
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True):
         super().__init__()
@@ -90,8 +91,13 @@ class Mechanism(nn.Module):
         return []
 
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
-        """Upper bound of ``cache.nbytes()`` after ``context`` tokens of ``dtype`` inputs."""
+        """Upper bound of ``cache.nbytes()`` after ``context`` tokens of ``dtype`` inputs, for the cache a call
+        returns (the fixed layout of :meth:`step_cache` has a size of its own)."""
         raise ValueError(f"{type(self).__name__} has no decoding form, so no cache")
+
+    def after_optimizer_step(self) -> None:
+        """Called by :func:`after_optimizer_step` once the optimizer has stepped: for state that changes with
+        training but not within a forward pass (Performer's feature redraws). Nothing by default."""
 
     def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
                     dtype: torch.dtype | None = None) -> Cache:
@@ -99,8 +105,10 @@ class Mechanism(nn.Module):
         ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``. A layer without a decoding form raises."""
         if not self.supports_decoding:
             raise ValueError(f"{type(self).__name__} has no decoding form, so no cache")
-        like = next(self.parameters())
-        return self._new_cache(batch_size, device=device or like.device, dtype=dtype or like.dtype)
+        like = next(self.parameters(), None)  # none in a replica made by nn.DataParallel
+        device = device or (like.device if like is not None else "cpu")
+        dtype = dtype or (like.dtype if like is not None else torch.get_default_dtype())
+        return self._new_cache(batch_size, device=device, dtype=dtype)
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> Cache:
         """The empty cache of a layer with a decoding form."""
@@ -117,11 +125,25 @@ class Mechanism(nn.Module):
             raise ValueError(f"x must have shape [B, T, {self.dim}], got {tuple(x.shape)}")
         if x.shape[1] == 0:  # refused by every mechanism alike (some ops would pass it through, others fail)
             raise ValueError(f"x has an empty time axis, shape {tuple(x.shape)}; a call needs at least one position")
+        if x.shape[0] == 0:
+            raise ValueError(f"x has an empty batch, shape {tuple(x.shape)}; a call needs at least one sequence")
         check_padding_mask(padding_mask, x.shape[0], x.shape[1])
         if cache is not None and not self.causal:
             raise ValueError(f"{type(self).__name__} was built with causal=False; a cache is only for causal decoding")
         if cache is not None and not self.supports_decoding:
             raise ValueError(f"{type(self).__name__} has no decoding form; call it without a cache")
+        if cache is not None and not isinstance(cache, self.cache_types):
+            kinds = " or ".join(kind.__name__ for kind in self.cache_types)
+            raise ValueError(f"{type(self).__name__} continues a {kinds}, got a {type(cache).__name__}: pass the "
+                             "cache this layer's previous call returned")
+
+
+def after_optimizer_step(model: nn.Module) -> None:
+    """Tell every mechanism in ``model`` that the optimizer has stepped; call it after each ``optimizer.step()``
+    of a training loop of your own (``lavo train`` does)."""
+    for module in model.modules():
+        if isinstance(module, Mechanism):
+            module.after_optimizer_step()
 
 
 class AttentionLayer(Mechanism):

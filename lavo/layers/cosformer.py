@@ -21,6 +21,8 @@ class CosformerAttention(AttentionLayer):
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``.
     """
 
+    cache_types = (CosformerCache,)
+
     def __init__(self, dim: int, heads: int, *, causal: bool = True, max_length: int = 4096, chunk: int = 64):
         super().__init__(dim, heads, causal=causal)
         check_positive("CosformerAttention", max_length=max_length, chunk=chunk)

@@ -48,6 +48,8 @@ class LavoAttention(AttentionLayer):
     memory read's logits (initialised to 1).
     """
 
+    cache_types = (LavoCache, LavoStepCache)
+
     def __init__(self, dim: int, heads: int, *, rank: int | None = None, window: int = 64, causal: bool = True,
                  basis: str = "fixed", position_bias: bool = True, dissection: bool = True, write: str = "mean",
                  memory: str = "scalar", read_temperature: bool = False, backend: str = "auto"):

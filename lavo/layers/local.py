@@ -20,6 +20,8 @@ class LocalAttention(AttentionLayer):
     A chunk decoded from a cache costs ``O(T (2w + T) D)``: start long prompts without a cache.
     """
 
+    cache_types = (KVCache,)
+
     def __init__(self, dim: int, heads: int, *, causal: bool = True, window: int = 64, position_bias: bool = True,
                  backend: str = "auto"):
         super().__init__(dim, heads, causal=causal)

@@ -13,14 +13,18 @@ class PerformerAttention(AttentionLayer):
     r"""Softmax attention approximated with ``features`` positive orthogonal random features per head.
 
     The projection ``[features, head_dim]`` is drawn at construction (from the global RNG), shared by the heads
-    and kept as a buffer, so it is saved with the model. With ``redraw_interval=n`` a layer in training mode
-    draws a new one before every ``n``-th forward call, as the paper does (the count is a buffer too, so a
-    resumed run redraws where an uninterrupted one would); None keeps the first draw. Causal layers use chunked
-    prefix sums and return a :class:`~lavo.ops.performer.PerformerCache` of constant size ``H (F (D + 1) + 1)``
-    per sequence.
+    and kept as a buffer, so it is saved with the model. With ``redraw_interval=n`` a new one is drawn after
+    every ``n``-th optimizer step, as the paper redraws during training: the training loop calls
+    :func:`~lavo.layers.base.after_optimizer_step` on the model (``lavo train`` does; the count is a buffer too,
+    so a resumed run redraws where an uninterrupted one would). ``forward`` itself never changes the layer, so
+    activation checkpointing recomputes the same function and a cache continues with the features it was made
+    with. None keeps the first draw. Causal layers use chunked prefix sums and return a
+    :class:`~lavo.ops.performer.PerformerCache` of constant size ``H (F (D + 1) + 1)`` per sequence.
 
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache | None) -> (y [B, T, dim], cache)``.
     """
+
+    cache_types = (PerformerCache,)
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True, features: int = 256, chunk: int = 64,
                  redraw_interval: int | None = None):
@@ -31,17 +35,20 @@ class PerformerAttention(AttentionLayer):
         self.features, self.chunk, self.redraw_interval = features, chunk, redraw_interval
         self.register_buffer("projection", orthogonal_random_features(features, self.head_dim))
         if redraw_interval is not None:
-            self.register_buffer("training_calls", torch.zeros((), dtype=torch.long))
+            self.register_buffer("optimizer_steps", torch.zeros((), dtype=torch.long))
 
     def redraw_features(self) -> None:
         """A new projection from the global RNG (a new tensor: what autograd saved of the old one stays valid)."""
         self.projection = orthogonal_random_features(self.features, self.head_dim).to(self.projection)
 
+    def after_optimizer_step(self) -> None:
+        if self.redraw_interval is None:
+            return
+        self.optimizer_steps += 1
+        if self.optimizer_steps.item() % self.redraw_interval == 0:
+            self.redraw_features()
+
     def attend(self, q, k, v, padding_mask, cache: PerformerCache | None):
-        if self.training and self.redraw_interval is not None:
-            if self.training_calls.item() % self.redraw_interval == 0 and self.training_calls.item() > 0:
-                self.redraw_features()
-            self.training_calls += 1
         if self.causal:
             return performer_attention_causal(q, k, v, self.projection, padding_mask=padding_mask, cache=cache,
                                               chunk=self.chunk)

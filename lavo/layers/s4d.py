@@ -31,6 +31,8 @@ class S4DLayer(Mechanism):
     ``forward(x [B, T, dim], padding_mask [B, T] | None, cache: S4DCache | None) -> (y [B, T, dim], cache)``.
     """
 
+    cache_types = (S4DCache,)
+
     def __init__(self, dim: int, heads: int, *, causal: bool = True, state_size: int = 64, dt_min: float = 1e-3,
                  dt_max: float = 1e-1):
         super().__init__(dim, heads, causal=causal)
