@@ -44,3 +44,14 @@ def test_the_attentions_table_lists_every_option_with_its_default():
         if name == "lavo":
             assert listed.pop("rank") == "D" and expected.pop("rank") is None
         assert {option: ast.literal_eval(value) for option, value in listed.items()} == expected, name
+
+
+def test_the_demo_table_is_the_committed_demo_runs():
+    """The README's demo table is docs/demo/results.json, the run whose log is beside it."""
+    import json
+    results = json.loads((Path(__file__).resolve().parents[1] / "docs" / "demo" / "results.json").read_text())
+    table = re.search(r"\| model \| L=256 .*?\n\n", README, re.DOTALL).group(0)
+    rows = {cells[0]: cells[1:] for line in table.splitlines()[2:]
+            if (cells := [cell.strip() for cell in line.strip("|").split("|")])}
+    assert rows == {name: [f"{per_length[length]['ppl']:.2f}" for length in ("256", "512", "1024", "2048")]
+                    for name, per_length in results["results"].items()}
