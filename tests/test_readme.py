@@ -51,7 +51,7 @@ def test_the_demo_table_is_the_committed_demo_runs():
     import json
     results = json.loads((Path(__file__).resolve().parents[1] / "docs" / "demo" / "results.json").read_text())
     table = re.search(r"\| model \| L=256 .*?\n\n", README, re.DOTALL).group(0)
-    rows = {cells[0]: cells[1:] for line in table.splitlines()[2:]
-            if (cells := [cell.strip() for cell in line.strip("|").split("|")])}
+    rows = {cells[0]: cells[1:] for line in table.splitlines()[2:] if line.startswith("|")
+            for cells in [[cell.strip() for cell in line.strip("|").split("|")]]}
     assert rows == {name: [f"{per_length[length]['ppl']:.2f}" for length in ("256", "512", "1024", "2048")]
                     for name, per_length in results["results"].items()}
