@@ -48,8 +48,9 @@ def sample_next(logits: torch.Tensor, generator: torch.Generator, temperature: f
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(-1)
-    # shifted so the largest logit is 0: a tiny temperature then sends the others to -inf, never one to +inf
-    logits = logits - logits.amax(-1, keepdim=True)
+    # shifted so the largest logit is 0, and divided in float64: a tiny temperature then sends the others to
+    # -inf, never one to +inf (nor 0 to 0 / 0, as a temperature below float32's range would in float32)
+    logits = (logits - logits.amax(-1, keepdim=True)).double()
     logits = filter_logits(logits / temperature, top_k, top_p)
     probs = logits.softmax(-1)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)

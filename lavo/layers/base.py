@@ -105,9 +105,10 @@ class Mechanism(nn.Module):
         ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``. A layer without a decoding form raises."""
         if not self.supports_decoding:
             raise ValueError(f"{type(self).__name__} has no decoding form, so no cache")
-        like = next(self.parameters(), None)  # none in a replica made by nn.DataParallel
-        device = device or (like.device if like is not None else "cpu")
-        dtype = dtype or (like.dtype if like is not None else torch.get_default_dtype())
+        if device is None or dtype is None:
+            parameters = list(self.parameters())  # none in a replica made by nn.DataParallel
+            device = device or (parameters[0].device if parameters else "cpu")
+            dtype = dtype or (parameters[0].dtype if parameters else torch.get_default_dtype())
         return self._new_cache(batch_size, device=device, dtype=dtype)
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> Cache:
