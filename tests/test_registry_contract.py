@@ -163,3 +163,15 @@ def test_half_precision_follows_float64(name, causal, how, dtype):
     # S4D once failed as a bfloat16 or float16 module; ABC's gradients under float16 autocast were NaN
     for grad in (x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)):
         assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("name", ["lavo", "local"])
+def test_a_second_derivative_is_refused_by_name_where_the_backward_is_not_differentiable(name):
+    """The CPU path's autograd Functions write their gradients in place; a gradient penalty through them must
+    fail with a message that says why, not with a matmul or in-place error."""
+    layer = _build(name, causal=True)
+    x = torch.randn(1, 9, DIM, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(layer(x)[0].square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="trying to differentiate twice a function that was marked with "
+                                           "@once_differentiable"):
+        grad.sum().backward()

@@ -8,6 +8,7 @@ coefficients are at least float32 whatever the input dtype (a float16 running su
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..common import accumulation_dtype
 
@@ -39,6 +40,7 @@ class _MemoryRead(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # its backward is not differentiable: a second derivative is refused, by name
     def backward(ctx, grad_out):
         q, coefficients, basis, = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk

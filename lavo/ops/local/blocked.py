@@ -8,6 +8,7 @@ blocks of ``w`` queries against their ``2w`` (or ``3w``) neighbouring keys, so t
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 from einops import rearrange
 
 from ..common import check_pos_bias, check_window_inputs, neg_inf, uses_triton
@@ -79,6 +80,7 @@ class _BlockedLocalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # its backward is not differentiable: a second derivative is refused, by name
     def backward(ctx, grad_out):
         q, k, v, bias, key_valid, out, lse, saved = ctx.saved_tensors
         causal, chunk, masked, scale = ctx.causal, ctx.chunk, ctx.masked, ctx.scale
