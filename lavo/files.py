@@ -6,6 +6,7 @@ A process killed mid-write (``kill -9``, power loss) leaves its temporary file `
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -42,8 +43,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
     return path
 
 
+@functools.cache
 def current_umask() -> int:
-    umask = os.umask(0)  # reading it means setting it
+    """The process's umask, read once: reading it means setting it, for a moment in which another thread's new
+    file would get the wrong mode."""
+    umask = os.umask(0)
     os.umask(umask)
     return umask
 
