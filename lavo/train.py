@@ -256,7 +256,7 @@ class Trainer:
         if not has_checkpoint(self.run_dir):
             self.log(f"no checkpoint in {self.run_dir}; starting a new run")
             return
-        saved = self.check_same_settings()
+        saved = self.check_resumed_settings()
         state = load_checkpoint(self.run_dir, self.model)
         self.check_same_data(state)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -274,7 +274,7 @@ class Trainer:
                      f"now decays to step {self.tc.steps}, so the rate at step {step} is "
                      f"{learning_rate(step, self.tc):.3g} instead of {learning_rate(step, saved.train):.3g}")
 
-    def check_same_settings(self) -> RunConfig:
+    def check_resumed_settings(self) -> RunConfig:
         """Refuse to resume with model or training settings other than the run's own (``config.json``): the
         checkpoint holds what they made. Only :data:`RESUMABLE_CHANGES` may differ. Returns the run's config."""
         saved = read_run_config(self.run_dir)
