@@ -126,8 +126,9 @@ def test_a_run_that_cannot_finish_within_one_call_is_not_started(dry, capsys):
     assert driver.measured_step_seconds(results) == {"local": 50.0, "abc": 1.0}  # the fastest measured
     assert run("--only", "local-s0,lavo-s0", "--budget", "150") == 0
     log = capsys.readouterr().out
-    # 4 steps at 50 s, plus the time kept for scoring (1.5 times lavo-s0's, a second or so): > 150 s
-    assert re.search(r"\[too long\] local-s0: about 20\d s, more than a call's budget of 150 s", log)
+    # 4 steps at 50 s, plus the time kept for scoring (1.5 times lavo-s0's, which depends on the machine's load)
+    too_long = re.search(r"\[too long\] local-s0: about (\d+) s, more than a call's budget of 150 s", log)
+    assert too_long and int(too_long[1]) >= 200
     assert "[train] local-s0" not in log and "[train] lavo-s0" in log
     assert not (out / "runs" / "local-s0").exists() and (results / "lavo-s0.json").exists()
     lavo = json.loads((results / "lavo-s0.json").read_text())

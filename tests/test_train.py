@@ -207,22 +207,44 @@ def test_bfloat16_autocast_and_time_limit(corpus, tmp_path):
     assert state["step"] == 1
 
 
+class StepClock:
+    """A stand-in for ``lavo.train``'s clock that moves only when the test says: the time limit and the throughput
+    are then exact, however loaded the machine is."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advancing(self, function, seconds: float):
+        """``function`` with ``seconds`` added to the clock each call."""
+        def timed(*args, **kwargs):
+            self.now += seconds
+            return function(*args, **kwargs)
+        return timed
+
+
 def test_a_time_limit_is_per_call_and_validation_is_not_counted_as_training_speed(corpus, tmp_path, monkeypatch):
     from lavo.train import Trainer
+    clock = StepClock()
+    monkeypatch.setattr("lavo.train.time", clock)
+    monkeypatch.setattr(Trainer, "train_step", clock.advancing(Trainer.train_step, 1.0))
     lines = []
-    first = train(run(corpus, tmp_path, "limited", steps=10_000, time_limit=2.0, log_interval=1000), log=quiet)
-    assert 1 < first["step"] < 10_000
-    second = train(run(corpus, tmp_path, "limited", steps=10_000, time_limit=2.0, log_interval=1000), resume=True,
+    first = train(run(corpus, tmp_path, "limited", steps=10_000, time_limit=2.5, log_interval=1000), log=quiet)
+    assert first["step"] == 3  # over 2.5 s after the third 1-s step
+    second = train(run(corpus, tmp_path, "limited", steps=10_000, time_limit=2.5, log_interval=1000), resume=True,
                    log=lines.append)
-    assert second["step"] > first["step"] + 1  # two new seconds, not the ones the first call spent
-    assert any("time limit of 2 s for this call reached" in line for line in lines)
+    assert second["step"] == 6  # three new steps: the limit counts this call's seconds, not the run's
+    assert "time limit of 2.5 s for this call reached at step 6" in lines
 
-    validate = Trainer.validate
-    monkeypatch.setattr(Trainer, "validate", lambda self: (time.sleep(0.3), validate(self)))
-    train(run(corpus, tmp_path, "validated", steps=3, eval_interval=1), log=quiet)
+    monkeypatch.setattr(Trainer, "validate", clock.advancing(Trainer.validate, 5.0))
+    monkeypatch.setattr(Trainer, "checkpoint", clock.advancing(Trainer.checkpoint, 5.0))
+    train(run(corpus, tmp_path, "validated", steps=4, eval_interval=1, checkpoint_interval=1), log=quiet)
     records = [json.loads(line) for line in (tmp_path / "validated" / "metrics.jsonl").read_text().splitlines()]
-    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["step"] > 1]
-    assert len(speeds) == 2 and min(speeds) > 4 * 32 / 0.3  # the 0.3 s of validation would cap it there
+    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    tokens_per_step = records[0]["tokens"]
+    assert speeds == [tokens_per_step] * 4  # a step's tokens per its 1 s: the 10 s of validation and saving not counted
 
 
 def test_resuming_with_more_steps_says_how_the_schedule_changes(corpus, tmp_path):
