@@ -154,10 +154,14 @@ class KVCache(Cache):
         return replace(self, keys=self.keys[:, drop:], values=self.values[:, drop:], key_mask=self.key_mask[:, drop:])
 
 
-def check_cache_window(made: int | None, window: int) -> None:
-    """Raise ``ValueError`` when a LAVO cache was made by a layer of another window (``made``; None: any)."""
-    if made not in (None, window):
-        raise ValueError(f"the cache was made by a layer with window {made}, not {window}")
+def check_made_by(cache: LavoCache | LavoStepCache, **asked: Any) -> None:
+    """Raise ``ValueError`` naming each setting (``window``, ``dissection``, ``write``, ``memory``) that the LAVO
+    cache records with another value than ``asked``; a setting it records as None fits any."""
+    made = {name: getattr(cache, name) for name in asked}
+    differ = [f"{name} {made[name]!r} (this layer: {value!r})" for name, value in asked.items()
+              if made[name] not in (None, value)]
+    if differ:
+        raise ValueError(f"the cache was made by another LAVO layer: {', '.join(differ)}")
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,9 @@ class LavoCache(_LavoState):
         position: tokens seen so far (padding included): fixes window boundaries and relative positions.
         window: the window of the layer that made it (None: not yet tied to one); a layer with another
             window cannot continue it.
+        dissection, write, memory: what the memory holds: the layer's settings of those names (None: not yet
+            tied to one). The sums of another rule have the same shapes, so a layer with other settings refuses
+            the cache by these.
         memory_top, window_top: None for the paper's memory. For the other write rules and the vector memory
             (:mod:`lavo.ops.lavo.variants`) the two memories are weighted sums per slot kept as
             ``(top, sum, count)``: ``*_top [B, H, r, 1]``, ``*_sum [B, H, r, V]`` (``V`` = 1, or ``D`` for the
@@ -198,42 +205,47 @@ class LavoCache(_LavoState):
     window: int | None = None
     memory_top: torch.Tensor | None = None
     window_top: torch.Tensor | None = None
+    dissection: bool | None = None
+    write: str | None = None
+    memory: str | None = None
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, rank: int, *, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None, window: int | None = None) -> LavoCache:
-        """The cache before the first token, for inputs of ``dtype``; the sums are float32 (float64 for
-        float64 inputs)."""
+              device: torch.device | str | None = None, window: int | None = None,
+              dissection: bool | None = None) -> LavoCache:
+        """The cache before the first token of the paper's memory, for inputs of ``dtype``; the sums are float32
+        (float64 for float64 inputs)."""
         dtype = torch.get_default_dtype() if dtype is None else dtype
         keys = torch.zeros(batch, 0, heads, head_dim, dtype=dtype, device=device)
         memory = torch.zeros(batch, heads, rank, dtype=accumulation_dtype(dtype), device=device)
         count = torch.zeros(batch, dtype=memory.dtype, device=device)
         return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), memory, count, memory, count, 0,
-                   window)
+                   window, dissection=dissection, write="mean", memory="scalar")
 
-    def check_fits(self, batch: int, heads: int, head_dim: int, rank: int, window: int) -> None:
-        """Raise ``ValueError`` naming what differs when this cache was not made by a layer of this shape."""
+    def check_fits(self, batch: int, heads: int, head_dim: int, rank: int, **settings: Any) -> None:
+        """Raise ``ValueError`` naming what differs when this cache was not made by a layer of this shape and
+        these ``settings`` (``window``, ``dissection``, ``write``, ``memory``: see :func:`check_made_by`)."""
         self.check_batch_size(batch)
-        made = {"heads": self.keys.shape[2], "head_dim": self.keys.shape[3], "rank": self.memory_sum.shape[2],
-                "window": window if self.window is None else self.window}
-        asked = {"heads": heads, "head_dim": head_dim, "rank": rank, "window": window}
-        differ = [f"{name} {made[name]} (this layer: {asked[name]})" for name in made if made[name] != asked[name]]
+        shapes = {"heads": (self.keys.shape[2], heads), "head_dim": (self.keys.shape[3], head_dim),
+                  "rank": (self.memory_sum.shape[2], rank)}
+        differ = [f"{name} {made} (this layer: {asked})" for name, (made, asked) in shapes.items() if made != asked]
         if differ:
             raise ValueError(f"the cache was made by another LAVO layer: {', '.join(differ)}")
+        check_made_by(self, **settings)
 
     @classmethod
     def empty_variant(cls, batch: int, heads: int, head_dim: int, rank: int, *, memory: str = "scalar",
                       dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                      window: int | None = None) -> LavoCache:
+                      window: int | None = None, write: str | None = None) -> LavoCache:
         """The cache before the first token of a memory variant (any write rule but the paper's ``mean``, or
-        ``memory="vector"``)."""
+        ``memory="vector"``; ``write`` None: any write rule)."""
         dtype = torch.get_default_dtype() if dtype is None else dtype
         keys = torch.zeros(batch, 0, heads, head_dim, dtype=dtype, device=device)
         slots = torch.zeros(batch, heads, rank, 1, dtype=accumulation_dtype(dtype), device=device)
         top = torch.full_like(slots, torch.finfo(slots.dtype).min)
         total = slots.expand(-1, -1, -1, head_dim if memory == "vector" else 1).clone()
         return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), total, slots, total, slots, 0,
-                   window=window, memory_top=top, window_top=top)
+                   window=window, memory_top=top, window_top=top, dissection=True, write=write, memory=memory)
 
     @staticmethod
     def max_nbytes(batch: int, heads: int, head_dim: int, rank: int, window: int,
@@ -273,18 +285,22 @@ class LavoStepCache(_LavoState):
             advances: rows may continue from different positions (all the same when made by :meth:`from_cache`).
         position: tokens seen when this cache was returned.
         window: the window of the layer that made it.
+        dissection: whether the memory holds the local outputs (True) or the values; None: either.
     """
 
     steps: torch.Tensor
     position: int
     window: int
+    dissection: bool | None = None
+    write: str = "mean"
+    memory: str = "scalar"
 
     @classmethod
     def from_cache(cls, cache: LavoCache, window: int) -> LavoStepCache:
         """The same state in the ring layout (new tensors: ``cache`` stays valid)."""
         if cache.memory_top is not None:
             raise ValueError("a LavoStepCache holds the paper's memory; a memory variant decodes through LavoCache")
-        check_cache_window(cache.window, window)
+        check_made_by(cache, window=window)
         B, length, H, D = cache.keys.shape
         span = 2 * window
         slots = torch.arange(cache.position - length, cache.position, device=cache.keys.device) % span
@@ -301,4 +317,4 @@ class LavoStepCache(_LavoState):
                       cache.window_count[:, None, None]))
         memory_count, window_count = memory_count[..., 0], window_count[..., 0]
         return cls(keys, values, key_mask, memory_sum, memory_count, window_sum, window_count, steps, cache.position,
-                   window)
+                   window, cache.dissection)

@@ -131,7 +131,7 @@ def test_step_errors():
         lavo_decode_step(q[:1, :1], k[:1, :1], v[:1, :1], basis, fixed)
     with pytest.raises(ValueError, match="a memory variant decodes through LavoCache"):
         LavoStepCache.from_cache(LavoCache.empty_variant(2, 3, 16, 8), 4)
-    with pytest.raises(ValueError, match="made by a layer with window 5, not 4"):
+    with pytest.raises(ValueError, match=r"the cache was made by another LAVO layer: window 5 \(this layer: 4\)"):
         LavoStepCache.from_cache(LavoCache.empty(2, 3, 16, 8, window=5), 4)
 
 
@@ -157,10 +157,14 @@ def test_step_cache_of_a_step_cache_is_itself_and_a_window_mismatch_is_refused()
         _, cache = layer(torch.randn(1, 6, 16))
         fixed = layer.step_cache(cache)
         assert layer.step_cache(fixed) is fixed  # generic code may convert twice
-        other = LavoAttention(16, 2, window=3, position_bias=False, backend="torch")
-        for call in (lambda: other.step_cache(fixed), lambda: other(torch.randn(1, 1, 16), cache=fixed)):
-            with pytest.raises(ValueError, match="made by a layer with window 4, not 3"):
-                call()
+        for other, differ in [(LavoAttention(16, 2, window=3, position_bias=False, backend="torch"),
+                               r"window 4 \(this layer: 3\)"),
+                              (LavoAttention(16, 2, window=4, dissection=False, backend="torch"),
+                               r"dissection True \(this layer: False\)")]:
+            for call in (lambda: other.step_cache(fixed), lambda: other(torch.randn(1, 1, 16), cache=fixed),
+                         lambda: other.step_cache(cache)):
+                with pytest.raises(ValueError, match=f"^the cache was made by another LAVO layer: {differ}$"):
+                    call()
 
 
 def _model(attention="lavo", **options):

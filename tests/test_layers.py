@@ -1,4 +1,6 @@
 """LAVO layers: decoding in any chunking equals one call, constant-size cache, learned basis, clear errors."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -281,13 +283,28 @@ VARIANT_ERRORS = [
     (lambda: lavo_attention(*torch.randn(3, 1, 4, 2, 8), orthogonal_basis(2, 8, 8), window=2,
                             read_scale=torch.ones(2, 1)), r"read_scale must have shape \[H\] = \(2,\), got \(2, 1\)"),
     (lambda: _layer(write="gated")(torch.randn(1, 4, 32), cache=_layer()(torch.randn(1, 4, 32))[1]),
-     r"this cache holds the paper's memory"),
+     r"the cache was made by another LAVO layer: write 'mean' \(this layer: 'gated'\)$"),
     (lambda: _layer()(torch.randn(1, 4, 32), cache=_layer(write="gated")(torch.randn(1, 4, 32))[1]),
+     r"the cache was made by another LAVO layer: write 'gated' \(this layer: 'mean'\)$"),
+    # Same shapes, another rule: only the settings the cache records tell these apart.
+    (lambda: _layer(dissection=False)(torch.randn(1, 4, 32), cache=_layer()(torch.randn(1, 4, 32))[1]),
+     r"the cache was made by another LAVO layer: dissection True \(this layer: False\)$"),
+    (lambda: _layer(write="decay")(torch.randn(1, 4, 32), cache=_layer(write="gated")(torch.randn(1, 4, 32))[1]),
+     r"the cache was made by another LAVO layer: write 'gated' \(this layer: 'decay'\)$"),
+    (lambda: _layer(memory="vector")(torch.randn(1, 4, 32), cache=_layer(write="gated")(torch.randn(1, 4, 32))[1]),
+     r"write 'gated' \(this layer: 'mean'\), memory 'scalar' \(this layer: 'vector'\)$"),
+    (lambda: _layer(dissection=False)(torch.randn(1, 1, 32), cache=_layer().empty_cache(1)),
+     r"the cache was made by another LAVO layer: dissection True \(this layer: False\)$"),
+    # A cache that records no rule (built by hand) is still checked by its layout.
+    (lambda: _layer(write="gated")(torch.randn(1, 4, 32), cache=replace(LavoCache.empty(1, 4, 8, 8), write=None)),
+     r"this cache holds the paper's memory"),
+    (lambda: _layer()(torch.randn(1, 4, 32), cache=LavoCache.empty_variant(1, 4, 8, 8)),
      r"this cache holds a memory variant's states"),
 ]
 
 
-@pytest.mark.parametrize("call,message", VARIANT_ERRORS, ids=[m[:40] for _, m in VARIANT_ERRORS])
+@pytest.mark.parametrize("call,message", VARIANT_ERRORS,
+                         ids=[m.replace("the cache was made by another LAVO layer: ", "")[:40] for _, m in VARIANT_ERRORS])
 def test_bad_variant_gets_a_clear_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()

@@ -3,8 +3,11 @@ import pytest
 import torch
 from reference_checks import assert_same_outputs_and_grads, random_inputs
 
-from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_attention, lavo_attention_naive,
-                      local_attention, local_attention_naive, orthogonal_basis)
+from lavo import LavoCache
+from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_attention, lavo_attention_cached,
+                      lavo_attention_naive, local_attention, local_attention_naive, orthogonal_basis)
+from lavo.ops.abc import abc_attention
+from lavo.ops.longshort import longshort_attention
 
 # (T, window, D, rank): T = 1, T < w, T = w, awkward T with D = 60 and r < D.
 SHAPES = [(1, 16, 8, 8), (5, 16, 8, 4), (16, 16, 12, 12), (63, 16, 60, 24)]
@@ -81,6 +84,66 @@ def test_bfloat16_forward_is_close_to_float32():
     assert low.dtype == torch.bfloat16
     error = (low.float() - reference).norm() / reference.norm()
     assert error < 2e-2, f"relative error {error:.4f}"
+
+
+@pytest.mark.parametrize("dissection", [True, False])
+def test_the_memory_of_bfloat16_inputs_sums_float32_coordinates(dissection):
+    """DESIGN, decision 5: a bfloat16 token's coordinates on the basis are summed in float32, not first rounded to
+    bfloat16 (which the Triton path does not do either), in one call and continued chunk by chunk (there only
+    without dissection: a chunk's local outputs round differently in bfloat16 from the whole call's)."""
+    torch.manual_seed(0)
+    B, T, H, D, w, r = 2, 44, 2, 16, 8, 8
+    q, k, v = (torch.randn(B, T, H, D, dtype=torch.bfloat16) for _ in range(3))
+    basis, pos_bias = orthogonal_basis(H, r, D), torch.randn(H, 2 * w, dtype=torch.bfloat16)
+    options = dict(window=w, pos_bias=pos_bias, dissection=dissection)
+    features = local_attention(q, k, v, window=w, pos_bias=pos_bias) if dissection else v
+    coordinates = torch.einsum("bthd,hrd->bhtr", features.double(), basis.double())
+    done = T // w * w
+    _, whole = lavo_attention(q, k, v, basis, return_cache=True, backend="torch", **options)
+    streamed = LavoCache.empty(B, H, D, r, dtype=torch.bfloat16)
+    for piece in (slice(0, 5), slice(5, 18), slice(18, T)):
+        _, streamed = lavo_attention_cached(q[:, piece], k[:, piece], v[:, piece], basis, streamed, **options)
+    for cache in (whole,) if dissection else (whole, streamed):
+        torch.testing.assert_close(cache.memory_sum, coordinates[:, :, :done].sum(2).float(), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(cache.window_sum, coordinates[:, :, done:].sum(2).float(), atol=1e-4, rtol=1e-5)
+
+
+def _autocast_inputs():
+    torch.manual_seed(0)
+    return [torch.randn(2, 21, 2, 8, requires_grad=True) for _ in range(3)]
+
+
+BASIS = orthogonal_basis(2, 6, 8)
+# Each public op that takes q, k, v of one [B, T, H, D] shape, on the PyTorch path.
+OPS = {
+    "lavo": lambda q, k, v: lavo_attention(q, k, v, BASIS, window=4, pos_bias=torch.ones(2, 8), backend="torch"),
+    "lavo non-causal": lambda q, k, v: lavo_attention(q, k, v, BASIS, window=4, causal=False, backend="torch"),
+    "lavo gated": lambda q, k, v: lavo_attention(q, k, v, BASIS, window=4, write="gated", gate=torch.ones(2, 6, 8)),
+    "lavo cached": lambda q, k, v: lavo_attention_cached(q, k, v, BASIS, LavoCache.empty(2, 2, 8, 6), window=4)[0],
+    "local": lambda q, k, v: local_attention(q, k, v, window=4, pos_bias=torch.ones(2, 8), backend="torch"),
+    "longshort": lambda q, k, v: longshort_attention(q, k, v, torch.ones(2, 8, 3), window=4),
+    "abc": lambda q, k, v: abc_attention(q, k, v, torch.ones(2, 5, 8))[0],
+}
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_float32_inputs_under_bfloat16_autocast_are_computed_as_given(name):
+    """What a model with normalised queries and keys hands an op under autocast (layer norm stays float32 there):
+    the op runs, in float32 where its writes need one dtype, and its backward too."""
+    q, k, v = _autocast_inputs()
+    expected = OPS[name](q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = OPS[name](q, k, v)
+    assert (out.float() - expected).abs().max() <= 0.03 * expected.abs().max()
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_inputs_of_two_dtypes_are_refused_by_name(name):
+    q, k, v = (t.detach() for t in _autocast_inputs())
+    with pytest.raises(ValueError, match=r"^v has dtype torch.bfloat16 but q has torch.float32; they must match$"):
+        OPS[name](q, k, v.bfloat16())
 
 
 @pytest.mark.parametrize("keep_weights", [True, False])

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from ..cache import LavoCache, LavoStepCache, check_cache_window
+from ..cache import LavoCache, LavoStepCache, check_made_by
 from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, lavo_decode_step, orthogonal_basis
 from ..ops.common import check_backend, check_window, pos_bias_size
 from ..ops.lavo.variants import check_variant, is_variant
@@ -97,7 +97,7 @@ class LavoAttention(AttentionLayer):
         if self.is_variant:
             raise ValueError("a LavoStepCache holds the paper's memory; this layer's memory variant decodes through "
                              "LavoCache")
-        check_cache_window(cache.window, options.pop("window"))
+        check_made_by(cache, window=options.pop("window"))
         outputs = []
         for t in range(q.shape[1]):
             options["padding_mask"] = None if padding_mask is None else padding_mask[:, t:t + 1]
@@ -111,17 +111,17 @@ class LavoAttention(AttentionLayer):
         the variants."""
         if self.is_variant:
             return None
+        check_made_by(cache, window=self.window, dissection=self.dissection)
         if isinstance(cache, LavoStepCache):
-            check_cache_window(cache.window, self.window)
             return cache
         return LavoStepCache.from_cache(cache, self.window)
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> LavoCache:
         if self.is_variant:
             return LavoCache.empty_variant(batch_size, self.heads, self.head_dim, self.rank, memory=self.memory,
-                                           device=device, dtype=dtype, window=self.window)
+                                           device=device, dtype=dtype, window=self.window, write=self.write)
         return LavoCache.empty(batch_size, self.heads, self.head_dim, self.rank, device=device, dtype=dtype,
-                               window=self.window)
+                               window=self.window, dissection=self.dissection)
 
     def no_weight_decay(self) -> list[nn.Parameter]:
         return learned_basis(self) + ([self.pos_bias] if self.pos_bias is not None else [])

@@ -3,6 +3,7 @@ expected), the masking constant, the accumulation dtype and small tensor helpers
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -26,6 +27,17 @@ def no_float16_autocast(device_type: str) -> contextlib.AbstractContextManager:
     if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def autocast_off(method):
+    """For a custom autograd Function's ``forward`` or ``backward`` whose first argument after ``ctx`` is a tensor:
+    run it with autocast off, in its inputs' dtypes whatever the caller's autocast (its writes into preallocated
+    outputs need them; bfloat16 inputs still compute in bfloat16)."""
+    @functools.wraps(method)
+    def run(ctx, first, *rest):
+        with torch.autocast(first.device.type, enabled=False):
+            return method(ctx, first, *rest)
+    return run
 
 
 def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -52,16 +64,20 @@ def check_window(window: int) -> None:
         raise ValueError(f"window must be a positive integer, got {window!r}")
 
 
-def check_same_shape(**tensors: torch.Tensor) -> None:
+def check_matching(**tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the tensors are ``[B, T, H, D]`` with ``T >= 1``, of one shape, dtype and
+    device (the first named is the one the others are held to)."""
     (first_name, first), *rest = tensors.items()
     if first.dim() != 4:
         raise ValueError(f"{first_name} must have shape [B, T, H, D], got {tuple(first.shape)}")
     if first.shape[1] == 0:
         raise ValueError(f"{first_name} has an empty time axis; sequences need at least one position")
     for name, t in rest:
-        if t.shape != first.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but {first_name} has {tuple(first.shape)}; "
-                             f"they must match")
+        for what in ("shape", "dtype", "device"):
+            if getattr(t, what) != getattr(first, what):
+                shown = tuple if what == "shape" else str
+                raise ValueError(f"{name} has {what} {shown(getattr(t, what))} but {first_name} has "
+                                 f"{shown(getattr(first, what))}; they must match")
 
 
 def check_padding_mask(padding_mask: torch.Tensor | None, batch: int, length: int, name: str = "padding_mask") -> None:
@@ -99,7 +115,7 @@ def check_window_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windo
                         padding_mask: torch.Tensor | None) -> None:
     """What every windowed op checks first: the window, matching ``[B, T, H, D]`` q/k/v and the padding mask."""
     check_window(window)
-    check_same_shape(q=q, k=k, v=v)
+    check_matching(q=q, k=k, v=v)
     check_padding_mask(padding_mask, q.shape[0], q.shape[1])
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import Cache
-from ..common import accumulation_dtype, check_padding_mask, check_same_shape, neg_inf, no_float16_autocast
+from ..common import accumulation_dtype, check_padding_mask, check_matching, neg_inf, no_float16_autocast
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, control: to
     Returns:
         ``[B, T, H, D]`` and, causal, the cache after these positions (None when non-causal).
     """
-    check_same_shape(q=q, k=k, v=v)
+    check_matching(q=q, k=k, v=v)
     B, T, H, D = q.shape
     check_padding_mask(padding_mask, B, T)
     if control.dim() != 3 or control.shape[0] != H or control.shape[2] != D:
@@ -174,7 +174,7 @@ def abc_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contr
     Returns:
         ``[B, Tq, H, D]``.
     """
-    check_same_shape(k=k, v=v)
+    check_matching(k=k, v=v)
     B, S, H, D = k.shape
     if q.dim() != 4 or q.shape[0] != B or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q [B, Tq, H, D] and k [B, S, H, D] must agree on B, H and D, got q {tuple(q.shape)} "

@@ -38,7 +38,7 @@ def _memory_branch(q, features, counts, basis, scale, causal, dissection, skip_c
     block_count = counts.sum(3, keepdim=True)
     if dissection or not causal:
         # Projection is linear: project each window's sum rather than every token.
-        block_sum = project(features.sum(3, keepdim=True), basis)
+        block_sum = project(features.sum(3, keepdim=True, dtype=accumulation_dtype(features.dtype)), basis)
     else:
         proj = project(features, basis)  # [n, B, H, w, r]
         block_sum = proj.sum(3, keepdim=True)
@@ -117,20 +117,23 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
     if variant:
         keys, values, key_mask = visible_keys(k, v, padding_mask, window)
         return out, LavoCache(keys=keys, values=values, key_mask=key_mask, position=T, window=window,
+                              dissection=True, write=write, memory=memory,
                               **variant_cache_states(windows, upto, T // window))
     window_proj = block_sum[..., 0, :].permute(1, 2, 0, 3)  # [B, H, n, r]
-    return out, cache_after(k, v, padding_mask, window_proj, counts.sum((2, 3, 4)).T, window)
+    return out, cache_after(k, v, padding_mask, window_proj, counts.sum((2, 3, 4)).T, window, dissection)
 
 
 def cache_after(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, window_proj: torch.Tensor,
-                counts: torch.Tensor, window: int) -> LavoCache:
-    r"""The cache that continues a sequence of ``T`` positions: ``k, v [B, T, H, D]``, ``real [B, T]`` or None,
-    the projections of each window's feature sums ``[B, H, n, r]`` and its counts of real tokens ``[B, n]``."""
+                counts: torch.Tensor, window: int, dissection: bool) -> LavoCache:
+    r"""The cache of the paper's memory that continues a sequence of ``T`` positions: ``k, v [B, T, H, D]``,
+    ``real [B, T]`` or None, the projections of each window's feature sums ``[B, H, n, r]`` (of the local outputs
+    with ``dissection``, else of the values) and its counts of real tokens ``[B, n]``."""
     done = k.shape[1] // window  # completed windows
     keys, values, key_mask = visible_keys(k, v, real, window)
     return LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=window_proj[:, :, :done].sum(2),
                      memory_count=counts[:, :done].sum(1), window_sum=window_proj[:, :, done:].sum(2),
-                     window_count=counts[:, done:].sum(1), position=k.shape[1], window=window)
+                     window_count=counts[:, done:].sum(1), position=k.shape[1], window=window,
+                     dissection=dissection, write="mean", memory="scalar")
 
 
 def variant_cache_states(windows: SlotState, upto: SlotState, done: int) -> dict[str, torch.Tensor]:

@@ -34,10 +34,11 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
     check_variant(write, memory, True, dissection, decay, gate, *basis.shape[:2], q.shape[3])
     check_read_scale(read_scale, q.shape[2])
     B, T, H, D = q.shape
-    cache.check_fits(B, H, D, basis.shape[1], window)
+    cache.check_fits(B, H, D, basis.shape[1], window=window, dissection=dissection, write=write, memory=memory)
     if is_variant(write, memory):
         return _variant_cached(q, k, v, basis, cache, window=window, pos_bias=pos_bias, real=padding_mask,
-                               scale=scale, memory=memory, decay=decay, gate=gate, read_scale=read_scale)
+                               scale=scale, write=write, memory=memory, decay=decay, gate=gate,
+                               read_scale=read_scale)
     if cache.memory_top is not None:
         raise ValueError("this cache holds a memory variant's states; the paper's memory continues from "
                          "LavoCache.empty or from a cache it returned")
@@ -77,11 +78,12 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
         keys, values, key_mask = keep_visible(position, window, keys, values, key_mask)
         begin = end
     cache = LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=memory_sum, memory_count=memory_count,
-                      window_sum=window_sum, window_count=window_count, position=position, window=window)
+                      window_sum=window_sum, window_count=window_count, position=position, window=window,
+                      dissection=dissection, write="mean", memory="scalar")
     return torch.cat(outputs, 1), cache
 
 
-def _variant_cached(q, k, v, basis, cache: LavoCache, *, window, pos_bias, real, scale, memory, decay, gate,
+def _variant_cached(q, k, v, basis, cache: LavoCache, *, window, pos_bias, real, scale, write, memory, decay, gate,
                     read_scale) -> tuple[torch.Tensor, LavoCache]:
     """:func:`lavo_attention_cached` for a memory variant (:mod:`.variants`): the same pieces, with the memories
     kept as ``(top, sum, count)`` states. The unfinished window's state is referenced to its start; at a
@@ -119,5 +121,6 @@ def _variant_cached(q, k, v, basis, cache: LavoCache, *, window, pos_bias, real,
         begin = end
     cache = LavoCache(keys=keys, values=values, key_mask=key_mask, position=position, window=window,
                       memory_top=memory_state.top, memory_sum=memory_state.total, memory_count=memory_state.norm,
-                      window_top=window_state.top, window_sum=window_state.total, window_count=window_state.norm)
+                      window_top=window_state.top, window_sum=window_state.total, window_count=window_state.norm,
+                      dissection=True, write=write, memory=memory)
     return torch.cat(outputs, 1), cache

@@ -71,7 +71,7 @@ def lavo_attention_triton(q, k, v, basis, *, window, causal, pos_bias, dissectio
         out = out * padding_mask[:, :, None, None].to(out.dtype)
     if not return_cache:
         return out
-    return out, cache_after(k, v, padding_mask, window_proj, counts, window)
+    return out, cache_after(k, v, padding_mask, window_proj, counts, window, dissection)
 
 
 def code_cross_attention_triton(q, x, basis, *, padding_mask, scale):

@@ -10,12 +10,16 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..common import accumulation_dtype
+from ..common import accumulation_dtype, autocast_off
 
 
 def project(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    r"""Coordinates on the basis: ``x [..., H, L, D]``, ``basis [H, r, D]`` -> ``[..., H, L, r]``, at least float32."""
-    return (x @ basis.to(x.dtype).transpose(-1, -2)).to(accumulation_dtype(x.dtype))
+    r"""Coordinates on the basis: ``x [..., H, L, D]``, ``basis [H, r, D]`` -> ``[..., H, L, r]``, computed in at
+    least float32: the coordinates of 16-bit inputs are not rounded to 16 bits (what the Triton kernels, which
+    accumulate their products in float32, compute too), autocast or not."""
+    acc = accumulation_dtype(x.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        return x.to(acc) @ basis.to(acc).transpose(-1, -2)
 
 
 # Elements of [.., r] intermediates per step of the read (4 MiB in float32).
@@ -27,6 +31,7 @@ class _MemoryRead(torch.autograd.Function):
     for one chunk only, forward and backward, instead of for the whole sequence."""
 
     @staticmethod
+    @autocast_off
     def forward(ctx, q, coefficients, basis, scale):
         chunk = max(1, READ_ELEMENTS_PER_CHUNK // (q[0].numel() // q.shape[-1] * basis.shape[1]))
         out = q.new_empty(q.shape)
@@ -41,6 +46,7 @@ class _MemoryRead(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # its backward is not differentiable: a second derivative is refused, by name
+    @autocast_off
     def backward(ctx, grad_out):
         q, coefficients, basis, = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk

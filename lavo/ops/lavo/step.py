@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from ...cache import LavoStepCache
+from ...cache import LavoStepCache, check_made_by
 from ..common import neg_inf, uses_triton
 from .blocked import check_inputs, check_read_scale, scaled_queries
 from .memory import memory_read, project
@@ -52,6 +52,7 @@ def lavo_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: t
     if fits != (B, H, D, basis.shape[1]):
         raise ValueError(f"the cache holds (batch, heads, head_dim, rank) = {fits}, the inputs "
                          f"{(B, H, D, basis.shape[1])}")
+    check_made_by(cache, dissection=dissection)
     scale = D ** -0.5 if scale is None else scale
     real = torch.ones(B, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask[:, 0]
     if uses_triton(backend, q):
@@ -61,7 +62,7 @@ def lavo_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: t
     else:
         out = _decode_step_torch(q, k, v, basis, cache, pos_bias=pos_bias, dissection=dissection, real=real,
                                  scale=scale, read_scale=read_scale)
-    return out, replace(cache, position=cache.position + 1)
+    return out, replace(cache, position=cache.position + 1, dissection=dissection)
 
 
 def _ring_positions(steps: torch.Tensor, span: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from einops import rearrange
 
-from ..common import check_pos_bias, check_window_inputs, neg_inf, uses_triton
+from ..common import autocast_off, check_pos_bias, check_window_inputs, neg_inf, uses_triton
 
 
 # Elements of scores computed at once: 4 MiB in float32, about what stays in cache.
@@ -53,6 +53,7 @@ class _BlockedLocalAttention(torch.autograd.Function):
     output and one log-sum-exp per query."""
 
     @staticmethod
+    @autocast_off
     def forward(ctx, q, k, v, bias, key_valid, causal, scale):
         # q, k, v: [n, B, H, w, D] (views are fine); bias: [H or 1, w, K]; key_valid: [n, B, K].
         n, K = q.shape[0], bias.shape[-1]
@@ -81,6 +82,7 @@ class _BlockedLocalAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # its backward is not differentiable: a second derivative is refused, by name
+    @autocast_off
     def backward(ctx, grad_out):
         q, k, v, bias, key_valid, out, lse, saved = ctx.saved_tensors
         causal, chunk, masked, scale = ctx.causal, ctx.chunk, ctx.masked, ctx.scale

@@ -92,14 +92,14 @@ def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     scale = D ** -0.5 if scale is None else scale
     w, n = window, -(-T // window)
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask
-    fill = neg_inf(q.dtype)
 
     queries = rearrange(pad(q * scale, (0, 0, 0, 0, 0, n * w - T)), "b (n w) h d -> b h n w d", w=w)
     short_norm, long_norm = (None, None) if dual_norm is None else dual_norm
     local_keys, local_values = (rearrange(_windows(_norm(x, short_norm), w, causal), "b n h d k -> b h n k d")
                                 for x in (k, v))
     local = queries @ local_keys.transpose(-1, -2) + block_bias(None, H, w, causal, q.dtype, q.device)
-    local = local.masked_fill(~_windows(real, w, causal)[:, None, :, None, :], fill)  # [B, H, n, w, K]
+    # [B, H, n, w, K]; each score tensor masked in its own dtype: under autocast they may be 16-bit where q is not.
+    local = local.masked_fill(~_windows(real, w, causal)[:, None, :, None, :], neg_inf(local.dtype))
 
     keys, values, valid = _landmarks(k, v, projection, real, w if causal else None)
     keys, values = (rearrange(_norm(x.transpose(2, 3), long_norm), "b s r h d -> b h (s r) d") for x in (keys, values))
@@ -108,7 +108,7 @@ def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
         block = torch.arange(n, device=q.device)
         seen = seen & (block[None, None, :] < block[None, :, None])
     far = torch.einsum("bhnwd,bhmd->bhnwm", queries, keys)
-    far = far.masked_fill(~seen.repeat_interleave(projection.shape[2], -1)[:, None, :, None, :], fill)
+    far = far.masked_fill(~seen.repeat_interleave(projection.shape[2], -1)[:, None, :, None, :], neg_inf(far.dtype))
 
     weights = torch.cat([local, far], -1).softmax(-1)
     K = local.shape[-1]
