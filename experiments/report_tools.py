@@ -155,24 +155,36 @@ def delta_table(result: dict) -> str:
     return markdown_table(header, rows)
 
 
-def fill(report: Path, tables: dict[str, str]) -> None:
-    if not report.exists():
-        return
-    text = report.read_text()
+def filled(text: str, tables: dict[str, str]) -> str:
+    """``text`` with each table between its ``<!-- BEGIN name -->`` and ``<!-- END name -->`` markers."""
     for name, table in tables.items():
         pattern = re.compile(rf"(<!-- BEGIN {re.escape(name)} -->\n).*?(<!-- END {re.escape(name)} -->)", re.S)
         text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
-    write_text(report, text)
+    return text
+
+
+def fill(report: Path, tables: dict[str, str]) -> None:
+    if report.exists():
+        write_text(report, filled(report.read_text(), tables))
+
+
+def make_tables(result: dict, experiment: str) -> dict[str, str]:
+    """The tables of an experiment's ``results.json``, by marker name."""
+    L = result["train_length"]
+    multiples = [f"{int(k) / L:g}" for k in next(iter(result["ppl"].values()))][1:]
+    return {"ppl": ppl_table(result), "ratio": ratio_table(result, multiples, experiment == "lm_extrapolation"),
+            "paper": paper_table(), "wall": wall_table(result), "budget": budget_table(result),
+            "delta": delta_table(result)}
+
+
+def tables_markdown(tables: dict[str, str]) -> str:
+    """``tables.md``: every table under its name."""
+    return "".join(f"## {k}\n\n{v}\n\n" for k, v in tables.items())
 
 
 def tables(exp: Path) -> None:
-    result = json.loads((exp / "results.json").read_text())
-    L = result["train_length"]
-    multiples = [f"{int(k) / L:g}" for k in next(iter(result["ppl"].values()))][1:]
-    out = {"ppl": ppl_table(result), "ratio": ratio_table(result, multiples, exp.name == "lm_extrapolation"),
-           "paper": paper_table(), "wall": wall_table(result), "budget": budget_table(result),
-           "delta": delta_table(result)}
-    write_text(exp / "tables.md", "".join(f"## {k}\n\n{v}\n\n" for k, v in out.items()))
+    out = make_tables(json.loads((exp / "results.json").read_text()), exp.name)
+    write_text(exp / "tables.md", tables_markdown(out))
     fill(exp / "REPORT.md", out)
 
 

@@ -29,8 +29,8 @@ from .config import RunConfig
 from .data import Prepared, prepare
 from .layers.base import after_optimizer_step
 from .model import LanguageModel, count_parameters
-from .run import (MetricsLog, RunError, RunLock, clear_run, has_checkpoint, load_checkpoint, read_run_config,
-                  recover_checkpoint, save_checkpoint, save_run_config, trained_files)
+from .run import (METRICS, MetricsLog, RunError, RunLock, clear_run, has_checkpoint, load_checkpoint,
+                  read_run_config, recover_checkpoint, save_checkpoint, save_run_config, trained_files)
 
 
 # what a resumed run may change: how long and how it runs, not what it computes (train.steps extends a run)
@@ -162,7 +162,9 @@ def valid_loss(model, tokens, length, batches, batch_size, device, autocast) -> 
 def check_run_directory(run_dir: Path, resume: bool, overwrite: bool) -> None:
     """Refuse, before any data work, to train over an earlier run without --resume or --overwrite, or to
     resume one that has weights but no training state; with --overwrite, delete the earlier run's files; with
-    --resume, finish or drop a checkpoint write a killed process left half done. Call it holding the lock."""
+    --resume, finish or drop a checkpoint write a killed process left half done, and start a run that was
+    stopped before its first checkpoint again (only its metrics exist: starting again is resuming it exactly).
+    Call it holding the lock."""
     recover_checkpoint(run_dir)
     earlier = trained_files(run_dir)
     if resume and overwrite:
@@ -172,9 +174,20 @@ def check_run_directory(run_dir: Path, resume: bool, overwrite: bool) -> None:
     elif earlier and not resume:
         raise FileExistsError(f"{run_dir} already holds a run ({', '.join(earlier)}): pass --resume to continue "
                               "it, --overwrite to start again, or choose another --set train.out_dir=...")
+    elif resume and earlier == [METRICS]:
+        clear_run(run_dir)
     elif resume and earlier and not has_checkpoint(run_dir):
         raise RunError(f"{run_dir} holds {', '.join(earlier)} but no training state (state.pt), so it cannot be "
                        "resumed exactly: start it again with --overwrite, or choose another train.out_dir")
+
+
+def agree(env: Distributed, *flags: bool) -> list[bool]:
+    """For each flag, whether any process raised it: every process gets the same answers, so that all of them
+    stop together (one stopping alone would leave the others waiting on it)."""
+    raised = torch.tensor([float(flag) for flag in flags])
+    if env.enabled:
+        dist.all_reduce(raised, op=dist.ReduceOp.MAX)
+    return [bool(flag) for flag in raised]
 
 
 def prepare_run(config: RunConfig, env: Distributed, log) -> Prepared:
@@ -404,12 +417,10 @@ class Trainer:
         them stop after the same step)."""
         tc = self.tc
         late = tc.time_limit is not None and time.perf_counter() - self.call_started > tc.time_limit
-        flags = torch.tensor([float(stops.requested), float(late)])
-        if self.env.enabled:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0]:
+        interrupted, late = agree(self.env, stops.requested, late)
+        if interrupted:
             return "interrupt"
-        if flags[1]:
+        if late:
             self.say(f"time limit of {tc.time_limit:g} s for this call reached at step {self.progress.step}")
             return "time"
         return None
@@ -497,8 +508,14 @@ def train(config: RunConfig, resume: bool = False, overwrite: bool = False, stop
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = RunLock(run_dir)
     with lock:
+        refused = None
         if env.main:
-            check_run_directory(run_dir, resume, overwrite)
+            try:
+                check_run_directory(run_dir, resume, overwrite)
+            except (RunError, ValueError, OSError) as error:
+                refused = error
+        if agree(env, refused is not None)[0]:
+            raise refused or RunError(f"process 0 refused {run_dir} (its message says why)")
         data = prepare_run(config, env, say)
         trainer = Trainer(config, env, device, data, say)
         if resume:

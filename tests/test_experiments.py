@@ -1,9 +1,11 @@
 """The committed experiments compare like with like: every model an experiment's run.sh trains has, within 2%,
 the parameters of the others."""
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 from lavo.config import load_config
 from lavo.model import build_model, count_parameters
@@ -41,3 +43,23 @@ def test_every_model_of_an_experiment_has_the_same_parameters_within_two_percent
         counts[name] = count_parameters(build_model(config.model_config(vocab_size=4096)))
     assert len(counts) >= 3
     assert max(counts.values()) <= 1.02 * min(counts.values()), counts
+
+
+# The experiments whose tables experiments/report_tools.py makes from their evaluation and metrics.
+REPORTED = sorted(p.parent.name for p in (ROOT / "experiments").glob("*/run.sh")
+                  if "report_tools.py results" in p.read_text())
+
+
+@pytest.mark.parametrize("experiment", REPORTED)
+def test_the_committed_tables_are_what_the_report_tool_makes_of_the_committed_results(experiment, monkeypatch):
+    """No committed number drifts from its source: results.json is what the evaluation and the runs' metrics
+    give, and tables.md and REPORT.md's tables are what results.json gives."""
+    report_tools = load_script("report_tools", "experiments/report_tools.py")
+    monkeypatch.chdir(ROOT)  # the evaluation names its runs relative to the repository
+    exp = ROOT / "experiments" / experiment
+    result = report_tools.collect(exp)
+    assert result == json.loads((exp / "results.json").read_text())
+    tables = report_tools.make_tables(result, experiment)
+    assert report_tools.tables_markdown(tables) == (exp / "tables.md").read_text()
+    report = (exp / "REPORT.md").read_text()
+    assert report_tools.filled(report, tables) == report

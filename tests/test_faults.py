@@ -138,6 +138,18 @@ def test_kill_9_mid_training_and_a_second_trainer_meanwhile(setup, tmp_path):
     assert any(line.startswith(f"resumed {tmp_path / 'run'} at step ") for line in lines)
 
 
+def test_kill_9_before_the_first_checkpoint_then_resume_starts_it_again(setup, tmp_path):
+    """Nothing but metrics was written: --resume starts the run again, as an uninterrupted run would have been."""
+    config = config_for(setup, tmp_path, checkpoint_interval=STEPS)
+    process = start(config, tmp_path)
+    wait_for_step(tmp_path / "run", process, 5)
+    process.kill()
+    finish(process)
+    assert not (tmp_path / "run" / "state.pt").exists() and (tmp_path / "run" / "metrics.jsonl").exists()
+    lines = resume_and_compare(setup, config)
+    assert f"no checkpoint in {tmp_path / 'run'}; starting a new run" in lines
+
+
 @pytest.mark.parametrize("point,resumed_at", [
     ("weights", 10),  # killed half way through writing the new weights: the step-10 checkpoint stands
     ("state", 10),  # the new weights written, killed half way through the state: still step 10

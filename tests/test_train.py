@@ -173,21 +173,9 @@ def test_data_parallel_processes_end_with_identical_weights(corpus, tmp_path, co
     config = tiny_run(corpus, tmp_path / "data", tmp_path / "ddp", steps=3, checkpoint_interval=0, **settings)
     path = tmp_path / "ddp.json"
     path.write_text(json.dumps(config))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     begin = time.time()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "lavo.cli", "train", "--config", str(path)]
-    # own process group, so a hang cannot leave worker processes behind
-    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"torchrun did not finish in 240s:\n{output[-3000:]}")
-    assert process.returncode == 0, output[-3000:]
+    returncode, output = torchrun_train(path, tmp_path)
+    assert returncode == 0, output[-3000:]
     final = json.loads((tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["world_size"] == 2 and final["step"] == 3
     assert final["tokens"] == 3 * 2 * 4 * 32 * config["train"].get("grad_accum", 1)
@@ -196,6 +184,29 @@ def test_data_parallel_processes_end_with_identical_weights(corpus, tmp_path, co
     model, _, _ = load_run(tmp_path / "ddp")
     assert weights_digest(model) == digests[0]
     print(f"torchrun with 2 processes took {time.time() - begin:.1f}s")
+    if not compiled:  # a refused run directory stops every process with its reason, not process 1 in a barrier
+        returncode, output = torchrun_train(path, tmp_path)
+        assert returncode != 0 and "already holds a run" in output and "process 0 refused" in output
+        # (torchrun then reports the exit codes itself; no frame of the package shows)
+        assert "Connection closed by peer" not in output and str(ROOT / "lavo") not in output, output[-3000:]
+
+
+def torchrun_train(config: Path, cwd: Path) -> tuple[int, str]:
+    """``lavo train --config CONFIG`` in two processes under torchrun: the return code and the output."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "lavo.cli", "train", "--config", str(config)]
+    # own process group, so a hang cannot leave worker processes behind
+    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"torchrun did not finish in 240s:\n{output[-3000:]}")
+    return process.returncode, output
 
 
 def test_bfloat16_autocast_and_time_limit(corpus, tmp_path):
