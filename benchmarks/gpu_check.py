@@ -188,8 +188,8 @@ def targets(rows: list[dict]) -> list[list[str]]:
     """The issue's targets against this run: (target, measured, met)."""
     table = []
 
-    def ratio(length: int, step: str = "ops") -> float | None:
-        lavo = _find(rows, step=step, mechanism="lavo_attention (op)", op="fwd+bwd", length=length)
+    def ratio(length: int) -> float | None:
+        lavo = _find(rows, step="ops", mechanism="lavo_attention (op)", op="fwd+bwd", length=length)
         sdpa = _find(rows, step="ops", mechanism="sdpa (op)", op="fwd+bwd", length=length)
         return lavo["ms"] / sdpa["ms"] if lavo and sdpa else None
 

@@ -292,8 +292,6 @@ class LavoStepCache(_LavoState):
     position: int
     window: int
     dissection: bool | None = None
-    write: str = "mean"
-    memory: str = "scalar"
 
     @classmethod
     def from_cache(cls, cache: LavoCache, window: int) -> LavoStepCache:

@@ -271,7 +271,7 @@ def cmd_forecast(args) -> None:
 def add_forecast(commands) -> None:
     from .forecast.data import DATASETS
     from .forecast.experiment import BASELINES, Grid, Settings
-    from .registry import CROSS_ATTENTIONS
+    from .registry import available_cross_attentions
     from .settings import flag_type
 
     def names(allowed):
@@ -290,8 +290,8 @@ def add_forecast(commands) -> None:
     p.add_argument("--horizon", type=flag_type(Grid, "horizon"), required=True,
                    help="steps to forecast, e.g. 96 or 96,192,336,720")
     p.add_argument("--input", type=flag_type(Grid, "input"), default=[96], help="input steps (default: 96)")
-    p.add_argument("--cross", type=names(sorted(CROSS_ATTENTIONS)), default=[],
-                   help=f"cross attentions, comma-separated: {', '.join(sorted(CROSS_ATTENTIONS))}")
+    p.add_argument("--cross", type=names(available_cross_attentions()), default=[],
+                   help=f"cross attentions, comma-separated: {', '.join(available_cross_attentions())}")
     p.add_argument("--baseline", type=names(BASELINES), default=[],
                    help=f"baselines, comma-separated: {', '.join(BASELINES)}")
     p.add_argument("--seed", type=flag_type(Grid, "seed"), default=[0], help="seeds, comma-separated (default: 0)")
@@ -311,7 +311,7 @@ COMMANDS = (add_data, add_train, add_eval, add_generate, add_export, add_demo, a
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lavo", description="LAVO language modelling: prepare data, train, "
                                      "evaluate perplexity at many lengths, generate, export to Hugging Face, run "
-                                     "the demo, benchmark, forecast time series.")
+                                     "the demo, benchmark, forecast time series, classify ListOps.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in COMMANDS:
         add_command(commands)

@@ -124,12 +124,12 @@ def format_table(results: dict[str, dict[int, dict]], scored: str = "held-out to
             "length; segments scored from an empty context)")
 
 
-def save_plot(results: dict[str, dict[int, dict]], path: str | os.PathLike, title: str | None = None,
+def save_plot(results: dict[str, dict[int, dict]], path: str | os.PathLike,
               train_length: int | None = None) -> Path | None:
     """Perplexity against evaluation length, one line per model (log-2 length axis)."""
     series = {name: [(length, r["ppl"]) for length, r in per_model.items()] for name, per_model in results.items()}
     return line_plot(series, path, xlabel="evaluation length (tokens)", ylabel="perplexity",
-                     title=title or "held-out perplexity vs length",
+                     title="held-out perplexity vs length",
                      vline=(train_length, "training length") if train_length else None)
 
 

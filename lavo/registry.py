@@ -54,6 +54,10 @@ def available_attentions() -> list[str]:
     return sorted(ATTENTIONS)
 
 
+def available_cross_attentions() -> list[str]:
+    return sorted(CROSS_ATTENTIONS)
+
+
 def attention_class(name: str) -> type[Mechanism]:
     """The class registered as ``name``; an unknown name raises an error listing the available ones."""
     if name not in ATTENTIONS:
@@ -61,17 +65,18 @@ def attention_class(name: str) -> type[Mechanism]:
     return ATTENTIONS[name]
 
 
-def check_options(name: str, options: dict) -> None:
+def check_options(name: str, options: dict, kind: str = "attention") -> None:
     """Raise naming the mechanism and its valid options when ``options`` has one its constructor lacks, or a
-    switch (an option whose default is True or False) set to anything but a bool ("yes" would count as on)."""
-    defaults = attention_class(name).option_defaults()
+    switch (an option whose default is True or False) set to anything but a bool ("yes" would count as on).
+    ``kind``: ``"attention"`` or ``"cross attention"``, the registry ``name`` is in."""
+    defaults = (attention_class(name) if kind == "attention" else CROSS_ATTENTIONS[name]).option_defaults()
     unknown = sorted(set(options) - set(defaults))
     if unknown:
-        raise ValueError(f"attention {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
+        raise ValueError(f"{kind} {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
                          f"{', '.join(defaults) or 'none'}")
     for option, value in options.items():
         if isinstance(defaults[option], bool) and not isinstance(value, bool):
-            raise ValueError(f"attention {name!r} option {option} must be true or false, got {value!r}")
+            raise ValueError(f"{kind} {name!r} option {option} must be true or false, got {value!r}")
 
 
 def build_attention(name: str, dim: int, heads: int, *, causal: bool = True, **options) -> Mechanism:
@@ -83,5 +88,6 @@ def build_attention(name: str, dim: int, heads: int, *, causal: bool = True, **o
 def build_cross_attention(name: str, dim: int, heads: int, **options) -> CrossAttentionLayer:
     """Build the cross-attention registered as ``name`` (the source is compressed, the targets read it)."""
     if name not in CROSS_ATTENTIONS:
-        raise ValueError(f"unknown cross attention {name!r}; available: {', '.join(sorted(CROSS_ATTENTIONS))}")
+        raise ValueError(f"unknown cross attention {name!r}; available: {', '.join(available_cross_attentions())}")
+    check_options(name, options, "cross attention")
     return CROSS_ATTENTIONS[name](dim, heads, **options)

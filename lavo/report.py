@@ -68,11 +68,10 @@ def _save(figure, path: str | os.PathLike) -> Path:
 
 def line_plot(series: dict[str, Sequence[tuple[float, float]]], path: str | os.PathLike, *, xlabel: str,
               ylabel: str, title: str, logx: bool = True, logy: bool = False, vline: tuple[float, str] | None = None,
-              hline: tuple[float, str] | None = None, dashed: Sequence[str] = (),
-              length_ticks: bool = False) -> Path | None:
+              dashed: Sequence[str] = (), length_ticks: bool = False) -> Path | None:
     """One line per entry of ``series`` (label -> ``(x, y)`` points; points with ``y`` None or, on a log axis,
-    ``<= 0`` are left out), saved as a PNG. ``vline`` and ``hline`` draw a labelled vertical and horizontal line
-    (a reference such as the training length or a floor); labels in ``dashed`` are drawn dashed;
+    ``<= 0`` are left out), saved as a PNG. ``vline`` draws a labelled vertical line (a reference such as the
+    training length); labels in ``dashed`` are drawn dashed;
     ``length_ticks`` labels the x ticks 1K, 2K, .... Returns the path, or None when nothing is left to draw."""
     import matplotlib
     matplotlib.use("Agg")
@@ -86,8 +85,6 @@ def line_plot(series: dict[str, Sequence[tuple[float, float]]], path: str | os.P
         axes.plot(*zip(*points), "--" if label in dashed else "-", marker="o", markersize=3, label=label)
     if vline is not None:
         axes.axvline(vline[0], color="grey", linestyle=":", linewidth=1, label=vline[1])
-    if hline is not None:
-        axes.axhline(hline[0], color="black", linestyle=":", linewidth=1, label=hline[1])
     axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
     if logx:
         axes.set_xscale("log", base=2)

@@ -1,6 +1,8 @@
 """Cross attention of every mechanism: the fast ops against their references on outputs and gradients, and the
 layers' padding and permutation properties, checked again after training steps (trained weights, not only
 initial ones)."""
+import re
+
 import pytest
 import torch
 
@@ -148,3 +150,12 @@ def test_an_all_padding_source_reads_zeros(name):
     for grad in (y.grad[0], source.grad[0], *(p.grad for p in layer.parameters() if p.grad is not None)):
         assert torch.isfinite(grad).all()
     assert torch.all(y.grad[0] == 0) and torch.all(source.grad[0] == 0)
+
+
+@pytest.mark.parametrize("name,options,message", [
+    ("lavo", dict(windw=8), "cross attention 'lavo' has no option 'windw'; its options: rank, basis, backend"),
+    ("softmax", dict(causal=True), "cross attention 'softmax' has no option 'causal'; its options: none"),
+])
+def test_cross_attention_options_are_checked_like_self_attention_options(name, options, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        build_cross_attention(name, 32, 4, **options)

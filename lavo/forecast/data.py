@@ -217,7 +217,7 @@ def standardise(series: Series) -> Standardised:
     return Standardised(values, mean.astype(np.float32), std.astype(np.float32), bounds)
 
 
-def window_starts(bounds: tuple[int, int], input_len: int, horizon: int, stride: int = 1) -> np.ndarray:
+def window_starts(bounds: tuple[int, int], input_len: int, horizon: int) -> np.ndarray:
     """The first target step of every window whose ``horizon`` targets lie in ``bounds`` and whose ``input_len``
     inputs precede them (reaching before ``bounds`` if they must, never before step 0)."""
     start, end = bounds
@@ -225,7 +225,7 @@ def window_starts(bounds: tuple[int, int], input_len: int, horizon: int, stride:
     if end - horizon < first:
         raise DataError(f"a split of steps [{start}, {end}) holds no window of {input_len} inputs and "
                         f"{horizon} targets")
-    return np.arange(first, end - horizon + 1, stride)
+    return np.arange(first, end - horizon + 1)
 
 
 def gather_windows(values: np.ndarray, calendar: np.ndarray, starts: np.ndarray, input_len: int,

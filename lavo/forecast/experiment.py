@@ -153,9 +153,9 @@ def fit(model: torch.nn.Module, train: Windows, val: Windows, settings: Settings
 
 
 def run_cell(series: Series, input_len: int, horizon: int, method: str, seed: int, settings: Settings,
-             example_window: int = 0, progress: bool = False) -> dict:
+             progress: bool = False) -> dict:
     """Train (when the method has parameters) and score one cell; the result includes the forecast of the
-    dataset's example variable on test window ``example_window``."""
+    dataset's example variable on the first test window (the report plots it)."""
     started = time.perf_counter()
     torch.manual_seed(seed)
     data = standardise(series)
@@ -170,8 +170,8 @@ def run_cell(series: Series, input_len: int, horizon: int, method: str, seed: in
     result.update(errors(prediction, test.targets))
     column = series.columns.index(TARGET_COLUMN[series.name])
     example = {"history": test.inputs, "truth": test.targets, "forecast": prediction}
-    result["example"] = {"column": TARGET_COLUMN[series.name], "window_start": int(test.starts[example_window]),
-                         **{name: [round(x, 4) for x in t[example_window, :, column].tolist()]
+    result["example"] = {"column": TARGET_COLUMN[series.name], "window_start": int(test.starts[0]),
+                         **{name: [round(x, 4) for x in t[0, :, column].tolist()]
                             for name, t in example.items()}}
     result.update(test_windows=len(test), wall_s=round(time.perf_counter() - started, 2))
     return result

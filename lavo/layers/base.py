@@ -40,6 +40,12 @@ def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def keyword_options(cls: type, *internal: str) -> dict[str, Any]:
+    """The keyword-only parameters of ``cls``'s constructor but ``internal``, with their defaults."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.name not in internal}
+
+
 class Mechanism(nn.Module):
     r"""Base of every registered layer: ``forward(x, padding_mask=None, cache=None) -> (y, cache)``.
 
@@ -70,8 +76,7 @@ class Mechanism(nn.Module):
     def option_defaults(cls) -> dict[str, Any]:
         """The keyword options of the constructor (``causal`` aside), what ``attention_options`` may set, with
         their defaults."""
-        parameters = inspect.signature(cls.__init__).parameters.values()
-        return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.name != "causal"}
+        return keyword_options(cls, "causal")
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -192,7 +197,14 @@ class CrossAttentionLayer(nn.Module):
         self.to_source = nn.Linear(dim, source_projections * dim, bias=False)
         self.to_out = nn.Linear(dim, dim, bias=False)
 
-    def attend(self, q: torch.Tensor, *source_heads: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def option_defaults(cls) -> dict[str, Any]:
+        """The keyword options of the constructor, with their defaults (``source_projections`` is the
+        subclass's own)."""
+        return keyword_options(cls, "source_projections")
+
+    def attend(self, q: torch.Tensor, *source_heads: torch.Tensor,
+               source_padding_mask: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, y: torch.Tensor, source: torch.Tensor,
@@ -206,5 +218,5 @@ class CrossAttentionLayer(nn.Module):
         q = rearrange(self.to_q(y), "b t (h d) -> b t h d", h=self.heads)
         source_heads = rearrange(self.to_source(source), "b s (n h d) -> n b s h d", n=self.source_projections,
                                  h=self.heads)
-        out = self.attend(q, *source_heads, source_padding_mask)
+        out = self.attend(q, *source_heads, source_padding_mask=source_padding_mask)
         return self.to_out(rearrange(out, "b t h d -> b t (h d)"))

@@ -90,8 +90,9 @@ class S4DLayer(Mechanism):
         return [self.to_glu.weight]
 
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
-        # one complex number per channel and mode, in the parameters' precision (at least float32)
-        real = torch.promote_types(dtype, self.log_a_real.dtype)
+        # one complex number per channel and mode, in the parameters' precision, at least float32 (torch has no
+        # bfloat16 complex numbers, and the recurrence sums in float32 for 16-bit layers anyway)
+        real = accumulation_dtype(torch.promote_types(dtype, self.log_a_real.dtype))
         return batch_size * self.dim * (self.state_size // 2) * 2 * element_size(real)
 
     def check_cache(self, cache: S4DCache, batch: int) -> None:

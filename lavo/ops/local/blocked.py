@@ -135,8 +135,8 @@ def causal_window_mask(window: int, device: torch.device | None = None) -> torch
     return b <= window + a
 
 
-def block_bias(pos_bias: torch.Tensor | None, heads: int, window: int, causal: bool,
-               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def block_bias(pos_bias: torch.Tensor | None, window: int, causal: bool, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
     r"""Additive score bias for one block of queries against its neighbouring keys.
 
     Returns:
@@ -188,9 +188,9 @@ def blocked_local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
     Returns:
         ``[n, B, H, w, D]``; rows of padded queries hold garbage, the caller masks them.
     """
-    n, B, H, w, D = q.shape
+    n, w = q.shape[0], q.shape[3]
     key_valid = _neighbours(real[..., None], 0, n, causal)[..., 0]  # [n, B, K]
-    bias = block_bias(pos_bias, H, w, causal, q.dtype, q.device)
+    bias = block_bias(pos_bias, w, causal, q.dtype, q.device)
     return _BlockedLocalAttention.apply(q, k, v, bias, key_valid, causal, scale)
 
 

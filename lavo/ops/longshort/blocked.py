@@ -97,7 +97,7 @@ def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     short_norm, long_norm = (None, None) if dual_norm is None else dual_norm
     local_keys, local_values = (rearrange(_windows(_norm(x, short_norm), w, causal), "b n h d k -> b h n k d")
                                 for x in (k, v))
-    local = queries @ local_keys.transpose(-1, -2) + block_bias(None, H, w, causal, q.dtype, q.device)
+    local = queries @ local_keys.transpose(-1, -2) + block_bias(None, w, causal, q.dtype, q.device)
     # [B, H, n, w, K]; each score tensor masked in its own dtype: under autocast they may be 16-bit where q is not.
     local = local.masked_fill(~_windows(real, w, causal)[:, None, :, None, :], neg_inf(local.dtype))
 
