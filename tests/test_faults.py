@@ -81,15 +81,27 @@ def resume_and_compare(setup, config: dict) -> list[str]:
     return lines
 
 
-def start(config: dict, tmp_path: Path, kill_at: str | None = None) -> subprocess.Popen:
-    """``lavo train`` in a process of its own; ``kill_at`` makes it SIGKILL itself inside a checkpoint write."""
+def start(config: dict, tmp_path: Path, kill_at: str | None = None, pause_after: int | None = None
+          ) -> subprocess.Popen:
+    """``lavo train`` in a process of its own; ``kill_at`` makes it SIGKILL itself inside a checkpoint write,
+    ``pause_after`` makes it wait after that step until :func:`resume_paused` (tests/paused_trainer.py)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    code = ["-m", "lavo.cli"] if kill_at is None else [str(Path(__file__).parent / "kill_during_checkpoint.py"),
-                                                       kill_at]
+    code = ["-m", "lavo.cli"]
+    if kill_at is not None:
+        code = [str(Path(__file__).parent / "kill_during_checkpoint.py"), kill_at]
+    if pause_after is not None:
+        code = [str(Path(__file__).parent / "paused_trainer.py"), str(pause_after), str(tmp_path / GATE)]
     return subprocess.Popen([sys.executable, *code, "train", "--config", str(path)], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+GATE = "go"  # the file a paused trainer waits for
+
+
+def resume_paused(tmp_path: Path) -> None:
+    (tmp_path / GATE).touch()
 
 
 def wait_for_step(run_dir: Path, process: subprocess.Popen, step: int, timeout: float = 120) -> None:
@@ -113,21 +125,22 @@ def finish(process: subprocess.Popen) -> tuple[int, str]:
 
 def test_ctrl_c_saves_the_exact_position_and_resume_continues_exactly(setup, tmp_path):
     config = config_for(setup, tmp_path)
-    process = start(config, tmp_path)
+    process = start(config, tmp_path, pause_after=15)
     wait_for_step(tmp_path / "run", process, 15)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGINT)  # while it waits before step 16: that step still runs, then it stops
+    resume_paused(tmp_path)
     code, output = finish(process)
     assert code == 130, output
     state = torch.load(tmp_path / "run" / "state.pt", weights_only=True)
     assert f"interrupted after step {state['step']}; saving a checkpoint" in output
-    assert 15 <= state["step"] < STEPS and state["sampler"]["draws"] == state["step"]  # one draw per step
+    assert state["step"] == 16 and state["sampler"]["draws"] == 16  # one draw per step
     lines = resume_and_compare(setup, config)
-    assert f"resumed {tmp_path / 'run'} at step {state['step']}" in lines
+    assert f"resumed {tmp_path / 'run'} at step 16" in lines
 
 
 def test_kill_9_mid_training_and_a_second_trainer_meanwhile(setup, tmp_path):
     config = config_for(setup, tmp_path)
-    process = start(config, tmp_path)
+    process = start(config, tmp_path, pause_after=15)
     wait_for_step(tmp_path / "run", process, 15)
     with pytest.raises(RunError, match=rf"{tmp_path / 'run'} is being trained by another process \(pid "
                                        rf"{process.pid}, which holds .*\.lock\)"):
@@ -135,13 +148,13 @@ def test_kill_9_mid_training_and_a_second_trainer_meanwhile(setup, tmp_path):
     process.kill()  # SIGKILL: no handler runs, the lock goes with the process
     finish(process)
     lines = resume_and_compare(setup, config)
-    assert any(line.startswith(f"resumed {tmp_path / 'run'} at step ") for line in lines)
+    assert f"resumed {tmp_path / 'run'} at step 10" in lines  # the last checkpoint before step 15
 
 
 def test_kill_9_before_the_first_checkpoint_then_resume_starts_it_again(setup, tmp_path):
     """Nothing but metrics was written: --resume starts the run again, as an uninterrupted run would have been."""
     config = config_for(setup, tmp_path, checkpoint_interval=STEPS)
-    process = start(config, tmp_path)
+    process = start(config, tmp_path, pause_after=5)
     wait_for_step(tmp_path / "run", process, 5)
     process.kill()
     finish(process)

@@ -234,7 +234,7 @@ def test_workers_share_the_plan_and_train_each_run_once(dry, capfd):
 def test_workers_auto_probes_once_and_keeps_its_choice(dry, capfd, monkeypatch):
     run, out = dry
     monkeypatch.setattr(driver, "MAX_PROBED_WORKERS", 2)
-    assert run("--only", "lavo-s0,local-s0", "--max-runs", "1", "--workers", "auto", "--probe-seconds", "1") == 0
+    assert run("--only", "lavo-s0,local-s0", "--max-runs", "1", "--workers", "auto", "--probe-seconds", "2") == 0
     log = capfd.readouterr().out
     calls = [json.loads(line) for line in (out / "results" / "calls.jsonl").read_text().splitlines()]
     probe = calls[-1]["probe"]

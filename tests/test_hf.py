@@ -329,9 +329,13 @@ def test_the_tokenizer_round_trips_and_a_missing_file_is_an_error(saved, tokeniz
         (directory / "moved.json").rename(directory / "tokenizer.json")
 
 
-def test_transformers_is_offline():
-    from huggingface_hub import constants
-    assert constants.HF_HUB_OFFLINE
+def test_the_command_line_keeps_the_hub_offline_unless_told_otherwise():
+    script = "import lavo.cli\nfrom huggingface_hub import constants\nprint(constants.HF_HUB_OFFLINE)\n"
+    environment = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    for setting, expected in ((None, "True"), ("0", "False")):
+        env = {**environment, "PYTHONPATH": str(ROOT), **({"HF_HUB_OFFLINE": setting} if setting else {})}
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
+        assert result.stdout.strip() == expected
 
 
 def test_lavo_does_not_import_transformers():

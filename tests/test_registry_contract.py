@@ -6,14 +6,17 @@ import pytest
 import torch
 
 from lavo import available_attentions, build_attention
+from lavo.registry import attention_class
 
 DIM, HEADS, T = 32, 4, 40
+WINDOW = 8  # T spans five windows: the windowed mechanisms cross boundaries, LAVO writes and reads its memory
 
 
 def _build(name, causal):
     torch.manual_seed(0)
+    options = {"window": WINDOW} if "window" in attention_class(name).option_names() else {}
     try:
-        layer = build_attention(name, DIM, HEADS, causal=causal)
+        layer = build_attention(name, DIM, HEADS, causal=causal, **options)
     except ValueError as error:
         if "has no" in str(error):
             pytest.skip(str(error))

@@ -1,5 +1,6 @@
 """Training: exact resume, checkpoint files, schedule, data-parallel processes agree."""
 import json
+import math
 import os
 import re
 import signal
@@ -209,9 +210,22 @@ def torchrun_train(config: Path, cwd: Path) -> tuple[int, str]:
     return process.returncode, output
 
 
-def test_bfloat16_autocast_and_time_limit(corpus, tmp_path):
+def test_bfloat16_autocast_and_time_limit(corpus, tmp_path, monkeypatch):
+    from lavo.model import LanguageModel
+    forward, logits_dtypes = LanguageModel.forward, set()
+
+    def recorded(self, *args, **kwargs):
+        logits, cache = forward(self, *args, **kwargs)
+        logits_dtypes.add(logits.dtype)
+        return logits, cache
+
+    monkeypatch.setattr(LanguageModel, "forward", recorded)
     summary = train(run(corpus, tmp_path, "bf16", steps=2, dtype="bfloat16"), log=quiet)
-    assert summary["step"] == 2 and summary["loss"] == summary["loss"]  # finite, not NaN
+    assert summary["step"] == 2 and math.isfinite(summary["loss"])
+    assert torch.bfloat16 in logits_dtypes  # the training steps ran under bfloat16 autocast
+    logits_dtypes.clear()
+    full = train(run(corpus, tmp_path, "fp32", steps=2), log=quiet)
+    assert logits_dtypes == {torch.float32} and abs(full["loss"] - summary["loss"]) < 0.05
     stopped = train(run(corpus, tmp_path, "limited", steps=50, time_limit=0.0), log=quiet)
     assert stopped["step"] == 1
     state = torch.load(tmp_path / "limited" / "state.pt", weights_only=True)
