@@ -349,7 +349,7 @@ class Trainer:
             sync = micro == tc.grad_accum - 1 or not env.enabled  # DDP averages gradients on the last one only
             with (contextlib.nullcontext() if sync else self.replica.no_sync()):
                 with self.autocast():
-                    logits, _ = self.replica(x)
+                    logits = self.replica(x)[0]  # the layers' caches are not kept through the backward
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
                 (loss / tc.grad_accum).backward()
             total += loss.detach() / tc.grad_accum

@@ -303,6 +303,13 @@ def test_softmax_prefill_past_the_quadratic_limit_builds_the_same_cache():
         assert direct.position == full.position == 20
         for name in ("keys", "values", "key_mask"):
             torch.testing.assert_close(getattr(direct, name), getattr(full, name))
+    # under bfloat16 autocast in the dtype the layer's own forward keeps (twice the bytes, and a cast of the whole
+    # cache at every step, would slow softmax's decoding past the limit only)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        direct, _ = decode.prefill(layer, x, run_settings)
+        full = layer(x)[1]
+    assert direct.keys.dtype == full.keys.dtype == torch.bfloat16
+    assert direct.nbytes() <= layer.cache_nbytes(1, 20, torch.bfloat16)
 
 
 def test_lavo_flops_small_case_by_hand():
@@ -537,3 +544,49 @@ def test_profile_section_runs_ops_and_training_steps_when_asked(capsys):
     assert "**lavo_attention (op) fwd+bwd at 64**:" in text and "**lavo train_step at 64**:" in text
     assert cli.build_parser().parse_args([]).sections == list(settings.DEFAULT_SECTIONS)  # only when asked
     assert quick_settings("--model-attentions", "").model_attentions == []  # as --attentions '': none
+
+
+def test_gpu_check_counts_listing_the_tests_in_their_step_and_refuses_a_used_folder(tmp_path, monkeypatch):
+    clock, given = [0.0], {}
+
+    def fake_step(name, seconds, commands, out, env):
+        given[name] = seconds
+        return dict(name=name, command="", seconds=0, status="ok")
+
+    def slow_listing(command, shards, env):
+        clock[0] += 30  # listing the tests took 30 s of the step's 120
+        return [command]
+
+    monkeypatch.setattr(gpu_check, "run_step", fake_step)
+    monkeypatch.setattr(gpu_check, "split_tests", slow_listing)
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
+    assert gpu_check.main([str(tmp_path / "check"), "--dry-run"]) == 0
+    summary = json.loads(next((tmp_path / "check").glob("*_bf16.json")).read_text())
+    assert given["tests"] == 90 and summary["steps"][0]["seconds"] == 30
+    assert "commit" in summary["machine"] and "dirty" in summary["machine"]
+    with pytest.raises(SystemExit, match="is not empty: give the check a new folder"):
+        gpu_check.main([str(tmp_path / "check"), "--dry-run"])
+
+
+def test_gpu_check_judges_every_context_only_on_all_of_them():
+    rows = [dict(step="decode", mechanism="lavo (step)", status="ok", ms=0.1, length=1024 * 2 ** i) for i in range(8)]
+    for measured, verdict in ((rows[:2], "partial (2/8)"), (rows, "yes")):  # a step cut short, a whole one
+        verdicts = {target: met for target, _, met in gpu_check.targets(measured)}
+        assert verdicts["decoding step <= 0.3 ms at every context: fused kernel"] == verdict
+
+
+def test_a_series_first_call_may_compile_but_later_calls_keep_the_time_limit(monkeypatch):
+    durations = iter([30.0] + [0.001] * 20)  # seconds of each call: the first compiles
+    monkeypatch.setattr(measure, "_timed", lambda fn, device: next(durations))
+    result = measure.measure(lambda: None, torch.device("cpu"), repeats=3, warmup=2, time_limit=20,
+                             first_call_limit=120)
+    assert result.times_ms == [1.0] * 3
+    durations = iter([30.0] + [0.001] * 20)
+    with pytest.raises(measure.Skipped, match=r"one call took 30 s > --time-limit 20 s"):
+        measure.measure(lambda: None, torch.device("cpu"), repeats=3, warmup=2, time_limit=20)
+
+
+def test_attention_runs_length_by_length_with_sdpa_first():
+    s = quick_settings("--lengths", "128,256", "--ops", "lavo_attention,sdpa", "--attentions", "", "--passes", "fwd")
+    assert [(name, length) for name, _, length in attention.plan(s)] == [
+        ("sdpa (op)", 128), ("lavo_attention (op)", 128), ("sdpa (op)", 256), ("lavo_attention (op)", 256)]

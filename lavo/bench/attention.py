@@ -83,10 +83,11 @@ def time_complexity(name: str) -> str:
 
 
 def plan(settings: Settings) -> list[tuple[str, str, int]]:
-    """(mechanism or op label, pass, length) in run order: SDPA first at each length, so ratios can be taken."""
+    """(mechanism or op label, pass, length) in run order: length by length, so a run cut short has measured
+    every mechanism at the shorter lengths; SDPA first at each length, so ratios can be taken."""
     names = [OPS[op].label for op in settings.ops] + list(settings.attentions)
     names.sort(key=lambda name: name != SDPA)
-    return [(name, which, length) for name in names for length in settings.lengths
+    return [(name, which, length) for length in settings.lengths for name in names
             if time_complexity(name) == "linear" or length <= settings.max_quadratic_length
             for which in settings.passes]
 

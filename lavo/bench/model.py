@@ -57,7 +57,7 @@ def train_step(name: str, length: int, runner: Runner) -> tuple[Callable[[], Non
 
     def step():
         with runner.autocast():
-            logits, _ = forward(ids[:, :-1])
+            logits = forward(ids[:, :-1])[0]  # as `lavo train`: the layers' caches are not kept
         loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -12,6 +12,9 @@ from .measure import Measurement, Skipped, available_mib, measure
 from .settings import Settings
 
 GROWTH = {"linear": 1, "quadratic": 2}  # exponent of the sequence length in a call's time and memory
+# What the first call of a series may take: it also compiles (Triton's kernels for the shapes' specialisation,
+# cuBLAS's and flash's start-up), which must not skip the series; later calls, and longer lengths, do not.
+FIRST_CALL_SECONDS = 120.0
 
 
 def record(section: str, level: str, mechanism: str, op: str, length: int, settings: Settings, *,
@@ -38,6 +41,7 @@ class Runner:
         self.device = torch.device(settings.device)
         self.records: list[dict] = []
         self._last: dict[tuple, tuple[int, float | None, float | None]] = {}  # length, ms, peak MiB
+        self._first_of_series = True  # whether the measurement running is its series' first
 
     def autocast(self):
         if self.settings.dtype == "fp32":
@@ -64,6 +68,7 @@ class Runner:
         """Fill ``entry`` by ``work(entry)`` (which sets ``ms`` etc.), catching failures and slowness.
         ``key`` names the series whose earlier lengths predict this one."""
         length = entry["length"]
+        self._first_of_series = key not in self._last
         reason = self.skip_reason(key, length, time_complexity)
         if reason is not None:
             entry.update(status="skipped", note=reason)
@@ -89,7 +94,7 @@ class Runner:
     def measure(self, fn: Callable[[], Any], repeats: int | None = None) -> Measurement:
         s = self.settings
         return measure(fn, self.device, repeats=s.repeats if repeats is None else repeats, warmup=s.warmup,
-                       time_limit=s.time_limit)
+                       time_limit=s.time_limit, first_call_limit=FIRST_CALL_SECONDS if self._first_of_series else None)
 
 
 class Ratios:
