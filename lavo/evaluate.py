@@ -83,20 +83,36 @@ def segment_nll(model, segments: torch.Tensor, chunk_size: int | None = None) ->
 
 
 @torch.no_grad()
+def segment_starts(num_tokens: int, n: int, lengths: list[int], length: int, spread: bool) -> list[int]:
+    """Where the segments of ``length`` start: ``N = n`` targets scored at every length, in windows of
+    ``lcm(lengths)`` targets that each length splits alike; the windows follow each other from the start of the
+    text, or (``spread``) are spaced evenly over all ``num_tokens`` of it, so that a text of several documents
+    is sampled throughout rather than by its first ones."""
+    window = math.lcm(*lengths)
+    count = n // window
+    if spread and count > 1:
+        firsts = np.linspace(0, num_tokens - window - 1, count).astype(np.int64).tolist()
+    else:
+        firsts = [k * window for k in range(count)]
+    return [first + i * length for first in firsts for i in range(window // length)]
+
+
 def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch_size: int = 8,
                          chunk_size: int | None = 512, max_tokens: int | None = None, device="cpu",
-                         progress: bool = False) -> dict[int, dict]:
-    """``{L: {"loss", "ppl", "tokens", "segments"}}`` over the same first ``N`` targets for every ``L``."""
+                         progress: bool = False, spread: bool = False) -> dict[int, dict]:
+    """``{L: {"loss", "ppl", "tokens", "segments"}}`` over the same ``N`` targets for every ``L``: the first ones,
+    or windows of them spread over the whole text (:func:`segment_starts`)."""
     EvalSettings(lengths=list(lengths), batch_size=batch_size, chunk_size=chunk_size, max_tokens=max_tokens)
     lengths = sorted(set(int(length) for length in lengths))
     chunk_size = chunk_size or None
     n = shared_length(len(tokens), lengths, max_tokens)
-    stream = torch.from_numpy(np.asarray(tokens[:n + 1], dtype=np.int64))
+    stream = torch.from_numpy(np.asarray(tokens if spread else tokens[:n + 1], dtype=np.int64))
     was_training = model.training
     model.eval()
     results = {}
     for length in lengths:
-        count = n // length
+        offsets = segment_starts(len(tokens), n, lengths, length, spread)
+        count = len(offsets)
         nll = 0.0
         starts = list(range(0, count, batch_size))
         iterator = starts
@@ -104,8 +120,8 @@ def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch
             from tqdm import tqdm
             iterator = tqdm(starts, desc=f"length {length}", leave=False, dynamic_ncols=True)
         for first in iterator:
-            rows = range(first, min(count, first + batch_size))
-            segments = torch.stack([stream[j * length:(j + 1) * length + 1] for j in rows]).to(device)
+            rows = offsets[first:first + batch_size]
+            segments = torch.stack([stream[j:j + length + 1] for j in rows]).to(device)
             nll += segment_nll(model, segments, chunk_size).sum().item()
         loss = nll / n
         results[length] = {"loss": loss, "ppl": math.exp(loss), "tokens": n, "segments": count}

@@ -120,3 +120,19 @@ def test_a_run_scores_the_documents_it_held_out_after_files_are_added_to_its_fol
         (corpus / f"{name}.txt").write_text((corpus / "doc0.txt").read_text())
     after = evaluate_runs([str(tmp_path / "run")], lengths=[32], device="cpu", progress=False, log=lambda *_: None)
     assert after == before
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_every_length_scores_the_same_targets_first_or_spread_over_the_text(spread):
+    from lavo.evaluate import segment_starts
+    lengths, num_tokens, n = [4, 6, 12], 1000, 48  # windows of lcm = 12 targets, four of them
+    targets = {}
+    for length in lengths:
+        starts = segment_starts(num_tokens, n, lengths, length, spread)
+        assert len(starts) == n // length and all(start + length + 1 <= num_tokens for start in starts)
+        targets[length] = sorted(t for start in starts for t in range(start + 1, start + length + 1))
+    assert targets[4] == targets[6] == targets[12] and len(set(targets[4])) == n  # the same N, none twice
+    if spread:  # from the text's start to its end
+        assert targets[12][0] == 1 and targets[12][-1] == num_tokens - 1
+    else:
+        assert targets[12] == list(range(1, n + 1))

@@ -77,9 +77,10 @@ def test_dry_run_trains_scores_and_resumes_without_redoing_anything(dry, capsys)
         assert tar.extractfile("results/lavo-s0.json").read() == (results / "lavo-s0.json").read_bytes()
     lavo_result = json.loads((results / "lavo-s0.json").read_text())
     assert (lavo_result["steps"], lavo_result["tokens"], lavo_result["device"]) == (4, 4 * 2 * 128, "cpu")
-    assert set(lavo_result["eval"]) == {"books", "code"}
-    assert list(lavo_result["eval"]["books"]) == ["128", "256", "1024"]  # 1x, 2x and LAVO's long evaluation
-    assert lavo_result["eval"]["code"]["1024"]["tokens"] == 1024
+    assert set(lavo_result["eval"]) == set(lavo_result["long_eval"]) == {"books", "code"}
+    assert list(lavo_result["eval"]["books"]) == ["128", "256"]  # 1x and 2x, as every run
+    assert list(lavo_result["long_eval"]["books"]) == ["128", "256", "1024"]  # LAVO's long evaluation, apart
+    assert lavo_result["long_eval"]["code"]["1024"]["tokens"] == 1024
     first = (results / "lavo-s0.json").read_bytes()
     metrics = (out / "runs" / "lavo-s0" / "metrics.jsonl").read_text()
 
@@ -97,15 +98,17 @@ def test_dry_run_trains_scores_and_resumes_without_redoing_anything(dry, capsys)
     assert (out / "runs" / "lavo-s0" / "metrics.jsonl").read_text() == metrics
     local = json.loads((results / "local-s0.json").read_text())
     assert (local["steps"], local["tokens"]) == (4, lavo_result["tokens"])
-    assert list(local["eval"]["code"]) == ["128", "256"]
-    # `lavo eval --parts python` scores the same held-out code as the driver did
+    assert list(local["eval"]["code"]) == ["128", "256"] and "long_eval" not in local
+    assert local["eval"]["code"]["128"]["tokens"] == lavo_result["eval"]["code"]["128"]["tokens"] == 512
+    # `lavo eval --parts python` scores the same held-out code as the driver's long evaluation (one window from
+    # the start)
     from lavo.cli import main as lavo
     assert lavo(["eval", str(out / "runs" / "lavo-s0"), "--parts", "python", "--lengths", "128", "--max-tokens", "1024",
                  "--device", "cpu", "--quiet", "--out", str(out / "eval")]) == 0
     scored = json.loads((out / "eval" / "results.json").read_text())
     assert scored["parts"] == ["python"]
-    assert scored["results"]["lavo-s0"]["128"]["ppl"] == pytest.approx(lavo_result["eval"]["code"]["128"]["ppl"],
-                                                                       rel=1e-5)  # other batching
+    assert scored["results"]["lavo-s0"]["128"]["ppl"] == pytest.approx(
+        lavo_result["long_eval"]["code"]["128"]["ppl"], rel=1e-5)  # other batching
     calls = [json.loads(line) for line in (results / "calls.jsonl").read_text().splitlines()]
     assert [(c["finished"], c["stopped"]) for c in calls] == [(["lavo-s0"], None), ([], "local-s0"),
                                                               (["local-s0"], None)]

@@ -78,19 +78,26 @@ def mean_spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f} ({len(values)})"
 
 
-def ppl_values(runs: list[dict], part: str, length: int) -> list[float]:
-    return [r["eval"][part][str(length)]["ppl"] for r in runs if str(length) in r["eval"].get(part, {})]
+def scores(run: dict, part: str, key: str = "eval") -> dict:
+    """A run's scores on held-out ``part`` by length: its main evaluation (``eval``) or its long one
+    (``long_eval``); empty where it has none (not scored, or its long evaluation failed)."""
+    found = run.get(key) or {}
+    return found.get(part) or {}
 
 
-def ppl_table(plan: dict, results: dict, models: list[str], part: str, lengths: list[int]) -> str:
-    """One row per model: perplexity at each length, mean ± sd over seeds, and 16x / 1x."""
+def ppl_values(runs: list[dict], part: str, length: int, key: str = "eval") -> list[float]:
+    return [scores(r, part, key)[str(length)]["ppl"] for r in runs if str(length) in scores(r, part, key)]
+
+
+def ppl_table(plan: dict, results: dict, models: list[str], part: str, lengths: list[int], key: str = "eval") -> str:
+    """One row per model: perplexity at each length, mean ± sd over seeds, and 16x / 1x (of ``key``'s scores)."""
     train_length = plan["base"]["train"]["train_length"]
     rows = []
     for model in models:
         runs = seeds_of(results, model)
-        cells = [mean_spread(ppl_values(runs, part, length)) for length in lengths]
-        ratios = [r["eval"][part][str(lengths[-1])]["ppl"] / r["eval"][part][str(lengths[0])]["ppl"]
-                  for r in runs if str(lengths[-1]) in r["eval"].get(part, {})]
+        cells = [mean_spread(ppl_values(runs, part, length, key)) for length in lengths]
+        ratios = [scores(r, part, key)[str(lengths[-1])]["ppl"] / scores(r, part, key)[str(lengths[0])]["ppl"]
+                  for r in runs if {str(lengths[0]), str(lengths[-1])} <= set(scores(r, part, key))]
         rows.append([model, *cells, f"{statistics.mean(ratios):.2f}" if ratios else NOT_RUN])
     header = ["model"] + [f"{length:,} ({length // train_length}x)" for length in lengths]
     return markdown_table(header + [f"{lengths[-1] // lengths[0]}x / 1x"], rows)
@@ -158,7 +165,7 @@ def plots(plan: dict, results: dict) -> None:
         series = {}
         for model in plan["models"]:
             runs = seeds_of(results, model)
-            lengths = sorted({int(k) for r in runs for k in r["eval"][part]})
+            lengths = sorted({int(k) for r in runs for k in scores(r, part)})
             series[model] = [(length, statistics.mean(ppl_values(runs, part, length))) for length in lengths
                              if ppl_values(runs, part, length)]
         line_plot(series, HERE / f"{part}.png", xlabel="evaluation length (tokens)", ylabel="perplexity (log scale)",
@@ -175,7 +182,7 @@ def main() -> None:
     tables = {f"ppl-{part}": ppl_table(plan, results, list(plan["models"]), part, lengths)
               for part in plan["eval"]["sets"]}
     tables |= {f"long-{part}": ppl_table(plan, results, plan["long_eval"]["models"], part,
-                                         plan["long_eval"]["lengths"]) for part in plan["eval"]["sets"]}
+                                         plan["long_eval"]["lengths"], "long_eval") for part in plan["eval"]["sets"]}
     tables |= {"models": models_table(plan), "ablation": ablation_table(plan, results),
                "scale": scale_table(plan, results),
                "spend": spend_table(results_dir, results)}

@@ -96,6 +96,17 @@ def prepare_corpus(plan: dict, data_dir: str, log=print) -> None:
             f"({plan['corpus_fingerprint']}): other texts, or another interpreter's standard library")
 
 
+def dry_run_data(data_dir: Path, scratch: Path) -> str:
+    """A data folder for the dry run: links to ``data_dir``'s source texts, so that the dry run's own tokenizer
+    and token caches (some 30 MB) are written beside its runs, not into the folder carried to the GPU machine."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    for source in data_dir.iterdir():
+        link = scratch / source.name
+        if source.is_dir() and "+" not in source.name and not link.exists():  # a mix's caches are the dry run's own
+            link.symlink_to(source.resolve(), target_is_directory=True)
+    return str(scratch)
+
+
 def check_corpus(plan: dict, data_dir: str) -> None:
     """Refuse to train on anything but the plan's corpus, prepared beforehand (the GPU machine has no network,
     and its own standard library would make another code corpus)."""
@@ -141,25 +152,25 @@ def train_within(config: RunConfig, deadline: float, step_limit: int | None, log
     return trainer.progress.step >= steps, pace
 
 
-def evaluate(run_dir: Path, run: PlannedRun, plan_eval: dict, long_eval: dict, device, log) -> dict:
+def evaluate(run_dir: Path, plan_eval: dict, settings: dict, lengths: list[int] | None, device, log) -> dict:
     """``{set: {length: {"loss", "ppl", "tokens", "segments"}}}`` on each held-out set of the plan (the
-    held-out documents of those parts of the mix); the long-evaluation lengths too for ``run.long_eval``."""
+    held-out documents of those parts of the mix) with ``settings`` (the plan's ``eval`` or ``long_eval``), at
+    ``lengths`` (None: the plan's multiples of the training length). The targets, the same at every length, are
+    windows spread over the whole set, so that every held-out document counts (one window, from the start, where
+    the longest length takes them all)."""
     from lavo.data import split_tokens
     from lavo.evaluate import perplexity_by_length
     from lavo.run import load_run
 
     model, config, tokenizer = load_run(run_dir, device)
-    length = config.train.train_length
-    settings = long_eval if run.long_eval else plan_eval
-    lengths = {int(m * length) for m in plan_eval["multiples"]}
-    lengths = sorted(lengths | set(long_eval["lengths"]) if run.long_eval else lengths)
+    lengths = lengths or sorted({int(m * config.train.train_length) for m in plan_eval["multiples"]})
     scores = {}
     for name, parts in plan_eval["sets"].items():
         tokens = split_tokens(config.data.source, config.data.data_dir, config.data.holdout, "valid", tokenizer, parts)
-        log(f"{run.name}: scoring {name} ({len(tokens):,} held-out tokens) at {', '.join(map(str, lengths))}")
+        log(f"{run_dir.name}: scoring {name} ({len(tokens):,} held-out tokens) at {', '.join(map(str, lengths))}")
         scores[name] = {str(k): v for k, v in perplexity_by_length(
             model, tokens, lengths, batch_size=settings["batch_size"], chunk_size=settings["chunk_size"],
-            max_tokens=settings["max_tokens"], device=device).items()}
+            max_tokens=settings["max_tokens"], device=device, spread=True).items()}
     return scores
 
 
@@ -250,14 +261,24 @@ def train_and_score(run: PlannedRun, runs_dir: Path, plan_eval: dict, long_eval:
     if not done:
         return None, seconds_per_step
     train_seconds, t0 = time.monotonic() - t0, time.monotonic()
-    scores = evaluate(runs_dir / run.name, run, plan_eval, long_eval, device, log)
+    # every run at the plan's multiples with the same settings; the long evaluation apart, so that it can fail
+    # without losing those
+    scores = evaluate(runs_dir / run.name, plan_eval, plan_eval, None, device, log)
+    long_scores = None
+    if run.long_eval:
+        try:
+            long_scores = evaluate(runs_dir / run.name, plan_eval, long_eval, long_eval["lengths"], device, log)
+        except Exception as error:  # e.g. out of memory at 128K
+            log(f"[failed] {run.name}'s long evaluation:\n{traceback.format_exc()}")
+            long_scores = {"failed": f"{type(error).__name__}: {error}"[:500]}
     summary = last_summary(runs_dir / run.name)
     record = {"name": run.name, "model": run.model, "seed": run.seed, "config": run.values,
               "parameters": summary["parameters"], "steps": summary["step"], "tokens": summary["tokens"],
               "final_train_loss": summary["loss"], "train_seconds": summary["elapsed"],
               "train_seconds_this_machine": round(train_seconds, 2),
               "eval_seconds": round(time.monotonic() - t0, 2), "device": device_name(device),
-              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "eval": scores}
+              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "eval": scores,
+              **({"long_eval": long_scores} if run.long_eval else {})}
     log(f"[done] {run.name}: " + ", ".join(
         f"{name} ppl {s[str(config.train.train_length)]['ppl']:.2f} at 1x" for name, s in scores.items()))
     return record, seconds_per_step
@@ -480,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         prepare_corpus(plan, data_dir)
         return 0
     scratch = HERE / ("dry-run" if args.dry_run else "")
+    if args.dry_run and args.data_dir is None:
+        data_dir = dry_run_data(Path(data_dir), scratch / "data")
     runs_dir = Path(args.runs_dir or scratch / "runs")
     results_dir = Path(args.results_dir or scratch / "results")
     runs = planned_runs(plan, args.dry_run, data_dir)
