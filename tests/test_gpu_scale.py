@@ -295,3 +295,40 @@ def test_spend_counts_the_workers_of_one_call_once(tmp_path):
     rows = {key.strip(): value.strip() for key, value in rows.items()}
     assert rows["GPU calls"] == "2" and rows["GPU minutes (the calls' wall time)"] == "7.0"  # (360 + 60) / 60
     assert rows["GPU utilisation, mean over the calls (nvidia-smi)"] == "85%"
+
+
+def test_results_made_with_other_settings_are_not_reused(dry, capsys):
+    """A results file records the digest of its run's settings, corpus and scoring: one from another plan (here:
+    its digest changed, as a changed plan would) is trained and scored again, and listed as stale meanwhile."""
+    run, out = dry
+    assert run("--only", "local-s0") == 0
+    path = out / "results" / "local-s0.json"
+    record = json.loads(path.read_text())
+    planned = {r.name: r for r in driver.planned_runs(PLAN, dry_run=True)}
+    assert record["digest"] == planned["local-s0"].digest
+    path.write_text(json.dumps(dict(record, digest="another plan")))
+    capsys.readouterr()
+    assert run("--only", "local-s0", "--list") == 0
+    assert "stale: made with other settings" in capsys.readouterr().out
+    assert run("--only", "local-s0") == 0
+    assert "[stale] local-s0: its results were made with other settings; training it again" in capsys.readouterr().out
+    assert json.loads(path.read_text())["digest"] == planned["local-s0"].digest
+    other = driver.planned_runs({**PLAN, "eval": {**PLAN["eval"], "sets": {"books": ["austen"]}}}, dry_run=True)
+    assert {r.name: r.digest for r in other}["local-s0"] != planned["local-s0"].digest  # scoring is in it
+
+
+def test_the_report_says_what_became_of_every_planned_run(tmp_path):
+    report = load_script("gpu_scale_report", "experiments/gpu_scale/report.py")
+    planned = {r.name: r for r in driver.planned_runs(PLAN)}
+    (tmp_path / "lavo-s0.json").write_text(json.dumps({"digest": planned["lavo-s0"].digest}))
+    (tmp_path / "local-s0.json").write_text(json.dumps({"digest": "another plan"}))
+    (tmp_path / "calls.jsonl").write_text(json.dumps({"started": "a", "wall_s": 1.0,
+                                                      "failed": {"abc-s0": "OutOfMemoryError: CUDA"}}) + "\n")
+    results = driver.current_results(tmp_path, list(planned.values()))
+    assert list(results) == ["lavo-s0"]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4]
+            for line in report.status_table(PLAN, tmp_path, results).splitlines()[2:]}
+    assert [cell.strip() for cell in rows["scored"]] == ["1", "lavo-s0"]
+    assert [cell.strip() for cell in rows["failed"]] == ["1", "abc-s0 (OutOfMemoryError: CUDA)"]
+    assert [cell.strip() for cell in rows["recorded with other settings (to redo)"]] == ["1", "local-s0"]
+    assert rows["not run yet"][0].strip() == str(len(planned) - 3)

@@ -158,6 +158,22 @@ def spend_table(results_dir: Path, results: dict) -> str:
     return markdown_table(["what", "amount"], rows)
 
 
+def status_table(plan: dict, results_dir: Path, results: dict) -> str:
+    """Every planned run by what became of it: scored, failed in some call (with the last reason), recorded with
+    other settings (to redo), or not run yet; so that no mean hides which seeds it is over."""
+    recorded = driver.finished_results(results_dir) if results_dir.is_dir() else {}
+    failures = {name: reason for call in driver.past_calls(results_dir) if results_dir.is_dir()
+                for name, reason in call.get("failed", {}).items()}
+    groups: dict[str, list[str]] = {}
+    for run in driver.planned_runs(plan):
+        status = ("scored" if run.name in results else "failed" if run.name in failures
+                  else "recorded with other settings (to redo)" if run.name in recorded else "not run yet")
+        groups.setdefault(status, []).append(f"{run.name} ({failures[run.name]})" if status == "failed"
+                                             else run.name)
+    return markdown_table(["status", "runs", "which"], [[status, len(names), ", ".join(names)]
+                                                        for status, names in groups.items()])
+
+
 def plots(plan: dict, results: dict) -> None:
     """Mean perplexity over seeds against evaluation length, one plot per held-out set."""
     train_length = plan["base"]["train"]["train_length"]
@@ -176,7 +192,7 @@ def plots(plan: dict, results: dict) -> None:
 def main() -> None:
     plan = driver.load_plan()
     results_dir = HERE / "results"
-    results = driver.finished_results(results_dir) if results_dir.is_dir() else {}
+    results = driver.current_results(results_dir, driver.planned_runs(plan))
     train_length = plan["base"]["train"]["train_length"]
     lengths = [int(m * train_length) for m in plan["eval"]["multiples"]]
     tables = {f"ppl-{part}": ppl_table(plan, results, list(plan["models"]), part, lengths)
@@ -185,7 +201,7 @@ def main() -> None:
                                          plan["long_eval"]["lengths"], "long_eval") for part in plan["eval"]["sets"]}
     tables |= {"models": models_table(plan), "ablation": ablation_table(plan, results),
                "scale": scale_table(plan, results),
-               "spend": spend_table(results_dir, results)}
+               "spend": spend_table(results_dir, results), "status": status_table(plan, results_dir, results)}
     corpus = corpus_table(plan, HERE.parents[1] / plan["base"]["data"]["data_dir"])
     if corpus is not None:
         tables["corpus"] = corpus

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import shutil
 import statistics
@@ -46,6 +47,7 @@ class PlannedRun:
     seed: int
     values: dict  # the run config, without out_dir
     long_eval: bool  # also scored at the plan's long_eval lengths
+    digest: str = ""  # of what its results depend on (settings_digest): a result with another one is stale
 
 
 def load_plan(path: Path = HERE / "plan.json") -> dict:
@@ -62,8 +64,20 @@ def planned_runs(plan: dict, dry_run: bool = False, data_dir: str | None = None)
         for seed in plan["seeds"]:
             for model, overrides in plan[group].items():
                 values = deep_merge(deep_merge(base, overrides), {"train": {"seed": seed}})
-                runs.append(PlannedRun(f"{model}-s{seed}", model, seed, values, model in plan["long_eval"]["models"]))
+                long_eval = model in plan["long_eval"]["models"]
+                digest = settings_digest(plan, values, long_eval, dry_run)
+                runs.append(PlannedRun(f"{model}-s{seed}", model, seed, values, long_eval, digest))
     return runs
+
+
+def settings_digest(plan: dict, values: dict, long_eval: bool, dry_run: bool) -> str:
+    """A digest of what a run's results depend on: its settings (where the data lies aside), the corpus and
+    how it is scored. A results file recorded with another digest came from another plan, and is not reused."""
+    plan_eval, plan_long_eval = eval_settings(plan, dry_run)
+    settings = deep_merge(values, {"data": {"data_dir": None}})
+    what = dict(run=settings, corpus=plan["corpus_fingerprint"], eval=plan_eval,
+                long_eval=plan_long_eval if long_eval else None)
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def eval_settings(plan: dict, dry_run: bool) -> tuple[dict, dict]:
@@ -244,7 +258,15 @@ def pack(results_dir: Path, archive: Path | None) -> None:
 
 
 def finished_results(results_dir: Path) -> dict[str, dict]:
+    """Every results file, by run name, whatever plan made it."""
     return {path.stem: json.loads(path.read_text()) for path in sorted(results_dir.glob("*.json"))}
+
+
+def current_results(results_dir: Path, runs: list[PlannedRun]) -> dict[str, dict]:
+    """The results of ``runs`` made with their present settings (the same digest): the ones not to redo."""
+    found = finished_results(results_dir) if results_dir.is_dir() else {}
+    return {run.name: found[run.name] for run in runs
+            if run.name in found and found[run.name].get("digest") == run.digest}
 
 
 def train_and_score(run: PlannedRun, runs_dir: Path, plan_eval: dict, long_eval: dict, deadline: float,
@@ -277,7 +299,7 @@ def train_and_score(run: PlannedRun, runs_dir: Path, plan_eval: dict, long_eval:
               "final_train_loss": summary["loss"], "train_seconds": summary["elapsed"],
               "train_seconds_this_machine": round(train_seconds, 2),
               "eval_seconds": round(time.monotonic() - t0, 2), "device": device_name(device),
-              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "eval": scores,
+              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "digest": run.digest, "eval": scores,
               **({"long_eval": long_scores} if run.long_eval else {})}
     log(f"[done] {run.name}: " + ", ".join(
         f"{name} ppl {s[str(config.train.train_length)]['ppl']:.2f} at 1x" for name, s in scores.items()))
@@ -325,6 +347,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
     process holds is passed over. A run that raises is logged, recorded under ``failed`` and passed over; in
     later calls the runs that failed come last, so that one cannot stop the others. ``call_budget``: a whole
     call's seconds (default ``budget``), what a run must fit in to be started at all."""
+    from lavo.run import clear_run
     from lavo.train import resolve_device
 
     started, start_time = time.monotonic(), datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -336,7 +359,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
     finished, stopped, failed, device = [], None, {}, None
     with GpuUtilization() as utilization:
         for run in runs:
-            results = finished_results(results_dir)  # other workers' too
+            results = current_results(results_dir, runs)  # other workers' too
             if run.name in results:
                 continue
             if max_runs is not None and len(finished) >= max_runs:
@@ -354,8 +377,12 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
                 if not mine:
                     log(f"[busy] {run.name}: another worker is training it")
                     continue
-                if (results_dir / f"{run.name}.json").exists():  # finished by another worker meanwhile
+                if run.name in current_results(results_dir, [run]):  # finished by another worker meanwhile
                     continue
+                if run.name in finished_results(results_dir):  # made by another plan: trained again, from step 0
+                    log(f"[stale] {run.name}: its results were made with other settings; training it again")
+                    clear_run(runs_dir / run.name)
+                    resuming = False
                 log(f"[train] {run.name}" + (" (resuming)" if resuming else ""))
                 device = device_name(resolve_device(run.values["train"]["device"]))
                 try:
@@ -376,7 +403,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
                 break
             finished.append(run.name)
             pack(results_dir, archive)
-    done = finished_results(results_dir)
+    done = current_results(results_dir, runs)
     call = {**(call or {}), "started": start_time, "wall_s": round(time.monotonic() - started, 1),
             "budget_s": budget, "device": device, "gpu_utilization": utilization.mean(),
             "finished": finished, "stopped": stopped, "failed": failed, "step_seconds": measured,
@@ -392,7 +419,7 @@ def call_with_workers(workers: str, command: list[str], limits: list[str], runs:
     ``calls.jsonl``: its whole wall time, the number of workers and the probe's result."""
     started, call_id = time.monotonic(), datetime.now(timezone.utc).isoformat(timespec="seconds")
     call: dict = {"call": call_id}
-    done = finished_results(results_dir) if results_dir.is_dir() else {}
+    done = current_results(results_dir, runs)
     todo = [run for run in runs if run.name not in done]
     count = int(workers) if workers != "auto" else last_probe_choice(results_dir)
     if count is None:
@@ -451,13 +478,13 @@ def estimate_eval_seconds(run: PlannedRun, done: list[dict]) -> float:
 def list_runs(runs: list[PlannedRun], runs_dir: Path, results_dir: Path, log=print) -> None:
     """Each run with its parameter count (vocabulary 4,096) and status; the spread of the counts."""
     from lavo.model import build_model, count_parameters
-    results = finished_results(results_dir)
+    results, recorded = current_results(results_dir, runs), finished_results(results_dir)
     counts = {}
     for run in runs:
         if run.model not in counts:
             counts[run.model] = count_parameters(build_model(run_config(run, runs_dir).model_config(4096)))
-        status = ("done" if run.name in results else
-                  "checkpointed" if (runs_dir / run.name / "state.pt").exists() else "to run")
+        status = ("done" if run.name in results else "stale: made with other settings" if run.name in recorded
+                  else "checkpointed" if (runs_dir / run.name / "state.pt").exists() else "to run")
         log(f"{run.name:24s} {counts[run.model]:>12,d}  {status}")
     low, high = min(counts.values()), max(counts.values())
     log(f"{len(runs)} runs, {len(results)} done; parameters {low:,} .. {high:,} (+{100 * (high / low - 1):.2f}%)")
