@@ -91,7 +91,8 @@ def cmd_eval(args) -> None:
     evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split,
                   parts=args.parts.split(",") if args.parts else None, text=args.text,
                   batch_size=args.batch_size, chunk_size=args.chunk_size or None, max_tokens=args.max_tokens,
-                  data_dir=args.data_dir, device=args.device, out_dir=args.out, progress=not args.quiet)
+                  spread=args.spread, data_dir=args.data_dir, device=args.device, out_dir=args.out,
+                  progress=not args.quiet)
 
 
 def add_eval(commands) -> None:
@@ -121,6 +122,8 @@ def add_eval(commands) -> None:
                    "0 scores each segment in one pass (default: 512)")
     p.add_argument("--max-tokens", type=_flag("eval", "max_tokens"), default=None,
                    help="score at most this many tokens")
+    p.add_argument("--spread", action="store_true", help="take the scored tokens as windows spread evenly over the "
+                   "whole text instead of its first --max-tokens, so that every document of a held-out set counts")
     p.add_argument("--device", default="auto", type=_flag("train", "device"), help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out", default=None, help="directory for results.json and perplexity.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

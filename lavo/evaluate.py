@@ -184,13 +184,15 @@ def held_out_tokens(config, tokenizer, split: str, data_dir: str | None, parts: 
 def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, multiples: list[float] | None = None,
                   split: str = "valid", parts: list[str] | None = None, text: str | None = None,
                   batch_size: int = 8, chunk_size: int | None = 512,
-                  max_tokens: int | None = None, data_dir: str | None = None, device: str = "auto",
-                  out_dir: str | None = None, progress: bool = True, log=print) -> dict[str, dict[int, dict]]:
+                  max_tokens: int | None = None, spread: bool = False, data_dir: str | None = None,
+                  device: str = "auto", out_dir: str | None = None, progress: bool = True,
+                  log=print) -> dict[str, dict[int, dict]]:
     """Score trained runs (run directories or directories written by ``lavo export``) on the split ``split`` of
     each run's data (read from ``data_dir``, default the run's own; ``parts``: only the documents of those parts
     of a mixed source), or on the plain text ``text`` (a file or a
     folder of ``.txt`` files), tokenised with each run's tokenizer; print the table, write ``results.json`` and
-    ``perplexity.png``."""
+    ``perplexity.png``. ``spread``: the scored targets are windows spread over the whole text rather than its
+    first ``max_tokens`` (:func:`segment_starts`)."""
     from .data import DataError
     from .run import load_model_dir
     from .train import resolve_device
@@ -234,12 +236,13 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
             log(f"scoring {name} at lengths {', '.join(map(str, lengths))}")
         results[name] = perplexity_by_length(model, texts[key], lengths, batch_size=batch_size,
                                              chunk_size=chunk_size, max_tokens=max_tokens, device=device,
-                                             progress=progress)
+                                             progress=progress, spread=spread)
     log(format_table(results, f"tokens of {text}" if text else SCORED[split]))
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         payload = {"split": split if text is None else None, "parts": parts if text is None else None, "text": text,
+                   "spread": spread,
                    "runs": {name: str(run) for (name, *_), run in zip(loaded, run_dirs)},
                    "results": {name: {str(k): v for k, v in r.items()} for name, r in results.items()}}
         write_json(out / "results.json", payload)

@@ -109,6 +109,12 @@ def test_dry_run_trains_scores_and_resumes_without_redoing_anything(dry, capsys)
     assert scored["parts"] == ["python"]
     assert scored["results"]["lavo-s0"]["128"]["ppl"] == pytest.approx(
         lavo_result["long_eval"]["code"]["128"]["ppl"], rel=1e-5)  # other batching
+    # and with --spread, the same held-out code as its main evaluation
+    assert lavo(["eval", str(out / "runs" / "lavo-s0"), "--parts", "python", "--lengths", "128,256", "--max-tokens",
+                 "512", "--spread", "--device", "cpu", "--quiet", "--out", str(out / "eval-spread")]) == 0
+    spread = json.loads((out / "eval-spread" / "results.json").read_text())
+    assert spread["spread"] and spread["results"]["lavo-s0"]["256"]["ppl"] == pytest.approx(
+        lavo_result["eval"]["code"]["256"]["ppl"], rel=1e-5)
     calls = [json.loads(line) for line in (results / "calls.jsonl").read_text().splitlines()]
     assert [(c["finished"], c["stopped"]) for c in calls] == [(["lavo-s0"], None), ([], "local-s0"),
                                                               (["local-s0"], None)]
