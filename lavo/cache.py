@@ -164,6 +164,10 @@ def check_made_by(cache: LavoCache | LavoStepCache, **asked: Any) -> None:
         raise ValueError(f"the cache was made by another LAVO layer: {', '.join(differ)}")
 
 
+# The write rule and memory a LavoCache of the paper's memory records (the layer options of those names).
+PAPER_MEMORY = {"write": "mean", "memory": "scalar"}
+
+
 @dataclass(frozen=True)
 class _LavoState(Cache):
     """The fields of both LAVO caches (:class:`LavoCache`, :class:`LavoStepCache`), in either's layout."""
@@ -220,7 +224,7 @@ class LavoCache(_LavoState):
         memory = torch.zeros(batch, heads, rank, dtype=accumulation_dtype(dtype), device=device)
         count = torch.zeros(batch, dtype=memory.dtype, device=device)
         return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), memory, count, memory, count, 0,
-                   window, dissection=dissection, write="mean", memory="scalar")
+                   window, dissection=dissection, **PAPER_MEMORY)
 
     def check_fits(self, batch: int, heads: int, head_dim: int, rank: int, **settings: Any) -> None:
         """Raise ``ValueError`` naming what differs when this cache was not made by a layer of this shape and

@@ -82,7 +82,6 @@ def segment_nll(model, segments: torch.Tensor, chunk_size: int | None = None) ->
     return total
 
 
-@torch.no_grad()
 def segment_starts(num_tokens: int, n: int, lengths: list[int], length: int, spread: bool) -> list[int]:
     """Where the segments of ``length`` start: ``N = n`` targets scored at every length, in windows of
     ``lcm(lengths)`` targets that each length splits alike; the windows follow each other from the start of the
@@ -97,6 +96,7 @@ def segment_starts(num_tokens: int, n: int, lengths: list[int], length: int, spr
     return [first + i * length for first in firsts for i in range(window // length)]
 
 
+@torch.no_grad()
 def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch_size: int = 8,
                          chunk_size: int | None = 512, max_tokens: int | None = None, device="cpu",
                          progress: bool = False, spread: bool = False) -> dict[int, dict]:

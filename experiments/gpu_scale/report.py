@@ -161,8 +161,8 @@ def spend_table(results_dir: Path, results: dict) -> str:
 def status_table(plan: dict, results_dir: Path, results: dict) -> str:
     """Every planned run by what became of it: scored, failed in some call (with the last reason), recorded with
     other settings (to redo), or not run yet; so that no mean hides which seeds it is over."""
-    recorded = driver.finished_results(results_dir) if results_dir.is_dir() else {}
-    failures = {name: reason for call in driver.past_calls(results_dir) if results_dir.is_dir()
+    recorded = driver.finished_results(results_dir)
+    failures = {name: reason for call in driver.past_calls(results_dir)
                 for name, reason in call.get("failed", {}).items()}
     groups: dict[str, list[str]] = {}
     for run in driver.planned_runs(plan):

@@ -264,7 +264,7 @@ def finished_results(results_dir: Path) -> dict[str, dict]:
 
 def current_results(results_dir: Path, runs: list[PlannedRun]) -> dict[str, dict]:
     """The results of ``runs`` made with their present settings (the same digest): the ones not to redo."""
-    found = finished_results(results_dir) if results_dir.is_dir() else {}
+    found = finished_results(results_dir)
     return {run.name: found[run.name] for run in runs
             if run.name in found and found[run.name].get("digest") == run.digest}
 
@@ -379,7 +379,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
                     continue
                 if run.name in current_results(results_dir, [run]):  # finished by another worker meanwhile
                     continue
-                if run.name in finished_results(results_dir):  # made by another plan: trained again, from step 0
+                if (results_dir / f"{run.name}.json").exists():  # made by another plan: trained again, from step 0
                     log(f"[stale] {run.name}: its results were made with other settings; training it again")
                     clear_run(runs_dir / run.name)
                     resuming = False

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import Cache
-from ..common import accumulation_dtype, check_padding_mask, check_matching, neg_inf, no_float16_autocast
+from ..common import accumulation_dtype, check_matching, check_padding_mask, neg_inf, no_float16_autocast
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import LavoCache
+from ...cache import PAPER_MEMORY, LavoCache
 from ..common import (accumulation_dtype, check_basis, check_pos_bias, check_window_inputs, exclusive_cumsum,
                       uses_triton)
 from ..local.blocked import blocked_local_attention, from_blocks, real_tokens, to_blocks
@@ -133,7 +133,7 @@ def cache_after(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, win
     return LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=window_proj[:, :, :done].sum(2),
                      memory_count=counts[:, :done].sum(1), window_sum=window_proj[:, :, done:].sum(2),
                      window_count=counts[:, done:].sum(1), position=k.shape[1], window=window,
-                     dissection=dissection, write="mean", memory="scalar")
+                     dissection=dissection, **PAPER_MEMORY)
 
 
 def variant_cache_states(windows: SlotState, upto: SlotState, done: int) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import LavoCache
+from ...cache import PAPER_MEMORY, LavoCache
 from ..local.decoding import keep_visible, local_attention_chunk
 from .blocked import check_inputs, check_read_scale, scaled_queries
 from .memory import memory_read, project
@@ -79,7 +79,7 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
         begin = end
     cache = LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=memory_sum, memory_count=memory_count,
                       window_sum=window_sum, window_count=window_count, position=position, window=window,
-                      dissection=dissection, write="mean", memory="scalar")
+                      dissection=dissection, **PAPER_MEMORY)
     return torch.cat(outputs, 1), cache
 
 
