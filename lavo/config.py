@@ -62,6 +62,8 @@ class TrainConfig:
     device: str = setting("auto", DEVICES)
     dtype: str = setting("float32", one_of("float32", "bfloat16"))  # bfloat16: autocast
     compile: bool = False  # torch.compile the training step's forward and backward
+    # backward recomputes each block's activations instead of keeping them: less memory, one more forward pass
+    activation_checkpointing: bool = False
     log_interval: int = setting(10, at_least(1))
     eval_interval: int = setting(0, at_least(0))  # 0: no validation during training
     eval_batches: int = setting(4, at_least(1))

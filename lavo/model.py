@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .cache import Cache
 from .layers.base import Mechanism
@@ -128,11 +130,20 @@ class Block(nn.Module):
         hidden = config.mlp_ratio * config.dim
         self.mlp = feed_forward(config.dim, hidden)
         self.dropout = nn.Dropout(config.dropout)
+        # how a call runs the block so that backward recomputes its activations (set by
+        # LanguageModel.set_activation_checkpointing); None: they are kept from the forward pass
+        self.checkpoint_function: Callable | None = None
 
     def residual_weights(self) -> list[nn.Parameter]:
         return self.attention.residual_weights() + [self.mlp[2].weight]
 
     def forward(self, x, padding_mask=None, cache=None):
+        # Not with a cache: a step cache is updated in place, and the recomputation would update it again.
+        if self.checkpoint_function is not None and torch.is_grad_enabled() and cache is None:
+            return self.checkpoint_function(self._forward, x, padding_mask)
+        return self._forward(x, padding_mask, cache)
+
+    def _forward(self, x, padding_mask=None, cache=None):
         y, cache = self.attention(self.norm1(x), padding_mask=padding_mask, cache=cache)
         x = x + self.dropout(y)
         x = x + self.dropout(self.mlp(self.norm2(x)))
@@ -185,6 +196,19 @@ class LanguageModel(nn.Module):
 
     def parameter_groups(self, weight_decay: float, lr: float) -> list[dict]:
         return parameter_groups(self, weight_decay, lr)
+
+    def set_activation_checkpointing(self, enable: bool = True, *, every: int = 1,
+                                     function: Callable | None = None) -> None:
+        """Whether backward recomputes the activations of every ``every``-th block (the first included) instead
+        of keeping them from the forward pass: such a block keeps only its input, for one more forward pass of
+        compute. Gradients are unchanged (dropout masks are replayed). Calls without gradients, and calls that
+        continue from a cache, run as usual. ``function(forward, x, padding_mask)`` runs a block's forward so
+        (default: :func:`torch.utils.checkpoint.checkpoint`, non-reentrant)."""
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        function = function or partial(checkpoint, use_reentrant=False)
+        for i, block in enumerate(self.blocks):
+            block.checkpoint_function = function if enable and i % every == 0 else None
 
     def forward(self, ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 cache: ModelCache | None = None) -> tuple[torch.Tensor, ModelCache | None]:

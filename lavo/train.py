@@ -34,8 +34,8 @@ from .run import (METRICS, MetricsLog, RunError, RunLock, clear_run, has_checkpo
 
 
 # what a resumed run may change: how long and how it runs, not what it computes (train.steps extends a run)
-RESUMABLE_CHANGES = {"out_dir", "steps", "time_limit", "device", "compile", "progress", "log_interval",
-                     "eval_interval", "eval_batches", "checkpoint_interval"}
+RESUMABLE_CHANGES = {"out_dir", "steps", "time_limit", "device", "compile", "activation_checkpointing", "progress",
+                     "log_interval", "eval_interval", "eval_batches", "checkpoint_interval"}
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -252,6 +252,7 @@ class Trainer:
         self.model_config = config.model_config(vocab_size=data.tokenizer.vocab_size)
         torch.manual_seed(tc.seed)
         self.model = LanguageModel(self.model_config).to(device)
+        self.model.set_activation_checkpointing(tc.activation_checkpointing)
         self.optimizer = torch.optim.AdamW(self.model.parameter_groups(tc.weight_decay, tc.lr), lr=tc.lr,
                                            betas=(tc.beta1, tc.beta2), fused=device.type == "cuda" or None)
         self.sampler = WindowSampler(len(data.train), tc.train_length, tc.seed)

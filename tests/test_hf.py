@@ -99,6 +99,28 @@ def test_logits_and_loss_equal_the_native_model(name):
     torch.testing.assert_close(out.loss, loss)
 
 
+@pytest.mark.parametrize("how", [dict(), dict(every_n_layers=2),
+                                 dict(activation_checkpointing_kwargs={"use_reentrant": True})])
+def test_activation_checkpointing_recomputes_the_native_blocks_with_the_same_gradients(how):
+    model = wrapped(native(depth=3, dropout=0.1)).train()
+    ids = torch.randint(0, 61, (2, 23))
+
+    def gradients():
+        torch.manual_seed(1)
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+    expected = gradients()
+    model.activation_checkpointing_enable(**how)
+    every = how.get("every_n_layers", 1)
+    assert [block.checkpoint_function is not None for block in model.lavo.blocks] == [i % every == 0 for i in range(3)]
+    assert model.is_activation_checkpointing
+    for got, want in zip(gradients(), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    model.activation_checkpointing_disable()
+    assert not model.is_activation_checkpointing
+
+
 @pytest.mark.parametrize("name", available_attentions())
 def test_every_mechanism_saves_loads_and_generates_like_the_native_loop(name, tmp_path):
     settings = dict(attention=name, attention_options={}, position="none")

@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import lavo.model
+
 from lavo.config import RunConfig, TrainConfig, bundled_configs, deep_merge, load_config
 from lavo.run import load_run
 from lavo.train import WindowSampler, learning_rate, train, weights_digest
@@ -56,6 +58,28 @@ def test_interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one(corp
     assert weights_digest(a) == weights_digest(b)
     steps = [json.loads(line)["step"] for line in (tmp_path / "parted" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 4, 5, 6, 6]  # per-step records plus a final record per call
+
+
+def test_a_run_resumed_with_activation_checkpointing_ends_exactly_like_one_without(corpus, tmp_path, monkeypatch):
+    checkpointed_calls = []
+
+    def counting(*args, **kwargs):
+        checkpointed_calls.append(1)
+        return torch.utils.checkpoint.checkpoint(*args, **kwargs)
+    monkeypatch.setattr(lavo.model, "checkpoint", counting)
+    settings = dict(steps=4, grad_accum=2)
+    whole = run(corpus, tmp_path, "whole", **settings)
+    whole.model["dropout"] = 0.1  # the recomputation must draw the same dropout masks
+    train(whole, log=quiet)
+    assert checkpointed_calls == []
+    parted = run(corpus, tmp_path, "parted", **settings)
+    parted.model["dropout"] = 0.1
+    train(parted, stop_after=2, log=quiet)
+    parted.train.activation_checkpointing = True  # may change on resuming: it computes the same
+    train(parted, resume=True, log=quiet)
+    depth = len(load_run(tmp_path / "parted")[0].blocks)
+    assert len(checkpointed_calls) == 2 * 2 * depth  # two steps of two micro-batches, every block
+    assert weights_digest(load_run(tmp_path / "whole")[0]) == weights_digest(load_run(tmp_path / "parted")[0])
 
 
 def test_checkpoint_files(corpus, tmp_path):

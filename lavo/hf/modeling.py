@@ -22,6 +22,7 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "lavo"
     main_input_name = "input_ids"
     _no_split_modules = [Block.__name__]
+    supports_gradient_checkpointing = True
     # LAVO's memory cannot be rolled back, so assisted (speculative) generation, which needs that, is refused
     _is_stateful = True
 
@@ -40,6 +41,16 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the state is made by forward(), not a DynamicCache made by generate()
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1) -> None:
+        """Where ``activation_checkpointing_enable()`` and ``activation_checkpointing_disable()`` end: the native
+        blocks (not ``transformers`` layers) take the checkpointing function, every ``every_n_layers``-th of them."""
+        self.lavo.set_activation_checkpointing(enable, every=every_n_layers, function=gradient_checkpointing_func)
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return any(block.checkpoint_function is not None for block in self.lavo.blocks)
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
         return self.lavo.embed
