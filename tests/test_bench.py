@@ -17,6 +17,7 @@ from lavo.bench import attention, cli, decode, flops, measure, model, output, pr
 from lavo.bench.measure import Measurement
 from lavo.bench.runner import Runner
 from lavo.layers.local import LocalAttention
+from lavo.model import LanguageModel
 from lavo.ops import lavo_attention, orthogonal_basis
 from lavo.registry import ATTENTIONS, attention_class, available_attentions, build_attention
 from reference_checks import needs_triton
@@ -219,6 +220,23 @@ def test_model_compile_compiles_each_model_and_runs_it_once_before_its_measureme
     assert [r["compiled"] for r in runner.records] == [True, True]
     info = dict(device="cpu", cpu="cpu", threads=1, torch=torch.__version__)
     assert "training step, compiled, batch 1" in output.markdown(runner.records, info, s)
+
+
+def test_model_checkpointing_measures_each_model_also_checkpointed_beside_the_one_without(monkeypatch):
+    checkpointed = []
+    monkeypatch.setattr(Runner, "measure", lambda self, fn, repeats=None: Measurement(1.0, [1.0], None))
+    monkeypatch.setattr(LanguageModel, "set_activation_checkpointing",
+                        lambda self, enable=True: checkpointed.append((self.config.attention, enable)))
+    s = quick_settings("--model-attentions", "lavo,softmax", "--model-lengths", "32,64", "--model-checkpointing")
+    runner = Runner(s, None)
+    model.run(runner)
+    assert [(r["mechanism"], r["length"], r["ratio_to"]) for r in runner.records] == [
+        (name, n, "softmax+rope") for name in ("softmax+rope", "softmax+rope, checkpointed", "lavo",
+                                               "lavo, checkpointed") for n in (32, 64)]
+    assert checkpointed == [(name, enable) for name in ("softmax", "lavo") for enable in (False, True)
+                            for _ in range(2)]
+    assert [r["checkpointed"] for r in runner.records] == [False, False, True, True] * 2
+    assert len(runner.records) == model.planned(s)
 
 
 def test_options_go_to_the_mechanisms_that_have_them():

@@ -101,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model-repeats", type=_flag("model_repeats"), default=None, help="timed training steps per measurement [3]")
     a("--model-compile", action="store_true",
       help="model section: torch.compile every model (the compiling call is not timed) [off]")
+    a("--model-checkpointing", action="store_true",
+      help="model section: measure every model also with activation checkpointing, as rows '<attention>, "
+           "checkpointed' beside those without: the memory it saves, the time it costs [off]")
     a("--matmul-size", type=_flag("matmul_size"), default=None,
       help="flops section: square matmul size for the peak rate [2048]")
     a("--attention-options", type=json.loads, default={},
@@ -152,6 +155,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     passes=args.passes, batch=args.batch, dtype=args.dtype, decode_attentions=args.decode_attentions,
                     model_attentions=registered if args.model_attentions is None else args.model_attentions,
                     model_batch=args.model_batch, model_compile=args.model_compile,
+                    model_checkpointing=args.model_checkpointing,
                     attention_options=args.attention_options, device=args.device, backend=args.backend,
                     threads=args.threads,
                     seed=args.seed, quick=args.quick, **values)

@@ -67,9 +67,10 @@ def run(runner: Runner) -> None:
                 lambda name=name, which=which, length=length: attention.attention_call(name, s, length, which,
                                                                                      runner))
                for name, which, length in attention.plan(s)]
-    targets += [("model", model.label(name), "train_step", length, attention.time_complexity(name),
-                 lambda name=name, length=length: model.train_step(name, length, runner)[0])
-                for name, length in model.plan(s)]
+    targets += [("model", model.label(name, checkpointed), "train_step", length, attention.time_complexity(name),
+                 lambda name=name, length=length, checkpointed=checkpointed:
+                 model.train_step(name, length, runner, checkpointed)[0])
+                for name, checkpointed, length in model.plan(s)]
     for level, label, which, length, complexity, build in targets:
         entry = record("profile", level, label, which, length, s, batch=s.model_batch if level == "model" else None,
                        kind="kernel" if runner.device.type == "cuda" else "operator", kernels=None, busy_ms=None,

@@ -53,6 +53,7 @@ class Settings:
     model_batch: int = setting(allowed=at_least(1))
     model_repeats: int = setting(allowed=at_least(1))
     model_compile: bool
+    model_checkpointing: bool
     matmul_size: int = setting(allowed=at_least(1))
     attention_options: dict
     device: str = setting(allowed=matches(r"cpu|cuda(:\d+)?", "cpu, cuda or cuda:N"))
