@@ -316,10 +316,12 @@ def test_each_parameter_group_follows_the_schedule_at_its_own_scale(corpus, tmp_
     assert {g["lr_scale"] for g in groups} == {1.0, 0.25}
 
 
-def test_compiled_training_follows_the_eager_run(corpus, tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_training_follows_the_eager_run(corpus, tmp_path, checkpointing):
     torch._dynamo.reset()
     eager = train(run(corpus, tmp_path, "eager", steps=3), log=quiet)
-    compiled = train(run(corpus, tmp_path, "compiled", steps=3, compile=True), log=quiet)
+    compiled = train(run(corpus, tmp_path, "compiled", steps=3, compile=True,
+                         activation_checkpointing=checkpointing), log=quiet)
     assert compiled["step"] == eager["step"] == 3
 
     def losses(name):
