@@ -6,8 +6,11 @@ so the interpreter tests cannot vouch for a GPU. This script calls the package's
 forward and backward, :func:`~lavo.ops.lavo.step_kernel.decode_step_triton`) on CPU tensors with every kernel
 launch intercepted: each launch's arguments, constexprs and options are exactly what a GPU call would pass, and
 Triton's own binder turns them into the signature and specialization it would compile. Each distinct one is then
-compiled to a cubin for an H100/H200 (sm_90) and an A100 (sm_80), and its resources checked against the
-hardware: shared memory per block (``metadata.shared``) and registers per block. Spilled bytes are reported.
+compiled to a cubin for an H100/H200 (sm_90), an A100 (sm_80) and a GPU with 99 KB of shared memory per block
+(sm_86: an RTX 3090 or an A10; sm_89 and sm_120 have as little), and its resources checked against the hardware:
+shared memory per block (``metadata.shared``) and registers per block. Spilled bytes are reported. The launches
+for a target are recorded as on that GPU: with less shared memory than an A100, the launchers take their smaller
+configurations (:func:`lavo.ops.common.small_shared_memory`).
 
 Cases: float32 and bfloat16 inputs, ``D`` in 32, 64, 128 and 60 (a padded block), with the launcher's switches
 (causal, bias, its gradient, padding mask; full rank, per-token rows, basis gradient; a wide window, bias, read
@@ -46,14 +49,17 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import lavo
 from lavo.cache import LavoStepCache
+from lavo.ops.common import A100_SHARED_MEMORY
+from lavo.ops.lavo import kernels as read_kernels
 from lavo.ops.lavo.kernels import read_memory
 from lavo.ops.lavo.step_kernel import decode_step_triton
 from lavo.ops.local import kernels as window_kernels
 from lavo.ops.local.kernels import window_attention
 
 # What a block may use (CUDA's opt-in maximum of shared memory per block; the register file).
-LIMITS = {"sm_90": dict(shared=232448, registers=65536), "sm_80": dict(shared=166912, registers=65536)}
-TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
+LIMITS = {"sm_90": dict(shared=232448, registers=65536), "sm_80": dict(shared=166912, registers=65536),
+          "sm_86": dict(shared=101376, registers=65536)}
+TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32), "sm_86": GPUTarget("cuda", 86, 32)}
 DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (32, 64, 128, 60)
 WINDOW = 64  # the layers' default
@@ -134,6 +140,32 @@ def wide_offsets_forced():
 
 
 @contextlib.contextmanager
+def shared_memory_of(arch: str):
+    """Within: the launchers choose their configurations as on a GPU of ``arch`` (CPU tensors report none)."""
+    small = LIMITS[arch]["shared"] < A100_SHARED_MEMORY
+    originals = [(module, module.small_shared_memory) for module in (window_kernels, read_kernels)]
+    for module, _ in originals:
+        module.small_shared_memory = lambda q: small
+    try:
+        yield
+    finally:
+        for module, original in originals:
+            module.small_shared_memory = original
+
+
+def recorded(arch: str, fast: bool) -> list[tuple]:
+    """The launches of every case, as on a GPU of ``arch``: ``(kernel, args, kwargs)``."""
+    with recorded_launches() as launches, shared_memory_of(arch):
+        for case, switch_count in CASES.items():
+            for dtype, head_dim, switches in settings(switch_count, fast):
+                case(dtype, head_dim, switches)
+        with wide_offsets_forced():
+            for case in WIDE_CASES:
+                case(*settings(CASES[case], fast=True)[0])
+    return launches
+
+
+@contextlib.contextmanager
 def recorded_launches():
     """Within: ``kernel[grid](...)`` launches nothing and appends ``(kernel, args, kwargs)`` to the list."""
     launches = []
@@ -207,18 +239,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", action="store_true", help="one case per launcher, every switch on")
     fast = parser.parse_args().fast
-    with recorded_launches() as launches:
-        for case, switch_count in CASES.items():
-            for dtype, head_dim, switches in settings(switch_count, fast):
-                case(dtype, head_dim, switches)
-        with wide_offsets_forced():
-            for case in WIDE_CASES:
-                case(*settings(CASES[case], fast=True)[0])
-    reached = {f"{kernel.fn.__module__}.{kernel.fn.__name__}" for kernel, _, _ in launches}
+    launches = {arch: recorded(arch, fast) for arch in TARGETS}
+    reached = {f"{kernel.fn.__module__}.{kernel.fn.__name__}" for kernel, _, _ in launches["sm_90"]}
     failures = [f"never launched by a case: {name}" for name in sorted(all_kernels() - reached)]
     seen, compiled_count = set(), 0
     for arch in TARGETS:
-        for kernel, args, kwargs in launches:
+        for kernel, args, kwargs in launches[arch]:
             key, build = compile_launch(kernel, args, kwargs, TARGETS[arch])
             if (arch, key) in seen:
                 continue

@@ -190,6 +190,51 @@ def test_backend_choice_and_its_errors(monkeypatch):
         lavo_attention(cpu, cpu, cpu, torch.eye(8)[None], window=4, backend="triton")
 
 
+def test_an_older_gpu_keeps_auto_on_torch_and_is_named_when_triton_is_asked_for(monkeypatch):
+    from types import SimpleNamespace
+
+    from lavo.ops import common
+    monkeypatch.setattr(common, "TRITON_AVAILABLE", True)
+    cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)  # all that the choice reads of a tensor
+    monkeypatch.setattr(common, "capability", lambda q: (8, 0))
+    assert uses_triton("auto", cuda_like)
+    monkeypatch.setattr(common, "capability", lambda q: (7, 5))
+    assert not uses_triton("auto", cuda_like)
+    with pytest.raises(ValueError, match=r"^backend='triton' needs a GPU of compute capability 8\.0 or later "
+                                         r"\(NVIDIA Ampere\), this one has 7\.5; backend='torch' runs on it$"):
+        uses_triton("triton", cuda_like)
+
+
+def test_a_gpu_with_less_shared_memory_than_an_a100_is_told_apart(monkeypatch):
+    from types import SimpleNamespace
+
+    from lavo.ops import common
+    asked = []
+    for reported, small in [(101376, True), (166912, False), (232448, False)]:
+        monkeypatch.setattr(common, "_shared_memory_per_block", lambda index, n=reported: asked.append(index) or n)
+        assert common.small_shared_memory(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))) is small
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    common.small_shared_memory(SimpleNamespace(is_cuda=True, device=torch.device("cuda")))
+    assert asked == [1, 1, 1, 3]
+    assert not common.small_shared_memory(torch.empty(0))
+
+
+@pytest.mark.parametrize("dissection", [True, False])
+def test_the_configurations_for_99_kb_of_shared_memory_match_naive(monkeypatch, dissection):
+    """What a GPU with less shared memory than an A100 runs (tests/compile_kernels.py checks that it fits), at
+    ``D = r = 128``, where the read per token (without dissection) takes blocks of 16 queries."""
+    import lavo.ops.lavo.kernels as read_kernels
+    import lavo.ops.local.kernels as window_kernels
+    for module in (window_kernels, read_kernels):
+        monkeypatch.setattr(module, "small_shared_memory", lambda q: True)
+    q, k, v, basis, pos_bias, mask = _triton_inputs(40, 8, 128, 128, True, True)
+    options = dict(window=8, causal=True, dissection=dissection)
+    assert_matches_reference(
+        lambda *x: lavo_attention(*x[:4], pos_bias=x[4], padding_mask=_on(mask, DEVICE), backend="triton", **options),
+        lambda *x: lavo_attention_naive(*x[:4], pos_bias=x[4], padding_mask=mask, **options),
+        [q, k, v, basis, pos_bias], device=DEVICE, **FLOAT32)
+
+
 def test_an_interpreter_that_cannot_run_with_this_numpy_is_named():
     for triton_version, numpy_version in [("3.6.0", "2.3.5"), ("3.7.0", "2.4.6"), ("3.9.0", "2.4.0"), ("3.5.1", "1.26.4")]:
         check_interpreter_numpy(triton_version, numpy_version)

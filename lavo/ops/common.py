@@ -157,6 +157,34 @@ def triton_supported(version: str | None) -> bool:
 TRITON_VERSION = installed_triton_version()
 TRITON_AVAILABLE = triton_supported(TRITON_VERSION)
 
+# The oldest NVIDIA GPUs the kernels are compiled and checked for (tests/compile_kernels.py): Ampere, sm_80.
+MIN_CAPABILITY = (8, 0)
+# Shared memory a block may have on an A100 (CUDA's opt-in maximum, bytes), the least of the GPUs the kernels' tile
+# sizes are made for. GPUs with less (99 KB: sm_86, sm_89 and sm_120, e.g. the RTX 30, 40 and 50 series, A10, L4,
+# L40S) get smaller configurations (:func:`small_shared_memory`).
+A100_SHARED_MEMORY = 166912
+
+
+def capability(q: torch.Tensor) -> tuple[int, int]:
+    """The compute capability of ``q``'s GPU (torch.compile folds the look-up into a constant)."""
+    properties = torch.cuda.get_device_properties(q.device)
+    return properties.major, properties.minor
+
+
+@functools.cache
+def _shared_memory_per_block(device_index: int) -> int:
+    import triton
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def small_shared_memory(q: torch.Tensor) -> bool:
+    """Whether the kernels run on a GPU with less shared memory per block than an A100 (False off CUDA: Triton's
+    interpreter has no limit). Called by the launchers, which torch.compile does not trace."""
+    if not q.is_cuda:
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _shared_memory_per_block(index) < A100_SHARED_MEMORY
+
 
 def triton_interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, read when a kernel is defined)."""
@@ -179,14 +207,15 @@ def check_backend(backend: str) -> None:
 def uses_triton(backend: str, q: torch.Tensor) -> bool:
     r"""Whether an op with ``backend`` (``"auto"``, ``"triton"`` or ``"torch"``) runs its Triton kernels on ``q``.
 
-    ``auto`` takes them for CUDA tensors of a dtype they handle when Triton 3.3 or later is installed, the torch
-    path otherwise; ``triton`` insists, and says why it cannot where it cannot.
+    ``auto`` takes them for CUDA tensors of a dtype they handle, on a GPU of compute capability 8.0 or later, when
+    Triton 3.3 or later is installed, the torch path otherwise; ``triton`` insists, and says why it cannot where it
+    cannot.
     """
     check_backend(backend)
     if backend == "torch":
         return False
     if backend == "auto":
-        return q.is_cuda and q.dtype in TRITON_DTYPES and TRITON_AVAILABLE
+        return q.is_cuda and q.dtype in TRITON_DTYPES and TRITON_AVAILABLE and capability(q) >= MIN_CAPABILITY
     if TRITON_VERSION is None:
         raise ValueError("backend='triton' needs the triton package (pip install 'lavo[gpu]')")
     if not TRITON_AVAILABLE:
@@ -200,6 +229,10 @@ def uses_triton(backend: str, q: torch.Tensor) -> bool:
         import numpy
         import triton
         check_interpreter_numpy(triton.__version__, numpy.__version__)
+    elif capability(q) < MIN_CAPABILITY:
+        (major, minor), (least_major, least_minor) = capability(q), MIN_CAPABILITY
+        raise ValueError(f"backend='triton' needs a GPU of compute capability {least_major}.{least_minor} or later "
+                         f"(NVIDIA Ampere), this one has {major}.{minor}; backend='torch' runs on it")
     if q.dtype not in TRITON_DTYPES:
         raise ValueError(f"backend='triton' takes float16, bfloat16 or float32 inputs, got {q.dtype}")
     return True

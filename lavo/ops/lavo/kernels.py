@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..common import small_shared_memory
 from ..local.kernels import _shared_strides, _wide, dot_options, wide_offsets
 
 # Programs per (batch, head) row at most: enough to fill a GPU, few enough that the basis gradient's atomic adds
@@ -112,15 +113,22 @@ def _backward(Q, COEF, BASIS, DO, DQ, DCOEF, DBASIS, stride_b, stride_t, stride_
                       mask=(slot[:, None] < rank) & (d[None, :] < head_dim))
 
 
-def _config(head_dim: int, rank: int, group: int, dtype: torch.dtype, wide: bool) -> dict:
-    """Tile sizes and launch options. A large basis tile (``D r > 4096``, e.g. ``D = r = 128``) takes 8 warps,
-    blocks of 32 queries and no software pipelining: otherwise the kernels need more shared memory than a block may
-    have (up to 360 KB, by tests/compile_kernels.py; an H100 has 227 KB, an A100 163 KB)."""
+def _config(head_dim: int, rank: int, group: int, dtype: torch.dtype, wide: bool, per_token: bool,
+            small_shared: bool) -> dict:
+    """Tile sizes and launch options (shared memory by tests/compile_kernels.py). A large basis tile (``D r >
+    4096``, e.g. ``D = r = 128``) takes 8 warps, blocks of 32 queries and no software pipelining: otherwise the
+    kernels need up to 360 KB of shared memory, where an H100 has 227 KB and an A100 163 KB. With less than an A100
+    (``small_shared``: 99 KB), no pipelining at all, and a large tile read per token (without dissection) in
+    16-bit also takes blocks of 16 queries and multiplies in float32 without tensor cores: their operand copies of
+    the basis alone fill 128 KB."""
     block_d, block_r = (max(16, triton.next_power_of_2(n)) for n in (head_dim, rank))
     large = block_d * block_r > 4096
-    launch = dict(num_warps=8, num_stages=1) if large else dict(num_warps=4)
-    return dict(BLOCK=max(16, min(32 if large else 64, triton.next_power_of_2(group))), BLOCK_D=block_d,
-                BLOCK_R=block_r, WIDE=wide, **launch, **dot_options(dtype))
+    launch = dict(num_warps=8 if large else 4, **(dict(num_stages=1) if large or small_shared else {}))
+    block, dots = 32 if large else 64, dot_options(dtype)
+    if small_shared and large and per_token:
+        block, dots = 16, dict(PRECISION="ieee", FLOAT32_DOTS=True)
+    return dict(BLOCK=max(16, min(block, triton.next_power_of_2(group))), BLOCK_D=block_d, BLOCK_R=block_r,
+                WIDE=wide, **launch, **dots)
 
 
 def _launch(q: Tensor, rank: int, group: int) -> tuple[bool, int, dict, int]:
@@ -128,7 +136,7 @@ def _launch(q: Tensor, rank: int, group: int) -> tuple[bool, int, dict, int]:
     T, D = q.shape[1], q.shape[3]
     per_token = group == 1
     kernel_group = T if per_token else group  # per token, blocks only have to stay inside the sequence
-    config = _config(D, rank, kernel_group, q.dtype, wide_offsets(q))
+    config = _config(D, rank, kernel_group, q.dtype, wide_offsets(q), per_token, small_shared_memory(q))
     return per_token, kernel_group, config, triton.cdiv(T, kernel_group) * triton.cdiv(kernel_group, config["BLOCK"])
 
 

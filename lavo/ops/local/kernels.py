@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..common import triton_interpreting
+from ..common import small_shared_memory, triton_interpreting
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x log2(e))
 INT32_OFFSETS = 2**31  # an offset this large or larger needs int64 arithmetic
@@ -259,12 +259,14 @@ def _backward_queries(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DQ, DBIAS, stride_b, 
     _store(DQ, dq * scale, b, h, t, d, heads, length, head_dim)
 
 
-def _config(head_dim: int, dtype: torch.dtype, wide: bool) -> dict:
+def _config(head_dim: int, dtype: torch.dtype, wide: bool, small_shared: bool) -> dict:
     """Tile sizes and launch options: ``BLOCK`` queries and keys per tile, ``D`` padded to a power of two (at least
     16, what a Triton matmul needs); float32 inputs multiply in full float32, not TF32; int64 positions when
-    ``wide``."""
+    ``wide``. With less shared memory than an A100 (``small_shared``), no software pipelining: float32 tiles of
+    ``D = 64`` would need up to 148 KB (tests/compile_kernels.py), and those GPUs have 99 KB."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    return dict(BLOCK=64 if block_d <= 64 else 32, BLOCK_D=block_d, WIDE=wide, **dot_options(dtype))
+    launch = dict(num_stages=1) if small_shared else {}
+    return dict(BLOCK=64 if block_d <= 64 else 32, BLOCK_D=block_d, WIDE=wide, **launch, **dot_options(dtype))
 
 
 def dot_options(dtype: torch.dtype) -> dict:
@@ -291,7 +293,7 @@ def _window_forward(q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor | None, ke
     q, k, v = _shared_strides(q, k, v)
     B, T, H, D = q.shape
     out, lse = _window_forward_fake(q, k, v, pos_bias, keep, causal, window, scale)  # one place for the layout
-    config = _config(D, q.dtype, wide_offsets(q))
+    config = _config(D, q.dtype, wide_offsets(q), small_shared_memory(q))
     grid = (triton.cdiv(T, config["BLOCK"]), B * H)
     _forward[grid](q, k, v, pos_bias, keep, out, lse, *q.stride()[:3],
                    0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0), H, T,
@@ -313,7 +315,7 @@ def _window_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_bias
     """The gradients of ``q, k, v`` and of ``pos_bias`` (an empty tensor unless ``bias_grad``)."""
     q, k, v = _shared_strides(q, k, v)
     B, T, H, D = q.shape
-    config = _config(D, q.dtype, wide_offsets(q))
+    config = _config(D, q.dtype, wide_offsets(q), small_shared_memory(q))
     grid = (triton.cdiv(T, config["BLOCK"]), B * H)
     grad_out = grad_out.to(q.dtype).contiguous()
     delta = torch.empty_like(lse)
