@@ -235,6 +235,42 @@ def test_the_configurations_for_99_kb_of_shared_memory_match_naive(monkeypatch, 
         [q, k, v, basis, pos_bias], device=DEVICE, **FLOAT32)
 
 
+def test_every_kernel_launches_on_its_inputs_gpu(monkeypatch):
+    """Triton launches on CUDA's current device and stream, so a model on ``cuda:1`` must make that device
+    current: every launch happens within ``launching_on`` of its input."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import lavo.ops.lavo.kernels as read_kernels
+    import lavo.ops.lavo.step_kernel as step_kernel
+    import lavo.ops.local.kernels as window_kernels
+    from lavo.ops import common
+    assert isinstance(common.launching_on(torch.empty(0)), contextlib.nullcontext)
+    assert common.launching_on(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))).idx == 1
+    inside, launches = [], []
+
+    @contextlib.contextmanager
+    def launching_on(q):
+        inside.append(q.device)
+        yield
+        inside.pop()
+    for module in (window_kernels, read_kernels, step_kernel):
+        monkeypatch.setattr(module, "launching_on", launching_on)
+    kernel_type = type(window_kernels._forward)  # JITFunction, or the interpreter's stand-in
+    run = kernel_type.run
+    monkeypatch.setattr(kernel_type, "run", lambda self, *args, **kwargs: (
+        launches.append((self.fn.__name__, list(inside))), run(self, *args, **kwargs))[1])
+    layer = LavoAttention(32, 2, window=4, backend="triton").to(DEVICE)
+    x = torch.randn(1, 9, 32, device=DEVICE)
+    y, cache = layer(x)
+    y.sum().backward()
+    with torch.no_grad():
+        layer(x[:, :1], cache=layer.step_cache(cache))
+    assert {name for name, _ in launches} == {"_forward", "_row_dot", "_backward_keys", "_backward_queries",
+                                              "_backward", "_step"}
+    assert all(devices == [x.device] for _, devices in launches)
+
+
 def test_an_interpreter_that_cannot_run_with_this_numpy_is_named():
     for triton_version, numpy_version in [("3.6.0", "2.3.5"), ("3.7.0", "2.4.6"), ("3.9.0", "2.4.0"), ("3.5.1", "1.26.4")]:
         check_interpreter_numpy(triton_version, numpy_version)

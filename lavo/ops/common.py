@@ -177,6 +177,12 @@ def _shared_memory_per_block(device_index: int) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
+def launching_on(q: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Within: ``q``'s GPU is CUDA's current device, which Triton launches on and takes its stream from (a model on
+    ``cuda:1`` would otherwise run its kernels on ``cuda:0``'s); nothing for CPU tensors (the interpreter)."""
+    return torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+
+
 def small_shared_memory(q: torch.Tensor) -> bool:
     """Whether the kernels run on a GPU with less shared memory per block than an A100 (False off CUDA: Triton's
     interpreter has no limit). Called by the launchers, which torch.compile does not trace."""

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..common import small_shared_memory
+from ..common import launching_on, small_shared_memory
 from ..local.kernels import _shared_strides, _wide, dot_options, wide_offsets
 
 # Programs per (batch, head) row at most: enough to fill a GPU, few enough that the basis gradient's atomic adds
@@ -148,9 +148,10 @@ def _read_forward(q: Tensor, coefficients: Tensor, basis: Tensor, scale: float, 
     B, T, H, D = q.shape
     per_token, kernel_group, config, blocks = _launch(q, basis.shape[1], group)
     out = _read_forward_fake(q, coefficients, basis, scale, group)
-    _forward[(blocks, B * H)](q, coefficients.contiguous(), basis.to(coefficients.dtype).contiguous(), out,
-                              *q.stride()[:3], H, kernel_group, T, D, basis.shape[1], blocks, scale,
-                              PER_TOKEN=per_token, **config)
+    with launching_on(q):
+        _forward[(blocks, B * H)](q, coefficients.contiguous(), basis.to(coefficients.dtype).contiguous(), out,
+                                  *q.stride()[:3], H, kernel_group, T, D, basis.shape[1], blocks, scale,
+                                  PER_TOKEN=per_token, **config)
     return out
 
 
@@ -174,9 +175,10 @@ def _read_backward(grad_out: Tensor, q: Tensor, coefficients: Tensor, basis: Ten
     grad_coef = torch.empty(B * H, T if per_token else blocks, rank, dtype=torch.float32, device=q.device)
     grad_basis = torch.zeros_like(basis_acc) if basis_grad else None
     programs = min(blocks, max(1, PROGRAMS // (B * H)))
-    _backward[(programs, B * H)](q, coefficients, basis_acc, grad_out, grad_q, grad_coef, grad_basis, *q.stride()[:3],
-                                 H, kernel_group, T, D, rank, blocks, scale, PER_TOKEN=per_token,
-                                 BASIS_GRAD=basis_grad, **config)
+    with launching_on(q):
+        _backward[(programs, B * H)](q, coefficients, basis_acc, grad_out, grad_q, grad_coef, grad_basis,
+                                     *q.stride()[:3], H, kernel_group, T, D, rank, blocks, scale, PER_TOKEN=per_token,
+                                     BASIS_GRAD=basis_grad, **config)
     grad_coef = grad_coef.view(B, H, coefficients.shape[2], -1, rank).sum(3)  # a row's blocks, or each token alone
     return grad_q, grad_coef, grad_basis.to(basis.dtype) if basis_grad else basis.new_empty(0)
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ...cache import LavoStepCache
+from ..common import launching_on
 
 # Scores of keys out of reach: finite, so a row without any real key gets uniform weights (zeroed later) and no NaN.
 HIDDEN = tl.constexpr(-1.0e30)
@@ -115,11 +116,13 @@ def decode_step_triton(q, k, v, basis, cache: LavoStepCache, *, pos_bias, dissec
     out = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
     rank = basis.shape[1]
     pos_bias, read_scale = (None if x is None else x.contiguous() for x in (pos_bias, read_scale))
-    _step[(B * H,)](q, k, v, real.contiguous().view(torch.uint8), basis.contiguous(), pos_bias, read_scale, cache.keys,
-                    cache.values, cache.key_mask.view(torch.uint8), cache.memory_sum, cache.memory_count,
-                    cache.window_sum, cache.window_count, cache.steps, out, q.stride(0), q.stride(2), k.stride(0),
-                    k.stride(2), v.stride(0), v.stride(2), H, cache.window, D, rank, scale,
-                    HAS_BIAS=pos_bias is not None, HAS_READ_SCALE=read_scale is not None, DISSECTION=dissection,
-                    BLOCK_S=triton.next_power_of_2(2 * cache.window), BLOCK_D=triton.next_power_of_2(D),
-                    BLOCK_R=triton.next_power_of_2(rank), num_warps=4 if 2 * cache.window * D <= 8192 else 8)
+    with launching_on(q):
+        _step[(B * H,)](q, k, v, real.contiguous().view(torch.uint8), basis.contiguous(), pos_bias, read_scale,
+                        cache.keys, cache.values, cache.key_mask.view(torch.uint8), cache.memory_sum,
+                        cache.memory_count, cache.window_sum, cache.window_count, cache.steps, out, q.stride(0),
+                        q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), H, cache.window, D, rank,
+                        scale, HAS_BIAS=pos_bias is not None, HAS_READ_SCALE=read_scale is not None,
+                        DISSECTION=dissection,
+                        BLOCK_S=triton.next_power_of_2(2 * cache.window), BLOCK_D=triton.next_power_of_2(D),
+                        BLOCK_R=triton.next_power_of_2(rank), num_warps=4 if 2 * cache.window * D <= 8192 else 8)
     return out

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..common import small_shared_memory, triton_interpreting
+from ..common import launching_on, small_shared_memory, triton_interpreting
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x log2(e))
 INT32_OFFSETS = 2**31  # an offset this large or larger needs int64 arithmetic
@@ -295,10 +295,11 @@ def _window_forward(q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor | None, ke
     out, lse = _window_forward_fake(q, k, v, pos_bias, keep, causal, window, scale)  # one place for the layout
     config = _config(D, q.dtype, wide_offsets(q), small_shared_memory(q))
     grid = (triton.cdiv(T, config["BLOCK"]), B * H)
-    _forward[grid](q, k, v, pos_bias, keep, out, lse, *q.stride()[:3],
-                   0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0), H, T,
-                   window, D, scale * LOG2E.value, CAUSAL=causal, HAS_BIAS=pos_bias is not None,
-                   HAS_KEEP=keep is not None, **config)
+    with launching_on(q):
+        _forward[grid](q, k, v, pos_bias, keep, out, lse, *q.stride()[:3],
+                       0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0), H, T,
+                       window, D, scale * LOG2E.value, CAUSAL=causal, HAS_BIAS=pos_bias is not None,
+                       HAS_KEEP=keep is not None, **config)
     return out, lse
 
 
@@ -319,17 +320,18 @@ def _window_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_bias
     grid = (triton.cdiv(T, config["BLOCK"]), B * H)
     grad_out = grad_out.to(q.dtype).contiguous()
     delta = torch.empty_like(lse)
-    _row_dot[grid](out, grad_out, delta, H, T, D, BLOCK=config["BLOCK"], BLOCK_D=config["BLOCK_D"],
-                   FLOAT32_DOTS=config["FLOAT32_DOTS"], WIDE=config["WIDE"])
     grad_q, grad_k, grad_v = (torch.empty(B, T, H, D, dtype=q.dtype, device=q.device) for _ in range(3))
     bias_size = 0 if pos_bias is None else pos_bias.shape[1]
     grad_bias = torch.zeros(H, bias_size, dtype=torch.float32, device=q.device) if bias_grad else None
     shared = dict(CAUSAL=causal, HAS_BIAS=pos_bias is not None, HAS_KEEP=keep is not None, **config)
     strides = (*q.stride()[:3], 0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0))
-    _backward_keys[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, grad_k, grad_v, *strides, H, T, window, D,
-                         scale, scale * LOG2E.value, **shared)
-    _backward_queries[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, grad_q, grad_bias, *strides, bias_size,
-                            H, T, window, D, scale, scale * LOG2E.value, BIAS_GRAD=bias_grad, **shared)
+    with launching_on(q):
+        _row_dot[grid](out, grad_out, delta, H, T, D, BLOCK=config["BLOCK"], BLOCK_D=config["BLOCK_D"],
+                       FLOAT32_DOTS=config["FLOAT32_DOTS"], WIDE=config["WIDE"])
+        _backward_keys[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, grad_k, grad_v, *strides, H, T, window,
+                             D, scale, scale * LOG2E.value, **shared)
+        _backward_queries[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, grad_q, grad_bias, *strides,
+                                bias_size, H, T, window, D, scale, scale * LOG2E.value, BIAS_GRAD=bias_grad, **shared)
     return grad_q, grad_k, grad_v, grad_bias.to(pos_bias.dtype) if bias_grad else q.new_empty(H, 0)
 
 
