@@ -60,7 +60,8 @@ class TrainConfig:
     grad_clip: float = setting(1.0, at_least(0))  # 0: no clipping
     seed: int = setting(0, SEED)
     device: str = setting("auto", DEVICES)
-    dtype: str = setting("float32", one_of("float32", "bfloat16"))  # bfloat16: autocast
+    # bfloat16 or float16: autocast; float16 (for GPUs without bfloat16) also scales the loss against underflow
+    dtype: str = setting("float32", one_of("float32", "bfloat16", "float16"))
     compile: bool = False  # torch.compile the training step's forward and backward
     # backward recomputes each block's activations instead of keeping them: less memory, one more forward pass
     activation_checkpointing: bool = False

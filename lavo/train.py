@@ -134,13 +134,20 @@ def setup_distributed(device_name: str) -> tuple[Distributed, torch.device]:
     return env, device
 
 
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """A context factory: bf16 autocast for ``dtype == "bfloat16"``, nothing for float32."""
+    """A context factory: autocast to ``dtype`` (``"bfloat16"`` or ``"float16"``), nothing for float32. Refuses
+    bfloat16 on a GPU without it (before Ampere), where it would be emulated, slowly, or fail."""
     if dtype == "float32":
         return contextlib.nullcontext
-    if dtype == "bfloat16":
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    raise ValueError(f"train.dtype must be float32 or bfloat16, got {dtype!r}")
+    if dtype not in AUTOCAST_DTYPES:
+        raise ValueError(f"train.dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RunError(f"train.dtype=bfloat16 needs a GPU with bfloat16 arithmetic (NVIDIA Ampere or later); "
+                       f"{torch.cuda.get_device_name(device)} has none: use train.dtype=float16 or float32")
+    return lambda: torch.autocast(device.type, dtype=AUTOCAST_DTYPES[dtype])
 
 
 def valid_loss(model, tokens, length, batches, batch_size, device, autocast) -> float:
@@ -255,6 +262,9 @@ class Trainer:
         self.model.set_activation_checkpointing(tc.activation_checkpointing)
         self.optimizer = torch.optim.AdamW(self.model.parameter_groups(tc.weight_decay, tc.lr), lr=tc.lr,
                                            betas=(tc.beta1, tc.beta2), fused=device.type == "cuda" or None)
+        # float16 gradients underflow unless the loss is scaled up; a step with inf or NaN gradients is skipped
+        # and the scale lowered. Off (every call passes through) in the other dtypes.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=tc.dtype == "float16")
         self.sampler = WindowSampler(len(data.train), tc.train_length, tc.seed)
         check_split_length("validation", len(data.valid), tc.train_length)  # before training, not at the first check
         self.progress = Progress()
@@ -274,6 +284,7 @@ class Trainer:
         state = load_checkpoint(self.run_dir, self.model)
         self.check_same_data(state)
         self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state.get("scaler", {}))
         self.sampler.load_state_dict(state["sampler"])
         self.progress = Progress(state["step"], state["tokens"], state["elapsed"], state.get("loss", math.nan))
         torch.set_rng_state(state["rng"]["torch"])
@@ -352,10 +363,12 @@ class Trainer:
                 with self.autocast():
                     logits = self.replica(x)[0]  # the layers' caches are not kept through the backward
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                (loss / tc.grad_accum).backward()
+                self.scaler.scale(loss / tc.grad_accum).backward()
             total += loss.detach() / tc.grad_accum
+        self.scaler.unscale_(self.optimizer)  # clipping and the recorded norm see the true gradients
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip) if tc.grad_clip > 0 else None
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         after_optimizer_step(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         if env.enabled:
@@ -410,7 +423,8 @@ class Trainer:
                "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
         save_checkpoint(self.run_dir, self.model, {
             "step": p.step, "tokens": p.tokens, "elapsed": p.elapsed, "loss": p.loss,
-            "optimizer": self.optimizer.state_dict(), "sampler": self.sampler.state_dict(), "rng": rng,
+            "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+            "sampler": self.sampler.state_dict(), "rng": rng,
             "tokenizer_sha256": self.data.tokenizer.sha256, "data_fingerprint": self.data.manifest["fingerprint"]})
 
     def stop_reason(self, stops: StopRequests) -> str | None:

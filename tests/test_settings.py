@@ -22,7 +22,7 @@ from lavo.settings import SettingsError, at_least, check_settings, flag_type, on
     ("train.grad_accum=0", "train.grad_accum must be an integer >= 1; got 0"),
     ("train.batch_size=0", "train.batch_size must be an integer >= 1; got 0"),
     ("train.device=gpu", "train.device must be auto, cpu, cuda or cuda:N; got 'gpu' (a string)"),
-    ("train.dtype=float16", "train.dtype must be one of float32, bfloat16; got 'float16' (a string)"),
+    ("train.dtype=float64", "train.dtype must be one of float32, bfloat16, float16; got 'float64' (a string)"),
     ("train.beta2=1", "train.beta2 must be a number in [0, 1); got 1"),
     ("train.progress=1", "train.progress must be true or false; got 1"),
     ("train.time_limit=-1", "train.time_limit must be a number >= 0, or null; got -1"),

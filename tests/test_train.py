@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 import lavo.model
+import lavo.train
 
 from lavo.config import RunConfig, TrainConfig, bundled_configs, deep_merge, load_config
-from lavo.run import load_run
-from lavo.train import WindowSampler, learning_rate, train, weights_digest
+from lavo.run import RunError, load_run
+from lavo.train import WindowSampler, autocast_for, learning_rate, train, weights_digest
 from lm_corpus import tiny_run, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def test_checkpoint_files(corpus, tmp_path):
     (tmp_path / "probe").write_text("")
     assert {(out / name).stat().st_mode for name in os.listdir(out)} == {(tmp_path / "probe").stat().st_mode}
     state = torch.load(out / "state.pt", weights_only=True)
-    assert set(state) == {"step", "tokens", "elapsed", "loss", "optimizer", "sampler", "rng", "checkpoint",
+    assert set(state) == {"step", "tokens", "elapsed", "loss", "optimizer", "scaler", "sampler", "rng", "checkpoint",
                           "tokenizer_sha256", "data_fingerprint"}
     assert load_file(str(out / "model.safetensors")) is not None
     from safetensors import safe_open
@@ -254,6 +255,38 @@ def test_bfloat16_autocast_and_time_limit(corpus, tmp_path, monkeypatch):
     assert stopped["step"] == 1
     state = torch.load(tmp_path / "limited" / "state.pt", weights_only=True)
     assert state["step"] == 1
+
+
+def test_float16_scales_the_loss_and_a_resumed_run_keeps_the_scale(corpus, tmp_path, monkeypatch):
+    # The scale doubles after every step without overflow and halves (the step skipped) on one, so it moves at
+    # every step: a resumed run that started again from the first scale would round and skip otherwise.
+    first = 2.0 ** 16
+    scalers, grad_scaler = [], torch.amp.GradScaler
+
+    def doubling(device, enabled):
+        scalers.append(grad_scaler(device, init_scale=first, growth_interval=1, enabled=enabled))
+        return scalers[-1]
+    monkeypatch.setattr(lavo.train.torch.amp, "GradScaler", doubling)
+    settings = dict(steps=8, dtype="float16")
+    whole = train(run(corpus, tmp_path, "whole", **settings), log=quiet)
+    assert math.isfinite(whole["loss"])
+    assert scalers[-1].is_enabled() and scalers[-1].get_scale() < first * 2 ** 8  # some of the 8 steps were skipped
+    parted = run(corpus, tmp_path, "parted", **settings)
+    train(parted, stop_after=4, log=quiet)
+    train(parted, resume=True, log=quiet)
+    assert weights_digest(load_run(tmp_path / "whole")[0]) == weights_digest(load_run(tmp_path / "parted")[0])
+    train(run(corpus, tmp_path, "fp32", steps=1), log=quiet)
+    assert not scalers[-1].is_enabled()
+
+
+def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla T4")
+    with pytest.raises(RunError, match=r"^train\.dtype=bfloat16 needs a GPU with bfloat16 arithmetic \(NVIDIA "
+                                       r"Ampere or later\); Tesla T4 has none: use train\.dtype=float16 or "
+                                       r"float32$"):
+        autocast_for("bfloat16", torch.device("cuda"))
+    assert autocast_for("float16", torch.device("cpu"))().fast_dtype == torch.float16
 
 
 class StepClock:
