@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from .ops.common import launching_on
 from .settings import SEED, at_least, between, check_settings, setting
 
 
@@ -57,9 +58,9 @@ def sample_next(logits: torch.Tensor, generator: torch.Generator, temperature: f
 
 
 def capture_graph(fn: Callable[[], Any], state: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """``fn`` (CUDA work only, updating ``state`` in place) recorded as a CUDA graph, and its output (buffers
-    each replay rewrites). One call on a side stream first compiles and allocates what ``fn`` needs (recording
-    cannot); its effect on ``state`` is undone before recording, which runs nothing."""
+    """``fn`` (CUDA work only, on the current device, updating ``state`` in place) recorded as a CUDA graph, and
+    its output (buffers each replay rewrites). One call on a side stream first compiles and allocates what ``fn``
+    needs (recording cannot); its effect on ``state`` is undone before recording, which runs nothing."""
     saved = [t.clone() for t in state]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -89,7 +90,8 @@ class StepDecoder:
         self.position = torch.tensor(cache.position, device=device)
         self.graph = None
         if capture:
-            self.graph, self.logits = capture_graph(self._run, self.state())
+            with launching_on(self.ids):  # the cache's GPU, which need not be the current one
+                self.graph, self.logits = capture_graph(self._run, self.state())
 
     def _run(self) -> torch.Tensor:
         logits = self.model.decode_step(self.ids, self.position, self.cache)
@@ -102,7 +104,8 @@ class StepDecoder:
         if self.graph is None:
             logits = self._run()
         else:
-            self.graph.replay()
+            with launching_on(self.ids):
+                self.graph.replay()
             logits = self.logits
         return logits
 

@@ -187,6 +187,36 @@ def test_step_decoder_without_capture_gives_the_model_logits(backend):
     assert decoder.graph is None and decoder.position.item() == 14
 
 
+def test_the_graph_is_recorded_and_replayed_on_the_caches_gpu(monkeypatch):
+    """Recording and replaying run on the current device's streams, so the decoder makes its cache's GPU current
+    (a model on ``cuda:1`` would otherwise record nothing of its work)."""
+    import contextlib
+    inside, events = [], []
+
+    @contextlib.contextmanager
+    def launching_on(x):
+        inside.append(x.device)
+        yield
+        inside.pop()
+
+    class Graph:
+        def replay(self):
+            events.append(("replay", list(inside)))
+
+    def capture_graph(fn, state):
+        events.append(("record", list(inside)))
+        return Graph(), fn()
+    monkeypatch.setattr(generation, "launching_on", launching_on)
+    monkeypatch.setattr(generation, "capture_graph", capture_graph)
+    model = _model()
+    with torch.no_grad():
+        _, cache = model(torch.zeros(1, 3, dtype=torch.long, device=DEVICE))
+        decoder = StepDecoder(model, model.step_cache(cache), capture=True)
+        decoder.step(torch.zeros(1, 1, dtype=torch.long, device=DEVICE))
+    device = torch.zeros(0, device=DEVICE).device
+    assert events == [("record", [device]), ("replay", [device])]
+
+
 def test_graphed_decoder_engages_only_on_cuda_with_fixed_layout_caches():
     with torch.no_grad():
         for model, fixed in ((_model(), True), (_model(write="decay"), False), (_model("softmax"), False)):

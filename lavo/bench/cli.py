@@ -166,6 +166,8 @@ def run(settings: Settings, *, progress: bool = True, json_path: Path | None = N
     written there after each one, so a run stopped midway (a time limit, Ctrl-C) keeps what it measured."""
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
+    if settings.device != "cpu":  # CUDA graphs record and replay on the current device's streams
+        torch.cuda.set_device(settings.device)
     torch.manual_seed(settings.seed)
     with contextlib.suppress(Exception):
         # torch imports its compiler stack on the first use of some ops; imported now, its objects are frozen
