@@ -461,7 +461,10 @@ class Trainer:
             with StopRequests() as stops:
                 while p.step < end:
                     lr = learning_rate(p.step, tc)
-                    loss, norm = self.train_step(lr)
+                    try:
+                        loss, norm = self.train_step(lr)
+                    except torch.cuda.OutOfMemoryError as error:
+                        raise RunError(self.out_of_memory(p.step + 1)) from error
                     p.step += 1
                     p.tokens += self.tokens_per_step
                     p.loss = loss.item()
@@ -488,6 +491,19 @@ class Trainer:
                 self.bar = None
         self.checkpoint()
         return self.finish()
+
+    def out_of_memory(self, step: int) -> str:
+        """What to do when training step ``step`` ran out of GPU memory."""
+        tc = self.tc
+        ways = ["set train.activation_checkpointing=true (a resumed run may turn it on: --resume goes on from the "
+                "last checkpoint)"]
+        if tc.dtype == "float32":
+            ways.append("train under autocast, train.dtype=bfloat16 (float16 on GPUs before Ampere)")
+        if tc.batch_size > 1:
+            ways.append(f"start again with a smaller train.batch_size ({tc.batch_size}) and a train.grad_accum "
+                        f"({tc.grad_accum}) as much larger, the same batch in smaller pieces")
+        return (f"training step {step} ran out of GPU memory with {tc.batch_size} windows of {tc.train_length} "
+                f"tokens per micro-batch. To fit: " + "; or ".join(ways))
 
     def summary(self) -> dict:
         p = self.progress

@@ -289,6 +289,26 @@ def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch):
     assert autocast_for("float16", torch.device("cpu"))().fast_dtype == torch.float16
 
 
+def test_running_out_of_gpu_memory_says_how_to_fit(corpus, tmp_path, monkeypatch):
+    from lavo.train import Trainer
+    train_step = Trainer.train_step
+
+    def failing_third(self, lr):
+        if self.progress.step == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return train_step(self, lr)
+    monkeypatch.setattr(Trainer, "train_step", failing_third)
+    with pytest.raises(RunError) as raised:
+        train(run(corpus, tmp_path, "oom", steps=4, checkpoint_interval=1), log=quiet)
+    assert str(raised.value) == (
+        "training step 3 ran out of GPU memory with 4 windows of 32 tokens per micro-batch. To fit: set "
+        "train.activation_checkpointing=true (a resumed run may turn it on: --resume goes on from the last "
+        "checkpoint); or train under autocast, train.dtype=bfloat16 (float16 on GPUs before Ampere); or start "
+        "again with a smaller train.batch_size (4) and a train.grad_accum (1) as much larger, the same batch in "
+        "smaller pieces")
+    assert torch.load(tmp_path / "oom" / "state.pt", weights_only=True)["step"] == 2  # the last whole step's
+
+
 class StepClock:
     """A stand-in for ``lavo.train``'s clock that moves only when the test says: the time limit and the throughput
     are then exact, however loaded the machine is."""
