@@ -122,12 +122,13 @@ class Distributed:
 
 
 def setup_distributed(device_name: str) -> tuple[Distributed, torch.device]:
+    """This process's place among torchrun's (or alone), and its device, made CUDA's current one: kernels that are
+    not torch's (Triton's, a CUDA graph's) run on the current device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Distributed(), resolve_device(device_name)
-    env = Distributed(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    env = Distributed() if world == 1 else Distributed(int(os.environ["RANK"]), world,
+                                                       int(os.environ.get("LOCAL_RANK", "0")))
     device = resolve_device(device_name, env.local_rank)
-    if not dist.is_initialized():
+    if env.enabled and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)

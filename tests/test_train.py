@@ -309,6 +309,17 @@ def test_running_out_of_gpu_memory_says_how_to_fit(corpus, tmp_path, monkeypatch
     assert torch.load(tmp_path / "oom" / "state.pt", weights_only=True)["step"] == 2  # the last whole step's
 
 
+def test_a_single_process_makes_its_gpu_current(monkeypatch):
+    from lavo.train import setup_distributed
+    made_current = []
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    env, device = setup_distributed("cuda:1")
+    assert not env.enabled and device == torch.device("cuda", 1) and made_current == [device]
+    assert setup_distributed("cpu")[1] == torch.device("cpu") and made_current == [device]
+
+
 class StepClock:
     """A stand-in for ``lavo.train``'s clock that moves only when the test says: the time limit and the throughput
     are then exact, however loaded the machine is."""
