@@ -78,7 +78,7 @@ def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
 
     plots = {p.name for p in (tmp_path / "plots").iterdir()}
     assert {"time_fwd.png", "time_fwd_bwd.png", "memory_fwd.png", "memory_fwd_bwd.png", "decode_step.png",
-            "decode_cache.png", "model_tokens_per_s.png"} <= plots
+            "decode_cache.png", "model_tokens_per_s.png", "model_memory.png"} <= plots
     assert all((tmp_path / "plots" / name).stat().st_size > 0 for name in plots)
 
 

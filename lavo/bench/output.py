@@ -133,8 +133,11 @@ def plots(records: list[dict], directory: Path, settings: Settings) -> list[Path
     decode = _section(records, "decode")
     plot("decode_step.png", decode, lambda r: r["ms"], "ms per token", "decoding step time", "context length")
     plot("decode_cache.png", decode, _cache_mib, "cache (MiB)", "decoding cache size", "context length")
-    plot("model_tokens_per_s.png", _section(records, "model"), lambda r: r.get("tokens_per_s"), "tokens/s",
+    model = _section(records, "model")
+    plot("model_tokens_per_s.png", model, lambda r: r.get("tokens_per_s"), "tokens/s",
          f"training throughput, {settings.model_preset} model")
+    plot("model_memory.png", model, lambda r: r["peak_mib"], "peak memory growth (MiB)",
+         f"training step peak memory, {settings.model_preset} model")
     return written
 
 
