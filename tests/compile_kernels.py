@@ -6,11 +6,11 @@ so the interpreter tests cannot vouch for a GPU. This script calls the package's
 forward and backward, :func:`~lavo.ops.lavo.step_kernel.decode_step_triton`) on CPU tensors with every kernel
 launch intercepted: each launch's arguments, constexprs and options are exactly what a GPU call would pass, and
 Triton's own binder turns them into the signature and specialization it would compile. Each distinct one is then
-compiled to a cubin for an H100/H200 (sm_90), an A100 (sm_80) and a GPU with 99 KB of shared memory per block
-(sm_86: an RTX 3090 or an A10; sm_89 and sm_120 have as little), and its resources checked against the hardware:
-shared memory per block (``metadata.shared``) and registers per block. Spilled bytes are reported. The launches
-for a target are recorded as on that GPU: with less shared memory than an A100, the launchers take their smaller
-configurations (:func:`lavo.ops.common.small_shared_memory`).
+compiled to a cubin for an H100/H200 (sm_90), an A100 (sm_80), a B200 (sm_100) and the GPUs with 99 KB of shared
+memory per block (sm_86: an RTX 3090 or an A10; sm_120: an RTX 5090; sm_89 has as little), and its resources
+checked against the hardware: shared memory per block (``metadata.shared``) and registers per block. Spilled
+bytes are reported. The launches for a target are recorded as on that GPU: with less shared memory than an A100,
+the launchers take their smaller configurations (:func:`lavo.ops.common.small_shared_memory`).
 
 Cases: float32 and bfloat16 inputs, ``D`` in 32, 64, 128 and 60 (a padded block), with the launcher's switches
 (causal, bias, its gradient, padding mask; full rank, per-token rows, basis gradient; a wide window, bias, read
@@ -58,8 +58,9 @@ from lavo.ops.local.kernels import window_attention
 
 # What a block may use (CUDA's opt-in maximum of shared memory per block; the register file).
 LIMITS = {"sm_90": dict(shared=232448, registers=65536), "sm_80": dict(shared=166912, registers=65536),
-          "sm_86": dict(shared=101376, registers=65536)}
-TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32), "sm_86": GPUTarget("cuda", 86, 32)}
+          "sm_86": dict(shared=101376, registers=65536), "sm_100": dict(shared=232448, registers=65536),
+          "sm_120": dict(shared=101376, registers=65536)}
+TARGETS = {arch: GPUTarget("cuda", int(arch[3:]), 32) for arch in LIMITS}
 DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (32, 64, 128, 60)
 WINDOW = 64  # the layers' default

@@ -1,5 +1,5 @@
-"""Every Triton kernel of the package compiled for real GPUs (sm_90, sm_80, and sm_86 with its 99 KB of shared
-memory) without one, as its launchers call it there, and its shared memory and registers within the hardware's
+"""Every Triton kernel of the package compiled for real GPUs (sm_90, sm_80, sm_100, and sm_86 and sm_120 with their
+99 KB of shared memory) without one, as its launchers call it there, and its shared memory and registers within the hardware's
 limits (tests/compile_kernels.py). The interpreter the
 other kernel tests run accepts code compiled Triton refuses."""
 import os
@@ -26,12 +26,12 @@ def compile_kernels(tmp_path: Path, *options: str) -> str:
     return done.stdout
 
 
-def test_every_kernel_compiles_for_sm90_sm80_and_sm86(tmp_path):
+def test_every_kernel_compiles_for_every_target(tmp_path):
     """One case per launcher (bfloat16, D = 128, every switch on): each of the seven kernels once per target, and
     the six window and memory-read kernels once more in their form for offsets past 2^31 elements."""
     out = compile_kernels(tmp_path, "--fast").splitlines()
-    assert out[-1] == "compiled 39 kernels, 0 failed"
-    assert sum("WIDE=True" in line for line in out) == 18
+    assert out[-1] == "compiled 65 kernels, 0 failed"
+    assert sum("WIDE=True" in line for line in out) == 30
 
 
 @pytest.mark.slow
@@ -42,5 +42,5 @@ def test_every_kernel_compiles_in_every_configuration(tmp_path):
     compiled = {re.search(r"(sm_\d+) (\S+) torch\.(\w+)", line).groups() for line in out[:-1]}
     kernels = {kernel for _, kernel, _ in compiled}
     assert len(kernels) == 7
-    assert compiled == {(arch, kernel, dtype) for arch in ("sm_90", "sm_80", "sm_86") for kernel in kernels
+    assert compiled == {(arch, kernel, dtype) for arch in ("sm_90", "sm_80", "sm_86", "sm_100", "sm_120") for kernel in kernels
                         for dtype in ("float32", "bfloat16")}
