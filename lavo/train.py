@@ -29,6 +29,7 @@ from .config import RunConfig
 from .data import Prepared, prepare
 from .layers.base import after_optimizer_step
 from .model import LanguageModel, count_parameters
+from .ops.common import make_current
 from .run import (METRICS, MetricsLog, RunError, RunLock, clear_run, has_checkpoint, load_checkpoint,
                   read_run_config, recover_checkpoint, save_checkpoint, save_run_config, trained_files)
 
@@ -130,8 +131,7 @@ def setup_distributed(device_name: str) -> tuple[Distributed, torch.device]:
     device = resolve_device(device_name, env.local_rank)
     if env.enabled and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    make_current(device)
     return env, device
 
 
@@ -145,7 +145,7 @@ def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.Ab
         return contextlib.nullcontext
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"train.dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    if dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if dtype == "bfloat16" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         raise RunError(f"train.dtype=bfloat16 needs a GPU with bfloat16 arithmetic (NVIDIA Ampere or later); "
                        f"{torch.cuda.get_device_name(device)} has none: use train.dtype=float16 or float32")
     return lambda: torch.autocast(device.type, dtype=AUTOCAST_DTYPES[dtype])
@@ -388,9 +388,11 @@ class Trainer:
         speed = self.window_tokens / max(now - self.window_start, 1e-9)
         self.window_start, self.window_tokens = now, 0
         p = self.progress
-        self.record({"step": p.step, "loss": loss_value, "lr": lr, "tokens": p.tokens,
-                     "tokens_per_s": round(speed, 1), "elapsed": round(p.elapsed, 2),
-                     "grad_norm": None if norm is None else round(norm.item(), 4)})
+        entry = {"step": p.step, "loss": loss_value, "lr": lr, "tokens": p.tokens, "tokens_per_s": round(speed, 1),
+                 "elapsed": round(p.elapsed, 2), "grad_norm": None if norm is None else round(norm.item(), 4)}
+        if self.scaler.is_enabled():  # float16: the scale for the next step, halved after a skipped one
+            entry["loss_scale"] = self.scaler.get_scale()
+        self.record(entry)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{speed:,.0f}")
 
@@ -495,16 +497,20 @@ class Trainer:
 
     def out_of_memory(self, step: int) -> str:
         """What to do when training step ``step`` ran out of GPU memory."""
-        tc = self.tc
-        ways = ["set train.activation_checkpointing=true (a resumed run may turn it on: --resume goes on from the "
-                "last checkpoint)"]
+        tc, ways = self.tc, []
+        if not tc.activation_checkpointing:
+            ways.append("set train.activation_checkpointing=true (a resumed run may turn it on: --resume goes on "
+                        "from the last checkpoint)")
         if tc.dtype == "float32":
             ways.append("train under autocast, train.dtype=bfloat16 (float16 on GPUs before Ampere)")
         if tc.batch_size > 1:
             ways.append(f"start again with a smaller train.batch_size ({tc.batch_size}) and a train.grad_accum "
                         f"({tc.grad_accum}) as much larger, the same batch in smaller pieces")
-        return (f"training step {step} ran out of GPU memory with {tc.batch_size} windows of {tc.train_length} "
-                f"tokens per micro-batch. To fit: " + "; or ".join(ways))
+        else:
+            ways.append(f"start again with a shorter train.train_length ({tc.train_length})")
+        windows = f"{tc.batch_size} window{'s' if tc.batch_size > 1 else ''}"
+        return (f"training step {step} ran out of GPU memory with {windows} of {tc.train_length} tokens per "
+                f"micro-batch. To fit: " + "; or ".join(ways))
 
     def summary(self) -> dict:
         p = self.progress

@@ -1,5 +1,7 @@
-"""The random inputs of the op tests, comparing a fast form with its reference on outputs and gradients, and the
-mark of tests that need the Triton kernels."""
+"""The random inputs of the op tests, comparing a fast form with its reference on outputs and gradients, the mark
+of tests that need the Triton kernels, and recorders of launches, checkpoints and forward calls."""
+import contextlib
+
 import pytest
 import torch
 
@@ -72,3 +74,36 @@ def random_inputs(T, window, D, rank, causal, bias, padding, B=2, H=3, seed=0):
         mask[1, T - T // 5:] = False  # right end
         mask[1, 0] = T == 1 or bool(mask[1, 0])  # keep at least one real token in T = 1
     return q, k, v, basis, pos_bias, mask
+
+
+def recording_launching_on(devices: list):
+    """A stand-in for :func:`lavo.ops.common.launching_on`: while it is entered, ``devices`` ends with the device
+    of the tensor it was given."""
+    @contextlib.contextmanager
+    def launching_on(x):
+        devices.append(x.device)
+        try:
+            yield
+        finally:
+            devices.pop()
+    return launching_on
+
+
+def count_checkpoints(monkeypatch) -> list:
+    """A list that grows by one at each call of the model's default checkpoint function (made from now on)."""
+    import lavo.model
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return torch.utils.checkpoint.checkpoint(*args, **kwargs)
+    monkeypatch.setattr(lavo.model, "checkpoint", counting)
+    return calls
+
+
+def forward_calls(modules) -> list[int]:
+    """How many times each of ``modules`` has run forward, kept up to date by hooks."""
+    counts = [0] * len(modules)
+    for i, module in enumerate(modules):
+        module.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
+    return counts

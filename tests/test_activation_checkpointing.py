@@ -5,8 +5,8 @@ import copy
 
 import pytest
 import torch
+from reference_checks import count_checkpoints, forward_calls
 
-import lavo.model
 from lavo import available_attentions
 from lavo.model import build_model
 from lavo.registry import attention_class
@@ -23,11 +23,7 @@ def model_with(name, depth=3, dropout=0.1):
 
 
 def attention_calls(model) -> list[int]:
-    """Counts of each block's attention calls, kept up to date by forward hooks."""
-    counts = [0] * len(model.blocks)
-    for i, block in enumerate(model.blocks):
-        block.attention.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
-    return counts
+    return forward_calls([block.attention for block in model.blocks])
 
 
 def gradients(model, ids, seed=1):
@@ -60,12 +56,7 @@ def test_turning_it_off_keeps_the_activations_again():
 
 
 def test_calls_without_gradients_or_with_a_cache_are_not_checkpointed(monkeypatch):
-    checkpoints = []
-
-    def counting(*args, **kwargs):
-        checkpoints.append(1)
-        return torch.utils.checkpoint.checkpoint(*args, **kwargs)
-    monkeypatch.setattr(lavo.model, "checkpoint", counting)
+    checkpoints = count_checkpoints(monkeypatch)
     model = model_with("lavo", dropout=0.0)
     reference = copy.deepcopy(model)
     model.set_activation_checkpointing()

@@ -1,7 +1,7 @@
 """Every Triton kernel of the package compiled for real GPUs (sm_90, sm_80, sm_100, and sm_86 and sm_120 with their
-99 KB of shared memory) without one, as its launchers call it there, and its shared memory and registers within the hardware's
-limits (tests/compile_kernels.py). The interpreter the
-other kernel tests run accepts code compiled Triton refuses."""
+99 KB of shared memory) without one, as its launchers call it there, and its shared memory and registers within the
+hardware's limits (tests/compile_kernels.py). The interpreter the other kernel tests run accepts code compiled
+Triton refuses."""
 import os
 import re
 import subprocess
@@ -42,5 +42,5 @@ def test_every_kernel_compiles_in_every_configuration(tmp_path):
     compiled = {re.search(r"(sm_\d+) (\S+) torch\.(\w+)", line).groups() for line in out[:-1]}
     kernels = {kernel for _, kernel, _ in compiled}
     assert len(kernels) == 7
-    assert compiled == {(arch, kernel, dtype) for arch in ("sm_90", "sm_80", "sm_86", "sm_100", "sm_120") for kernel in kernels
-                        for dtype in ("float32", "bfloat16")}
+    assert compiled == {(arch, kernel, dtype) for arch in ("sm_90", "sm_80", "sm_86", "sm_100", "sm_120")
+                        for kernel in kernels for dtype in ("float32", "bfloat16")}

@@ -3,7 +3,7 @@ latter in Triton's CPU interpreter without a GPU) against the cached op and the 
 layer and model on that cache, and generation's CUDA-graph decoder (its fallback and its step without capture)."""
 import pytest
 import torch
-from reference_checks import needs_triton, random_inputs
+from reference_checks import needs_triton, random_inputs, recording_launching_on
 
 from lavo import LavoAttention
 from lavo.cache import LavoCache, LavoStepCache
@@ -190,14 +190,7 @@ def test_step_decoder_without_capture_gives_the_model_logits(backend):
 def test_the_graph_is_recorded_and_replayed_on_the_caches_gpu(monkeypatch):
     """Recording and replaying run on the current device's streams, so the decoder makes its cache's GPU current
     (a model on ``cuda:1`` would otherwise record nothing of its work)."""
-    import contextlib
     inside, events = [], []
-
-    @contextlib.contextmanager
-    def launching_on(x):
-        inside.append(x.device)
-        yield
-        inside.pop()
 
     class Graph:
         def replay(self):
@@ -206,7 +199,7 @@ def test_the_graph_is_recorded_and_replayed_on_the_caches_gpu(monkeypatch):
     def capture_graph(fn, state):
         events.append(("record", list(inside)))
         return Graph(), fn()
-    monkeypatch.setattr(generation, "launching_on", launching_on)
+    monkeypatch.setattr(generation, "launching_on", recording_launching_on(inside))
     monkeypatch.setattr(generation, "capture_graph", capture_graph)
     model = _model()
     with torch.no_grad():

@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import lavo.model
 import lavo.train
 
 from lavo.config import RunConfig, TrainConfig, bundled_configs, deep_merge, load_config
 from lavo.run import RunError, load_run
 from lavo.train import WindowSampler, autocast_for, learning_rate, train, weights_digest
 from lm_corpus import tiny_run, write_corpus
+from reference_checks import count_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,12 +62,7 @@ def test_interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one(corp
 
 
 def test_a_run_resumed_with_activation_checkpointing_ends_exactly_like_one_without(corpus, tmp_path, monkeypatch):
-    checkpointed_calls = []
-
-    def counting(*args, **kwargs):
-        checkpointed_calls.append(1)
-        return torch.utils.checkpoint.checkpoint(*args, **kwargs)
-    monkeypatch.setattr(lavo.model, "checkpoint", counting)
+    checkpointed_calls = count_checkpoints(monkeypatch)
     settings = dict(steps=4, grad_accum=2)
     whole = run(corpus, tmp_path, "whole", **settings)
     whole.model["dropout"] = 0.1  # the recomputation must draw the same dropout masks
@@ -257,35 +252,59 @@ def test_bfloat16_autocast_and_time_limit(corpus, tmp_path, monkeypatch):
     assert state["step"] == 1
 
 
-def test_float16_scales_the_loss_and_a_resumed_run_keeps_the_scale(corpus, tmp_path, monkeypatch):
-    # The scale doubles after every step without overflow and halves (the step skipped) on one, so it moves at
-    # every step: a resumed run that started again from the first scale would round and skip otherwise.
-    first = 2.0 ** 16
+def scaled_from(monkeypatch, first: float) -> list:
+    """The loss scalers the trainer makes from now on, starting at ``first`` and doubling after every step that
+    does not overflow (halving after one that does)."""
     scalers, grad_scaler = [], torch.amp.GradScaler
 
     def doubling(device, enabled):
         scalers.append(grad_scaler(device, init_scale=first, growth_interval=1, enabled=enabled))
         return scalers[-1]
     monkeypatch.setattr(lavo.train.torch.amp, "GradScaler", doubling)
+    return scalers
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r and not r.get("final")]
+
+
+def test_float16_scales_the_loss_and_a_resumed_run_keeps_the_scale(corpus, tmp_path, monkeypatch):
+    # The scale moves at every step, so a resumed run that started again from the first scale would round
+    # differently and skip other steps.
+    scalers = scaled_from(monkeypatch, 2.0 ** 16)
     settings = dict(steps=8, dtype="float16")
     whole = train(run(corpus, tmp_path, "whole", **settings), log=quiet)
-    assert math.isfinite(whole["loss"])
-    assert scalers[-1].is_enabled() and scalers[-1].get_scale() < first * 2 ** 8  # some of the 8 steps were skipped
+    assert math.isfinite(whole["loss"]) and scalers[0].is_enabled()
+    scales = [r["loss_scale"] for r in step_records(tmp_path / "whole")]
+    assert len(scales) == 8 and scales[-1] == scalers[0].get_scale()
+    assert any(b < a for a, b in zip(scales, scales[1:]))  # a step overflowed and was skipped
     parted = run(corpus, tmp_path, "parted", **settings)
     train(parted, stop_after=4, log=quiet)
     train(parted, resume=True, log=quiet)
     assert weights_digest(load_run(tmp_path / "whole")[0]) == weights_digest(load_run(tmp_path / "parted")[0])
     train(run(corpus, tmp_path, "fp32", steps=1), log=quiet)
-    assert not scalers[-1].is_enabled()
+    assert not scalers[-1].is_enabled() and "loss_scale" not in step_records(tmp_path / "fp32")[0]
+
+
+def test_float16_clips_and_records_the_unscaled_gradients(corpus, tmp_path, monkeypatch):
+    scaled_from(monkeypatch, 2.0 ** 12)
+    norms = {}
+    for dtype in ("float16", "float32"):
+        train(run(corpus, tmp_path, dtype, steps=1, dtype=dtype), log=quiet)
+        norms[dtype] = step_records(tmp_path / dtype)[0]["grad_norm"]
+    assert norms["float16"] == pytest.approx(norms["float32"], rel=0.05)  # not 2^12 times it
 
 
 def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla T4")
     with pytest.raises(RunError, match=r"^train\.dtype=bfloat16 needs a GPU with bfloat16 arithmetic \(NVIDIA "
                                        r"Ampere or later\); Tesla T4 has none: use train\.dtype=float16 or "
                                        r"float32$"):
         autocast_for("bfloat16", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    autocast_for("bfloat16", torch.device("cuda"))
     assert autocast_for("float16", torch.device("cpu"))().fast_dtype == torch.float16
 
 
@@ -307,6 +326,11 @@ def test_running_out_of_gpu_memory_says_how_to_fit(corpus, tmp_path, monkeypatch
         "again with a smaller train.batch_size (4) and a train.grad_accum (1) as much larger, the same batch in "
         "smaller pieces")
     assert torch.load(tmp_path / "oom" / "state.pt", weights_only=True)["step"] == 2  # the last whole step's
+    with pytest.raises(RunError) as raised:  # what is already done is not advised
+        train(run(corpus, tmp_path, "oom-again", steps=4, batch_size=1, dtype="bfloat16",
+                  activation_checkpointing=True), log=quiet)
+    assert str(raised.value) == ("training step 3 ran out of GPU memory with 1 window of 32 tokens per micro-batch. "
+                                 "To fit: start again with a shorter train.train_length (32)")
 
 
 def test_a_single_process_makes_its_gpu_current(monkeypatch):
@@ -381,11 +405,13 @@ def test_each_parameter_group_follows_the_schedule_at_its_own_scale(corpus, tmp_
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_compiled_training_follows_the_eager_run(corpus, tmp_path, checkpointing):
+def test_compiled_training_follows_the_eager_run(corpus, tmp_path, checkpointing, monkeypatch):
     torch._dynamo.reset()
     eager = train(run(corpus, tmp_path, "eager", steps=3), log=quiet)
+    checkpoints = count_checkpoints(monkeypatch)
     compiled = train(run(corpus, tmp_path, "compiled", steps=3, compile=True,
                          activation_checkpointing=checkpointing), log=quiet)
+    assert bool(checkpoints) == checkpointing  # counted as Dynamo traces the blocks
     assert compiled["step"] == eager["step"] == 3
 
     def losses(name):

@@ -5,7 +5,8 @@ import re
 
 import pytest
 import torch
-from reference_checks import assert_compiled_matches_eager, assert_matches_reference, needs_triton, random_inputs
+from reference_checks import (assert_compiled_matches_eager, assert_matches_reference, needs_triton, random_inputs,
+                              recording_launching_on)
 
 from lavo import LavoAttention, LavoCrossAttention
 from lavo.layers.local import LocalAttention
@@ -213,26 +214,56 @@ def test_a_gpu_with_less_shared_memory_than_an_a100_is_told_apart(monkeypatch):
     for reported, small in [(101376, True), (166912, False), (232448, False)]:
         monkeypatch.setattr(common, "_shared_memory_per_block", lambda index, n=reported: asked.append(index) or n)
         assert common.small_shared_memory(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))) is small
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    common.small_shared_memory(SimpleNamespace(is_cuda=True, device=torch.device("cuda")))
-    assert asked == [1, 1, 1, 3]
+    assert asked == [1, 1, 1]
     assert not common.small_shared_memory(torch.empty(0))
 
 
+def test_a_named_gpu_is_made_current_and_plain_cuda_is_the_current_one(monkeypatch):
+    from lavo.ops import common
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    for name in ("cuda", "cpu", "cuda:1"):
+        common.make_current(name)
+    assert made_current == [torch.device("cuda", 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dissection", [True, False])
-def test_the_configurations_for_99_kb_of_shared_memory_match_naive(monkeypatch, dissection):
+def test_the_configurations_for_99_kb_of_shared_memory_match_naive(monkeypatch, dissection, dtype):
     """What a GPU with less shared memory than an A100 runs (tests/compile_kernels.py checks that it fits), at
-    ``D = r = 128``, where the read per token (without dissection) takes blocks of 16 queries."""
+    ``D = r = 128``: no pipelining, and a 16-bit read per token (without dissection) in blocks of 16 queries with
+    float32 products."""
     import lavo.ops.lavo.kernels as read_kernels
     import lavo.ops.local.kernels as window_kernels
+    configs = {}
     for module in (window_kernels, read_kernels):
         monkeypatch.setattr(module, "small_shared_memory", lambda q: True)
-    q, k, v, basis, pos_bias, mask = _triton_inputs(40, 8, 128, 128, True, True)
-    options = dict(window=8, causal=True, dissection=dissection)
-    assert_matches_reference(
-        lambda *x: lavo_attention(*x[:4], pos_bias=x[4], padding_mask=_on(mask, DEVICE), backend="triton", **options),
-        lambda *x: lavo_attention_naive(*x[:4], pos_bias=x[4], padding_mask=mask, **options),
-        [q, k, v, basis, pos_bias], device=DEVICE, **FLOAT32)
+        monkeypatch.setattr(module, "_config", lambda *args, made=module._config, name=module.__name__:
+                            configs.setdefault(name, made(*args)))
+    q, k, v, basis, pos_bias, mask = _triton_inputs(40, 32, 128, 128, True, True)
+    options = dict(window=32, causal=True, dissection=dissection)
+
+    def fast(*x):
+        return lavo_attention(*x[:4], pos_bias=x[4], padding_mask=_on(mask, DEVICE), backend="triton", **options)
+
+    def naive(*x):
+        return lavo_attention_naive(*x[:4], pos_bias=x[4], padding_mask=mask, **options)
+    inputs = [q, k, v, basis, pos_bias]
+    if dtype == torch.float32:
+        assert_matches_reference(fast, naive, inputs, device=DEVICE, **FLOAT32)
+    else:  # within bfloat16's rounding of the float64 reference, outputs and gradients
+        fast_inputs = [x.detach().to(DEVICE, dtype).requires_grad_() for x in inputs]
+        naive_inputs = [x.detach().double().requires_grad_() for x in inputs]
+        weights = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        outputs = [fast(*fast_inputs).double().cpu(), naive(*naive_inputs)]
+        grads = [torch.autograd.grad((y * weights).sum(), x) for y, x in zip(outputs, (fast_inputs, naive_inputs))]
+        for got, wanted in zip([outputs[0], *grads[0]], [outputs[1], *grads[1]]):
+            assert ((got.double().cpu() - wanted).norm() / wanted.norm()).item() < 3e-2
+    assert configs[window_kernels.__name__]["num_stages"] == 1
+    read = configs[read_kernels.__name__]
+    assert read["num_stages"] == 1
+    assert (read["BLOCK"], read["PRECISION"]) == ((16, "ieee") if not dissection and dtype != torch.float32 else
+                                                  (32, "ieee" if dtype == torch.float32 else "tf32"))
 
 
 def test_every_kernel_launches_on_its_inputs_gpu(monkeypatch):
@@ -248,14 +279,8 @@ def test_every_kernel_launches_on_its_inputs_gpu(monkeypatch):
     assert isinstance(common.launching_on(torch.empty(0)), contextlib.nullcontext)
     assert common.launching_on(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))).idx == 1
     inside, launches = [], []
-
-    @contextlib.contextmanager
-    def launching_on(q):
-        inside.append(q.device)
-        yield
-        inside.pop()
     for module in (window_kernels, read_kernels, step_kernel):
-        monkeypatch.setattr(module, "launching_on", launching_on)
+        monkeypatch.setattr(module, "launching_on", recording_launching_on(inside))
     kernel_type = type(window_kernels._forward)  # JITFunction, or the interpreter's stand-in
     run = kernel_type.run
     monkeypatch.setattr(kernel_type, "run", lambda self, *args, **kwargs: (

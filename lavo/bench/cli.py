@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..model import PRESETS
-from ..ops.common import BACKENDS
+from ..ops.common import BACKENDS, make_current
 from ..registry import attention_class, available_attentions
 from ..settings import SettingsError, flag_type
 from . import attention, decode, flops, model, profile
@@ -166,8 +166,7 @@ def run(settings: Settings, *, progress: bool = True, json_path: Path | None = N
     written there after each one, so a run stopped midway (a time limit, Ctrl-C) keeps what it measured."""
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
-    if settings.device != "cpu":  # CUDA graphs record and replay on the current device's streams
-        torch.cuda.set_device(settings.device)
+    make_current(settings.device)
     torch.manual_seed(settings.seed)
     with contextlib.suppress(Exception):
         # torch imports its compiler stack on the first use of some ops; imported now, its objects are frozen

@@ -183,13 +183,18 @@ def launching_on(q: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
 
 
+def make_current(device: torch.device | str) -> None:
+    """Make ``device`` CUDA's current device when it names one (``cuda:N``; plain ``cuda`` is the current one):
+    Triton's kernels and CUDA graphs run on the current device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def small_shared_memory(q: torch.Tensor) -> bool:
     """Whether the kernels run on a GPU with less shared memory per block than an A100 (False off CUDA: Triton's
     interpreter has no limit). Called by the launchers, which torch.compile does not trace."""
-    if not q.is_cuda:
-        return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _shared_memory_per_block(index) < A100_SHARED_MEMORY
+    return q.is_cuda and _shared_memory_per_block(q.device.index) < A100_SHARED_MEMORY
 
 
 def triton_interpreting() -> bool:
@@ -235,8 +240,8 @@ def uses_triton(backend: str, q: torch.Tensor) -> bool:
         import numpy
         import triton
         check_interpreter_numpy(triton.__version__, numpy.__version__)
-    elif capability(q) < MIN_CAPABILITY:
-        (major, minor), (least_major, least_minor) = capability(q), MIN_CAPABILITY
+    elif (found := capability(q)) < MIN_CAPABILITY:
+        (major, minor), (least_major, least_minor) = found, MIN_CAPABILITY
         raise ValueError(f"backend='triton' needs a GPU of compute capability {least_major}.{least_minor} or later "
                          f"(NVIDIA Ampere), this one has {major}.{minor}; backend='torch' runs on it")
     if q.dtype not in TRITON_DTYPES:

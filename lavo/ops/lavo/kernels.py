@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common import launching_on, small_shared_memory
-from ..local.kernels import _shared_strides, _wide, dot_options, wide_offsets
+from ..local.kernels import _shared_strides, _wide, dot_options, pipelining, wide_offsets
 
 # Programs per (batch, head) row at most: enough to fill a GPU, few enough that the basis gradient's atomic adds
 # (one [r, D] tile per program) stay cheap.
@@ -123,9 +123,9 @@ def _config(head_dim: int, rank: int, group: int, dtype: torch.dtype, wide: bool
     the basis alone fill 128 KB."""
     block_d, block_r = (max(16, triton.next_power_of_2(n)) for n in (head_dim, rank))
     large = block_d * block_r > 4096
-    launch = dict(num_warps=8 if large else 4, **(dict(num_stages=1) if large or small_shared else {}))
+    launch = dict(num_warps=8 if large else 4, **pipelining(not (large or small_shared)))
     block, dots = 32 if large else 64, dot_options(dtype)
-    if small_shared and large and per_token:
+    if small_shared and large and per_token and dtype != torch.float32:
         block, dots = 16, dict(PRECISION="ieee", FLOAT32_DOTS=True)
     return dict(BLOCK=max(16, min(block, triton.next_power_of_2(group))), BLOCK_D=block_d, BLOCK_R=block_r,
                 WIDE=wide, **launch, **dots)

@@ -263,10 +263,16 @@ def _config(head_dim: int, dtype: torch.dtype, wide: bool, small_shared: bool) -
     """Tile sizes and launch options: ``BLOCK`` queries and keys per tile, ``D`` padded to a power of two (at least
     16, what a Triton matmul needs); float32 inputs multiply in full float32, not TF32; int64 positions when
     ``wide``. With less shared memory than an A100 (``small_shared``), no software pipelining: float32 tiles of
-    ``D = 64`` would need up to 148 KB (tests/compile_kernels.py), and those GPUs have 99 KB."""
+    ``D = 64`` would need up to 145 KB (tests/compile_kernels.py), and those GPUs have 99 KB."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    launch = dict(num_stages=1) if small_shared else {}
-    return dict(BLOCK=64 if block_d <= 64 else 32, BLOCK_D=block_d, WIDE=wide, **launch, **dot_options(dtype))
+    return dict(BLOCK=64 if block_d <= 64 else 32, BLOCK_D=block_d, WIDE=wide, **pipelining(not small_shared),
+                **dot_options(dtype))
+
+
+def pipelining(on: bool) -> dict:
+    """Launch options for Triton's software pipelining: its default stages, or one stage (``num_stages=1``), which
+    keeps a single set of a loop's tiles in shared memory."""
+    return {} if on else dict(num_stages=1)
 
 
 def dot_options(dtype: torch.dtype) -> dict:
