@@ -100,6 +100,15 @@ def bench_error(capsys, *args: str) -> str:
     return capsys.readouterr().err.splitlines()[-1]
 
 
+def test_float16_runs_every_mechanism_and_the_model(tmp_path):
+    out = tmp_path / "fp16.json"
+    assert cli.main(["--quick", "--no-progress", "--threads", "1", "--dtype", "fp16", "--sections", "attention,model",
+                     "--passes", "fwd+bwd", "--model-attentions", "lavo,softmax", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {r["status"] for r in records} == {"ok"} and {r["dtype"] for r in records} == {"fp16"}
+    assert {r["mechanism"] for r in records} >= set(available_attentions()) | {"lavo_attention (op)", "sdpa (op)"}
+
+
 def test_unknown_mechanism_is_an_error(capsys):
     assert bench_error(capsys, "--attentions", "nope") == (
         f"python -m lavo.bench: error: --attentions: unknown ['nope']; choose from {', '.join(available_attentions())}")

@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help=f"window w of LAVO's op and of the mechanisms with a window option "
            f"({','.join(having_option('window', registered))}) [128]")
     a("--dtype", choices=sorted(DTYPES), default="fp32",
-      help="fp32, or bf16: ops take bf16 inputs, layers and models run under bf16 autocast [fp32]")
+      help="fp32, or bf16 or fp16 (for GPUs without bf16): ops take 16-bit inputs, layers and models run under "
+           "autocast to it [fp32]")
     a("--repeats", type=_flag("repeats"), default=None,
       help="timed calls per measurement; the median is reported [5]")
     a("--warmup", type=_flag("warmup"), default=None, help="untimed calls before each measurement [1]")

@@ -11,7 +11,7 @@ from ..settings import SEED, at_least, matches, setting
 DEFAULT_SECTIONS = ("attention", "decode", "model", "flops")
 SECTIONS = DEFAULT_SECTIONS + ("profile",)  # the profile runs when asked for
 PASSES = ("fwd", "fwd+bwd")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Full-run and --quick values of the settings the user did not give.
 FULL = dict(lengths=[2 ** i for i in range(10, 17)], max_quadratic_length=16384, repeats=5, warmup=1,
