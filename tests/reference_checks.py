@@ -27,18 +27,27 @@ def assert_same_outputs_and_grads(fast, naive, inputs, mask=None, **tolerance):
         torch.testing.assert_close(a, b, **tolerance)
 
 
-def assert_matches_reference(fast, naive, inputs, *, device, dtype=torch.float32, **tolerance):
+def assert_matches_reference(fast, naive, inputs, *, device, dtype=torch.float32, relative: float | None = None,
+                             **tolerance):
     """``fast(*inputs)`` on ``device`` in ``dtype`` against ``naive(*inputs)`` in float64 on the CPU, on outputs
-    and on the gradients of every input (``inputs``: CPU tensors); ``tolerance`` as in ``assert_close``."""
+    and on the gradients of every input (``inputs``: CPU tensors); ``tolerance`` as in ``assert_close``, or
+    ``relative``: a bound on each difference's norm over the reference's (for 16-bit ``dtype``)."""
     fast_inputs = [x.detach().to(device, dtype).requires_grad_() for x in inputs]
     naive_inputs = [x.detach().double().requires_grad_() for x in inputs]
     out, reference = fast(*fast_inputs), naive(*naive_inputs)
-    torch.testing.assert_close(out.detach().double().cpu(), reference.detach(), **tolerance)
+
+    def check(got, wanted):
+        got = got.detach().double().cpu()
+        if relative is None:
+            torch.testing.assert_close(got, wanted, **tolerance)
+        else:
+            assert ((got - wanted).norm() / wanted.norm()).item() < relative
+    check(out, reference.detach())
     weights = torch.randn(reference.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     grads = torch.autograd.grad((out * weights.to(device, out.dtype)).sum(), fast_inputs, materialize_grads=True)
     references = torch.autograd.grad((reference * weights).sum(), naive_inputs, materialize_grads=True)
     for grad, expected in zip(grads, references):
-        torch.testing.assert_close(grad.double().cpu(), expected, **tolerance)
+        check(grad, expected)
 
 
 def assert_compiled_matches_eager(module, x, call, *, name, **tolerance):

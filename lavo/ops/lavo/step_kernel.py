@@ -122,7 +122,7 @@ def decode_step_triton(q, k, v, basis, cache: LavoStepCache, *, pos_bias, dissec
                         cache.memory_count, cache.window_sum, cache.window_count, cache.steps, out, q.stride(0),
                         q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), H, cache.window, D, rank,
                         scale, HAS_BIAS=pos_bias is not None, HAS_READ_SCALE=read_scale is not None,
-                        DISSECTION=dissection,
-                        BLOCK_S=triton.next_power_of_2(2 * cache.window), BLOCK_D=triton.next_power_of_2(D),
-                        BLOCK_R=triton.next_power_of_2(rank), num_warps=4 if 2 * cache.window * D <= 8192 else 8)
+                        DISSECTION=dissection, BLOCK_S=triton.next_power_of_2(2 * cache.window),
+                        BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rank),
+                        num_warps=4 if 2 * cache.window * D <= 8192 else 8)
     return out
