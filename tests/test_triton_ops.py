@@ -13,6 +13,7 @@ from lavo.layers.local import LocalAttention
 from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_attention, lavo_attention_naive,
                       local_attention, local_attention_naive)
 from lavo.ops.common import check_interpreter_numpy, triton_interpreting, uses_triton
+from lavo.ops.lavo.gpu import _coefficients, window_sums
 
 pytestmark = needs_triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,6 +93,23 @@ def test_bfloat16_kernels_are_close_to_the_float32_reference(dissection):
     expected_grads = torch.autograd.grad((expected * weights).sum(), reference)
     for name, grad, wanted in zip(("q", "k", "v", "basis", "pos_bias"), grads, expected_grads):
         assert relative_error(grad, wanted) < 3e-2, name
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_without_dissection_bfloat16_queries_read_float32_running_means(padding):
+    """DESIGN, decision 5, on the Triton path: without dissection each query reads the running mean of the
+    tokens' coordinates on the basis, taken in float32 from the bfloat16 values, never rounded to bfloat16."""
+    T, window = 37, 8
+    q, _, v, basis, _, mask = _triton_inputs(T, window, 32, 16, True, padding)
+    q, v = q.bfloat16(), v.bfloat16()
+    sums, counts = window_sums(v, mask, window)
+    window_proj = sums @ basis.float().transpose(-1, -2)
+    coefficients, group = _coefficients(q, v, basis, window_proj, counts, mask, window, True, False)
+    real = torch.ones(v.shape[:2], dtype=torch.float64) if mask is None else mask.double()
+    coordinates = torch.einsum("bthd,hrd->bhtr", v.double() * real[..., None, None], basis.double())
+    running_mean = coordinates.cumsum(2) / real.cumsum(1).clamp(min=1)[:, None, :, None]
+    assert group == 1 and coefficients.dtype == torch.float32
+    torch.testing.assert_close(coefficients.double(), running_mean, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -15,6 +15,7 @@ from ..common import accumulation_dtype, exclusive_cumsum
 from ..local.kernels import window_attention
 from .blocked import cache_after
 from .kernels import read_memory
+from .memory import project
 
 
 def _windows(x: torch.Tensor, window: int) -> torch.Tensor:
@@ -48,7 +49,7 @@ def _coefficients(q, v, basis, window_proj, counts, real, window, causal, dissec
         return earlier / earlier_count.clamp(min=1)[:, None, :, None], window
     acc = window_proj.dtype
     values = v if real is None else v * real[:, :, None, None].to(v.dtype)
-    proj = torch.einsum("bthd,hrd->bthr", values, basis.to(v.dtype)).to(acc)  # [B, T, H, r]
+    proj = project(values.transpose(1, 2), basis).transpose(1, 2)  # [B, T, H, r], float32 for 16-bit values
     running = _windows(proj, window).cumsum(2) + earlier.permute(0, 2, 1, 3)[:, :, None]  # [B, n, w, H, r]
     ones = torch.ones(q.shape[:2], dtype=acc, device=q.device) if real is None else real.to(acc)
     seen = _windows(ones, window).cumsum(2) + earlier_count[:, :, None]  # [B, n, w]
