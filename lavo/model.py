@@ -238,8 +238,10 @@ class LanguageModel(nn.Module):
     def step_cache(self, cache: ModelCache) -> ModelCache | None:
         """``cache`` with every layer's cache in the fixed layout a one-token step updates in place
         (:meth:`~lavo.layers.base.Mechanism.step_cache`), or None when a layer has none."""
+        if not all(block.attention.has_step_layout for block in self.blocks):
+            return None
         layers = [block.attention.step_cache(layer) for block, layer in zip(self.blocks, cache.layers)]
-        return None if any(layer is None for layer in layers) else ModelCache(tuple(layers), cache.position)
+        return ModelCache(tuple(layers), cache.position)
 
     def decode_step(self, ids: torch.Tensor, position: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """``ids [B, 1]`` at ``position`` (a 0-d tensor) -> ``logits [B, 1, vocab]``, updating ``cache`` (from

@@ -5,7 +5,7 @@ import pytest
 import torch
 from reference_checks import needs_triton, random_inputs, recording_launching_on
 
-from lavo import LavoAttention
+from lavo import LavoAttention, build_attention
 from lavo.cache import LavoCache, LavoStepCache
 from lavo import generate as generation
 from lavo.generate import StepDecoder, generate, graphed_decoder
@@ -148,7 +148,27 @@ def test_layer_continues_a_step_cache_like_its_own_cache(backend):
         out, fixed = layer(x[:, 6:], cache=fixed)
     torch.testing.assert_close(out, expected, **FLOAT32)
     assert isinstance(fixed, LavoStepCache) and fixed.position == 15
-    assert LavoAttention(48, 3, window=4, write="decay").step_cache(cache) is None
+
+
+@pytest.mark.parametrize("attention,options", [("lavo", dict(window=4, write="decay")),
+                                               ("lavo", dict(window=4, memory="vector")), ("softmax", {})])
+def test_a_layer_without_a_step_layout_continues_the_cache_step_cache_returns(attention, options):
+    """The decoding recipe (``fixed = layer.step_cache(cache)``, then one-token calls) gives the layer's outputs
+    for every layer: one without a fixed layout returns its cache as it is (not None, which would start again)."""
+    torch.manual_seed(0)
+    layer = build_attention(attention, 32, 2, **options)
+    x = torch.randn(1, 11, 32)
+    with torch.no_grad():
+        expected, _ = layer(x)
+        _, cache = layer(x[:, :6])
+        assert not layer.has_step_layout and layer.step_cache(cache) is cache
+        steps = []
+        for t in range(6, 11):
+            out, cache = layer(x[:, t:t + 1], cache=layer.step_cache(cache))
+            steps.append(out)
+    torch.testing.assert_close(torch.cat(steps, 1), expected[:, 6:], **FLOAT32)
+    with pytest.raises(TypeError, match="^step_cache takes a cache that a call of this layer returned, got NoneType$"):
+        layer.step_cache(None)
 
 
 def test_step_cache_of_a_step_cache_is_itself_and_a_window_mismatch_is_refused():

@@ -45,7 +45,7 @@ def prefill(layer, x: torch.Tensor, settings: Settings):
 def forms(name: str, device: torch.device) -> list[str]:
     """How ``name``'s decoding is measured on ``device``: through its cache, and through a fixed-layout one when
     it has it (also from a CUDA graph on CUDA)."""
-    if attention_class(name).step_cache is Mechanism.step_cache:
+    if attention_class(name)._step_cache is Mechanism._step_cache:
         return ["cache"]
     return ["cache", "step", "graph"] if device.type == "cuda" else ["cache", "step"]
 
@@ -94,9 +94,9 @@ def _measure(runner: Runner, entry: dict, name: str, form: str, length: int) -> 
         else:
             entry["note"] = "cache filled directly (context past --max-quadratic-length)"
     if form != "cache":
-        cache = layer.step_cache(cache)
-        if cache is None:
+        if not layer.has_step_layout:
             raise Skipped("this layer's cache has no fixed layout (a memory variant)")
+        cache = layer.step_cache(cache)
     entry["cache_bytes"] = cache.nbytes()
     token = torch.randn(s.batch, 1, s.dim, device=device)
     state = {"cache": cache}

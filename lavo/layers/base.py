@@ -61,6 +61,7 @@ class Mechanism(nn.Module):
     accepts_rotary = False  # takes ``rotary=True`` (the model's ``position="rope"``)
     time_complexity = "linear"  # "linear" | "quadratic" in the sequence length
     cache_types: tuple[type, ...] = ()  # the caches a call may continue (those its calls return)
+    has_step_layout = False  # step_cache gives a fixed layout that a one-token step updates in place
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True):
         super().__init__()
@@ -120,10 +121,17 @@ class Mechanism(nn.Module):
         """The empty cache of a layer with a decoding form."""
         raise NotImplementedError
 
-    def step_cache(self, cache: Cache) -> Cache | None:
+    def step_cache(self, cache: Cache) -> Cache:
         """``cache`` (one this layer returned) in a fixed layout that a one-token step updates in place, with no
-        host value read per step, so a CUDA graph of the step can be replayed; None where the layer has none."""
-        return None
+        host value read per step, so a CUDA graph of the step can be replayed. Where the layer has no such layout
+        (:attr:`has_step_layout` False), ``cache`` as it is: a call continues from it as from any cache."""
+        if not isinstance(cache, Cache):
+            raise TypeError(f"step_cache takes a cache that a call of this layer returned, got {type(cache).__name__}")
+        return self._step_cache(cache) if self.has_step_layout else cache
+
+    def _step_cache(self, cache: Cache) -> Cache:
+        """The fixed layout of a layer with :attr:`has_step_layout`."""
+        raise NotImplementedError
 
     def check_call(self, x: torch.Tensor, padding_mask: torch.Tensor | None, cache: Any) -> None:
         """The checks every ``forward`` makes first."""

@@ -106,11 +106,14 @@ class LavoAttention(AttentionLayer):
             outputs.append(out)
         return torch.cat(outputs, 1), cache
 
-    def step_cache(self, cache: LavoCache | LavoStepCache) -> LavoStepCache | None:
-        """A :class:`~lavo.cache.LavoStepCache` for the paper's memory (a step cache itself as it is); None for
-        the variants."""
-        if self.is_variant:
-            return None
+    @property
+    def has_step_layout(self) -> bool:
+        """The paper's memory has one (:class:`~lavo.cache.LavoStepCache`); the variants continue their
+        :class:`~lavo.cache.LavoCache`."""
+        return not self.is_variant
+
+    def _step_cache(self, cache: LavoCache | LavoStepCache) -> LavoStepCache:
+        """A :class:`~lavo.cache.LavoStepCache` (a step cache itself as it is)."""
         check_made_by(cache, window=self.window, dissection=self.dissection)
         if isinstance(cache, LavoStepCache):
             return cache
