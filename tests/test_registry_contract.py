@@ -102,6 +102,19 @@ def test_an_empty_batch_is_refused_alike(name):
         layer(torch.randn(0, 5, DIM, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("name", available_attentions())
+def test_an_input_of_another_dtype_than_the_weights_is_refused_alike_but_not_under_autocast(name):
+    layer = _build(name, causal=True)  # float64 weights
+    with pytest.raises(ValueError, match=r"^x has dtype torch.float32 and the layer's weights torch.float64: convert "
+                                         r"one \(x.to\(torch.float64\) or layer.to\(torch.float32\)\), or call the "
+                                         r"layer under torch.autocast$"):
+        layer(torch.randn(1, 5, DIM))
+    layer.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = layer(torch.randn(1, 5, DIM, dtype=torch.bfloat16))
+    assert out.shape == (1, 5, DIM)
+
+
 def test_a_cache_of_another_kind_is_refused_by_name():
     caches = {name: _build(name, causal=True)(torch.randn(1, 5, DIM, dtype=torch.float64))[1]
               for name in available_attentions()}

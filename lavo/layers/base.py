@@ -142,6 +142,10 @@ class Mechanism(nn.Module):
         if x.shape[0] == 0:
             raise ValueError(f"x has an empty batch, shape {tuple(x.shape)}; a call needs at least one sequence")
         check_padding_mask(padding_mask, x.shape[0], x.shape[1])
+        weights = next(self.parameters(), None)  # none in a replica made by nn.DataParallel
+        if weights is not None and x.dtype != weights.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(f"x has dtype {x.dtype} and the layer's weights {weights.dtype}: convert one "
+                             f"(x.to({weights.dtype}) or layer.to({x.dtype})), or call the layer under torch.autocast")
         if cache is not None and not self.causal:
             raise ValueError(f"{type(self).__name__} was built with causal=False; a cache is only for causal decoding")
         if cache is not None and not self.supports_decoding:
