@@ -95,6 +95,21 @@ def test_bfloat16_kernels_are_close_to_the_float32_reference(dissection):
         assert relative_error(grad, wanted) < 3e-2, name
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_padding_mask_laid_out_by_columns_gives_the_same_outputs(causal):
+    """The kernels read the mask along T with a step of one: a mask with other strides (the transpose of a
+    contiguous [T, B] tensor, say) is laid out again first, not read at the wrong places."""
+    q, k, v, basis, pos_bias, mask = _triton_inputs(13, 4, 32, 8, causal, True)
+    q, k, v, basis, pos_bias = (x.detach().float().to(DEVICE) for x in (q, k, v, basis, pos_bias))
+    mask = mask.to(DEVICE)
+    by_columns = mask.T.contiguous().T
+    assert torch.equal(by_columns, mask) and by_columns.stride() == (1, mask.shape[0])
+    options = dict(window=4, causal=causal, pos_bias=pos_bias, backend="triton")
+    for op in (local_attention, lambda q, k, v, **o: lavo_attention(q, k, v, basis, **o)):
+        torch.testing.assert_close(op(q, k, v, padding_mask=by_columns, **options),
+                                   op(q, k, v, padding_mask=mask, **options), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("padding", [False, True])
 def test_without_dissection_bfloat16_queries_read_float32_running_means(padding):
     """DESIGN, decision 5, on the Triton path: without dissection each query reads the running mean of the

@@ -369,6 +369,6 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, windo
                      pos_bias: torch.Tensor | None, padding_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     r"""Sliding-window attention by the Triton kernels; arguments as :func:`.blocked.local_attention` (checked
     there). Returns ``[B, T, H, D]``; rows of padded queries are not zeroed (the caller masks them)."""
-    keep = None if padding_mask is None else padding_mask.to(torch.uint8)
+    keep = None if padding_mask is None else padding_mask.to(torch.uint8).contiguous()  # the kernels step T by 1
     pos_bias = None if pos_bias is None else pos_bias.contiguous()
     return _window_forward(q, k, v, pos_bias, keep, causal, window, scale)[0]
