@@ -74,6 +74,21 @@ def test_cross_attention_kernel_matches_naive(padding):
         [q, x, basis], device=DEVICE, **FLOAT32)
 
 
+def test_cross_attention_reads_a_source_of_another_dtype_at_the_queries_precision():
+    """A float64 source under float32 queries, which the torch path takes: the Triton path's outputs and
+    gradients follow the float64 reference (its backward failed on a float64 operand)."""
+    q, x, _, basis, _, mask = _triton_inputs(9, 4, 32, 8, True, True)
+    fast = [q.detach().float().to(DEVICE).requires_grad_(), x.detach().to(DEVICE).requires_grad_()]
+    out = code_cross_attention(*fast, basis.detach().float().to(DEVICE), padding_mask=_on(mask, DEVICE),
+                               backend="triton")
+    reference = code_cross_attention_naive(q, x, basis.detach(), padding_mask=mask)
+    weights = torch.randn(reference.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    grads = torch.autograd.grad((out.double() * weights.to(DEVICE)).sum(), fast)
+    expected = torch.autograd.grad((reference * weights).sum(), (q, x))
+    for got, wanted in zip((out, *grads), (reference, *expected)):
+        torch.testing.assert_close(got.detach().double().cpu(), wanted.detach(), **FLOAT32)
+
+
 @pytest.mark.parametrize("dissection", [True, False])
 def test_bfloat16_kernels_are_close_to_the_float32_reference(dissection):
     q, k, v, basis, pos_bias, mask = _triton_inputs(100, 16, 64, 32, True, True)

@@ -81,4 +81,5 @@ def code_cross_attention_triton(q, x, basis, *, padding_mask, scale):
     with torch.autocast(q.device.type, enabled=False):
         sums, counts = window_sums(x, padding_mask, x.shape[1])  # one window: the whole source
         coefficients = sums @ basis.to(sums.dtype).transpose(-1, -2) / counts.clamp(min=1)[:, None, :, None]
-    return read_memory(q, coefficients, basis, scale, q.shape[1])
+    # a source of another dtype (float64, say) is read at the queries' precision, the one the kernels compute in
+    return read_memory(q, coefficients.to(accumulation_dtype(q.dtype)), basis, scale, q.shape[1])
