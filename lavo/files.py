@@ -33,7 +33,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)
-        os.chmod(tmp, 0o666 & ~current_umask())  # what open() gives; safetensors creates its files 0600
+        give_default_mode(tmp)
         fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -50,6 +50,24 @@ def current_umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return umask
+
+
+def give_default_mode(path: str | os.PathLike) -> None:
+    """Give ``path`` the permissions ``open()`` gives a new file (safetensors creates its files 0600, which
+    hides a shared run's or model's weights from other users)."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def make_directory(path: str | os.PathLike, what: str) -> Path:
+    """``path`` as a directory, made with its parents where missing; a file in its place or a parent's is
+    named in a ``ValueError`` that starts with ``what``."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocking = next(parent for parent in (path, *path.parents) if parent.exists())
+        raise ValueError(f"{what} {path} cannot be a directory: {blocking} is a file") from None
+    return path
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

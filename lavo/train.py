@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .config import RunConfig
 from .data import Prepared, prepare
+from .files import make_directory
 from .layers.base import after_optimizer_step
 from .model import LanguageModel, count_parameters
 from .ops.common import make_current
@@ -296,9 +297,10 @@ class Trainer:
         self.log(f"resumed {self.run_dir} at step {self.progress.step}")
         if saved.train.steps != self.tc.steps:
             step = self.progress.step
+            now, before = (f"{learning_rate(step, tc):.3g}" for tc in (self.tc, saved.train))
             self.log(f"train.steps is {self.tc.steps}, the run's was {saved.train.steps}: the learning-rate schedule "
-                     f"now decays to step {self.tc.steps}, so the rate at step {step} is "
-                     f"{learning_rate(step, self.tc):.3g} instead of {learning_rate(step, saved.train):.3g}")
+                     f"now decays to step {self.tc.steps}"
+                     + (f", so the rate at step {step} is {now} instead of {before}" if now != before else ""))
 
     def check_resumed_settings(self) -> RunConfig:
         """Refuse to resume with model or training settings other than the run's own (``config.json``): the
@@ -543,7 +545,7 @@ def train(config: RunConfig, resume: bool = False, overwrite: bool = False, stop
     run_dir = Path(config.train.out_dir)
     lock = contextlib.nullcontext()
     if env.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        make_directory(run_dir, "train.out_dir")
         lock = RunLock(run_dir)
     with lock:
         refused = None

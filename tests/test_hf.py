@@ -385,7 +385,7 @@ def trained(tmp_path_factory):
     return root
 
 
-def test_export_refuses_its_own_run_folder_and_an_exported_folder(trained, capsys):
+def test_export_refuses_its_own_run_folder_an_exported_folder_and_a_file(trained, tmp_path, capsys):
     from lavo.cli import main
     run, exported = str(trained / "run"), str(trained / "exported")
     assert main(["export", run, run, "--overwrite"]) == 2
@@ -395,9 +395,14 @@ def test_export_refuses_its_own_run_folder_and_an_exported_folder(trained, capsy
     assert main(["export", exported, str(trained / "again")]) == 2
     assert "is already an exported model directory: copy it, or export the run it came from" in (
         capsys.readouterr().err)
+    (tmp_path / "notes.txt").write_text("")
+    for target in ("notes.txt", "notes.txt/model"):
+        assert main(["export", run, str(tmp_path / target)]) == 2
+        assert (f"error: the export directory {tmp_path / target} cannot be a directory: {tmp_path / 'notes.txt'} is "
+                "a file") in capsys.readouterr().err
 
 
-def test_export_writes_a_directory_pipelines_and_the_cli_read(trained, capsys):
+def test_export_writes_a_directory_pipelines_and_the_cli_read(trained, tmp_path, capsys):
     from lavo.cli import main
     from lavo.run import is_exported, load_run
     run, exported = trained / "run", trained / "exported"
@@ -405,6 +410,9 @@ def test_export_writes_a_directory_pipelines_and_the_cli_read(trained, capsys):
     assert sorted(p.name for p in exported.iterdir()) == ["config.json", "generation_config.json",
                                                           "model.safetensors", "tokenizer.json",
                                                           "tokenizer_config.json"]
+    # every file as open() makes it (safetensors alone makes its files 0600: unreadable to a group sharing models)
+    (tmp_path / "probe").write_text("")
+    assert {path.stat().st_mode for path in exported.iterdir()} == {(tmp_path / "probe").stat().st_mode}
     model, config, tokenizer = load_run(run)
     hub = AutoModelForCausalLM.from_pretrained(exported).eval()
     assert hub.config.lavo_run["data"]["holdout"] == ["doc3"] and hub.generation_config.eos_token_id == 0

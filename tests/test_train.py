@@ -106,6 +106,10 @@ def test_checkpoint_files(corpus, tmp_path):
     with pytest.raises(FileExistsError, match=r"already holds a run \(model.safetensors, state.pt, metrics.jsonl\)"
                        ".*--resume"):
         train(run(corpus, tmp_path, "r", steps=3), log=quiet)
+    for name in ("r/model.safetensors", "r/model.safetensors/deeper"):
+        with pytest.raises(ValueError, match=f"^train.out_dir {tmp_path / name} cannot be a directory: "
+                                             f"{out / 'model.safetensors'} is a file$"):
+            train(run(corpus, tmp_path, name, steps=3), log=quiet)
 
 
 def test_learning_rate_schedule():
@@ -392,6 +396,11 @@ def test_resuming_with_more_steps_says_how_the_schedule_changes(corpus, tmp_path
     before = TrainConfig(**{**vars(config), "steps": 4})
     assert (f"train.steps is 8, the run's was 4: the learning-rate schedule now decays to step 8, so the rate at "
             f"step 4 is {learning_rate(4, config):.3g} instead of {learning_rate(4, before):.3g}") in lines
+    # in the warmup the rate at the resumed step is the same under both schedules: only the new end is said
+    train(run(corpus, tmp_path, "warming", steps=4, warmup=10), log=quiet)
+    lines.clear()
+    train(run(corpus, tmp_path, "warming", steps=8, warmup=10), resume=True, log=lines.append)
+    assert "train.steps is 8, the run's was 4: the learning-rate schedule now decays to step 8" in lines
 
 
 def test_each_parameter_group_follows_the_schedule_at_its_own_scale(corpus, tmp_path):

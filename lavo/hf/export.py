@@ -14,6 +14,7 @@ import torch
 
 from ..config import RunConfig
 from ..data import Tokenizer, load_tokenizer_file
+from ..files import give_default_mode, make_directory
 from ..model import LanguageModel
 from ..run import TOKENIZER, is_exported, load_run, run_config_at
 from .modeling import LavoLMForCausalLM
@@ -29,13 +30,15 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite
     if out.resolve() == Path(run_dir).resolve():
         raise ValueError(f"{out} is the run directory itself: exporting there would replace the run's "
                          "config.json and weights; choose another directory")
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    if any(make_directory(out, "the export directory").iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty: choose another directory or pass --overwrite")
     model, config, tokenizer = load_run(run_dir)
     run = config.to_dict()
     del run["train"]["out_dir"]
     ids = dict(bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id, pad_token_id=tokenizer.eot_id)
     LavoLMForCausalLM.from_native(model, lavo_run=run, **ids).save_pretrained(out)
+    for weights in out.glob("*.safetensors"):
+        give_default_mode(weights)
     hub_tokenizer(tokenizer).save_pretrained(out)
     return out
 
