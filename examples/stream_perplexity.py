@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
 import lavo.hf  # noqa: E402,F401  (registers the lavo_lm model type)
+from lavo.run import CONFIG, is_exported  # noqa: E402
 
 
 def last_word_start(text: str) -> int:
@@ -83,14 +84,25 @@ def running_perplexity(model, tokenizer, path: str, chunk_tokens: int = 2048,
         yield {"tokens": scored, "ppl": math.exp(nll / scored), "state_bytes": state.nbytes()}
 
 
-def main() -> None:
+def check_paths(parser: argparse.ArgumentParser, model: str, text: str) -> None:
+    """Refuse, by name, a model directory that ``lavo export`` did not write, and a text that is not a file."""
+    if not is_exported(model):
+        found = (f"a training run: export it first (`lavo export {model} OUT_DIR`)"
+                 if os.path.isfile(os.path.join(model, CONFIG)) else "not a directory written by `lavo export`")
+        parser.error(f"{model} is {found}")
+    if not os.path.isfile(text):
+        parser.error(f"{text} is not a file")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a directory written by `lavo export`")
     parser.add_argument("text", help="a UTF-8 text file of any length")
     parser.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per forward pass (default: 2048)")
     parser.add_argument("--report-every", type=int, default=100_000, help="tokens between reports")
     parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_paths(parser, args.model, args.text)
     logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(args.model).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -454,6 +454,18 @@ def test_an_export_without_its_run_config_needs_a_text_and_lengths(trained, tmp_
     assert "tokens of" in capsys.readouterr().out
 
 
+def test_the_stream_example_names_a_run_directory_and_a_missing_text(trained, tmp_path, capsys):
+    from script_loader import load_script
+    example = load_script("stream_perplexity", "examples/stream_perplexity.py")
+    run, exported, text = trained / "run", trained / "exported", trained / "corpus" / "doc3.txt"
+    for argv, message in [((run, text), f"{run} is a training run: export it first (`lavo export {run} OUT_DIR`)"),
+                          ((tmp_path, text), f"{tmp_path} is not a directory written by `lavo export`"),
+                          ((exported, tmp_path / "missing.txt"), f"{tmp_path / 'missing.txt'} is not a file")]:
+        with pytest.raises(SystemExit) as stopped:
+            example.main([str(path) for path in argv])
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_the_stream_example_scores_a_long_text_with_a_constant_state(saved, tokenizer, tmp_path):
     """examples/stream_perplexity.py: the same tokens and perplexity as one pass over the whole text."""
     from script_loader import load_script
