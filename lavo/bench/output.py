@@ -74,7 +74,7 @@ def markdown(records: list[dict], info: dict, settings: Settings) -> str:
     model = _section(records, "model")
     if model:
         reference = next((r["ratio_to"] for r in model if r["ratio_to"]), "—")
-        shape = f" ({', '.join(f'{k}={v}' for k, v in s.model_overrides.items())})" if s.model_overrides else ""
+        shape = f" with {', '.join(f'{k}={v}' for k, v in s.model_overrides.items())}" if s.model_overrides else ""
         compiled = ", compiled" if s.model_compile else ""
         out += [f"## Model `{s.model_preset}`{shape}, training step{compiled}, batch {s.model_batch}: tokens/s "
                 f"(step time × {reference}) / peak MiB", "",
