@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import RunConfig, deep_merge
 from .data import Tokenizer, is_builtin, load_tokenizer_file
-from .files import atomic_write, fsync_path, remove_orphans, write_json, write_text
+from .files import atomic_write, fsync_path, process_exists, remove_orphans, write_json, write_text
 from .model import LanguageModel, ModelConfig
 
 CONFIG, TOKENIZER, WEIGHTS, STATE, METRICS = (
@@ -107,6 +107,9 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu"
     """The model (in eval mode, on ``device``), the run config and the tokenizer of a run directory."""
     run_dir = Path(run_dir)
     missing = [name for name in (CONFIG, TOKENIZER, WEIGHTS) if not (run_dir / name).is_file()]
+    if missing and (trainer := RunLock.holder(run_dir)) is not None:
+        raise FileNotFoundError(f"{run_dir} is being trained (pid {trainer}) and has no checkpoint yet: wait for its "
+                                "first one (train.checkpoint_interval steps)")
     if missing:
         raise FileNotFoundError(f"{run_dir} is not a trained run (it has no {', '.join(missing)}): train one with "
                                 f"`lavo train --set train.out_dir={run_dir}`")
@@ -268,6 +271,16 @@ class RunLock:
         os.write(descriptor, f"{os.getpid()}\n".encode())
         self.descriptor = descriptor
         return self
+
+    @staticmethod
+    def holder(run_dir: str | os.PathLike) -> int | None:
+        """The pid of the process training into ``run_dir`` now, or None. Read from the lock file, not by locking
+        it: a probe holding the lock even briefly could turn a starting trainer away."""
+        try:
+            pid = int((Path(run_dir) / LOCK).read_text().strip())
+        except (OSError, ValueError):  # no lock file, or one a trainer has not written its pid into yet
+            return None
+        return pid if process_exists(pid) else None  # a killed trainer leaves its lock file behind
 
     def release(self) -> None:
         if self.descriptor is not None:

@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -141,7 +142,8 @@ AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
     """A context factory: autocast to ``dtype`` (``"bfloat16"`` or ``"float16"``), nothing for float32. Refuses
-    bfloat16 on a GPU without it (before Ampere), where it would be emulated, slowly, or fail."""
+    bfloat16 on a GPU without it (before Ampere), where it would be emulated, slowly, or fail; warns of float16 on
+    the CPU."""
     if dtype == "float32":
         return contextlib.nullcontext
     if dtype not in AUTOCAST_DTYPES:
@@ -149,6 +151,9 @@ def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.Ab
     if dtype == "bfloat16" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         raise RunError(f"train.dtype=bfloat16 needs a GPU with bfloat16 arithmetic (NVIDIA Ampere or later); "
                        f"{torch.cuda.get_device_name(device)} has none: use train.dtype=float16 or float32")
+    if dtype == "float16" and device.type == "cpu":
+        warnings.warn("train.dtype=float16 on the CPU is slow: most CPUs have no fast float16 arithmetic; use "
+                      "float32 there (or bfloat16, on a CPU with bfloat16 instructions)", stacklevel=2)
     return lambda: torch.autocast(device.type, dtype=AUTOCAST_DTYPES[dtype])
 
 

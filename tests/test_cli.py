@@ -1,5 +1,6 @@
 """The `lavo` command line, end to end on a small generated corpus."""
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from lavo.cli import main
+from lavo.run import RunLock
 from lm_corpus import tiny_run, write_corpus
 
 
@@ -94,6 +96,13 @@ def test_errors_are_one_clear_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "lavo data: error: no .txt files in" in err and "Traceback" not in err
     assert main(["eval", str(tmp_path / "missing")]) == 2
+    assert "is not a trained run" in capsys.readouterr().err
+    (tmp_path / "starting").mkdir()
+    with RunLock(tmp_path / "starting"):  # a trainer before its first checkpoint
+        assert main(["generate", str(tmp_path / "starting")]) == 2
+    assert (f"error: {tmp_path / 'starting'} is being trained (pid {os.getpid()}) and has no checkpoint yet: wait for "
+            "its first one (train.checkpoint_interval steps)") in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "starting")]) == 2  # the lock released: no trainer
     assert "is not a trained run" in capsys.readouterr().err
     assert main(["train", "--set", "train.nonsense=1"]) == 2
     assert "unknown train settings ['nonsense']" in capsys.readouterr().err

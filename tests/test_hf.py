@@ -454,6 +454,16 @@ def test_an_export_without_its_run_config_needs_a_text_and_lengths(trained, tmp_
     assert "tokens of" in capsys.readouterr().out
 
 
+def test_the_cli_loads_an_export_without_progress_bars_and_leaves_them_as_they_were(trained, capsys):
+    from transformers.utils import logging as hf_logging
+    capsys.readouterr()
+    for enabled in (True, False):
+        (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+        H.load_exported(trained / "exported")
+        assert "Loading weights" not in capsys.readouterr().err and hf_logging.is_progress_bar_enabled() == enabled
+    hf_logging.enable_progress_bar()
+
+
 def test_the_stream_example_names_a_run_directory_and_a_missing_text(trained, tmp_path, capsys):
     from script_loader import load_script
     example = load_script("stream_perplexity", "examples/stream_perplexity.py")

@@ -309,7 +309,10 @@ def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch):
         autocast_for("bfloat16", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
     autocast_for("bfloat16", torch.device("cuda"))
-    assert autocast_for("float16", torch.device("cpu"))().fast_dtype == torch.float16
+    with pytest.warns(UserWarning, match=r"^train.dtype=float16 on the CPU is slow: most CPUs have no fast float16 "
+                                         r"arithmetic; use float32 there \(or bfloat16, on a CPU with bfloat16 "
+                                         r"instructions\)$"):
+        assert autocast_for("float16", torch.device("cpu"))().fast_dtype == torch.float16
 
 
 def test_running_out_of_gpu_memory_says_how_to_fit(corpus, tmp_path, monkeypatch):

@@ -7,10 +7,13 @@ run config under ``lavo_run``), ``model.safetensors``, ``generation_config.json`
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from ..config import RunConfig
 from ..data import Tokenizer, load_tokenizer_file
@@ -43,6 +46,18 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite
     return out
 
 
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off inside, as they were after."""
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_exported(directory: str | os.PathLike, device: str | torch.device = "cpu"
                   ) -> tuple[LanguageModel, RunConfig | None, Tokenizer]:
     """The native model (eval mode, on ``device``), the recorded run config (or None) and the tokenizer of a
@@ -51,7 +66,8 @@ def load_exported(directory: str | os.PathLike, device: str | torch.device = "cp
     if not (directory / TOKENIZER).is_file():
         raise FileNotFoundError(f"{directory} has no {TOKENIZER}: export the run again (`lavo export RUN_DIR "
                                 f"{directory} --overwrite`) or copy the run's {TOKENIZER} there")
-    wrapped = LavoLMForCausalLM.from_pretrained(directory)
+    with no_progress_bars():  # the CLI reports its own progress; a small model loads at once
+        wrapped = LavoLMForCausalLM.from_pretrained(directory)
     run = wrapped.config.lavo_run
     config = None if run is None else run_config_at(run, directory)
     tokenizer = load_tokenizer_file(directory / TOKENIZER, "exported" if run is None else run["data"]["tokenizer"])
