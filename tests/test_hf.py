@@ -233,6 +233,39 @@ def test_past_key_values_is_another_name_for_the_state():
             hub(ids[:, 6:], cache=state, past_key_values=state)
 
 
+def test_an_empty_transformers_cache_starts_a_state_and_one_holding_positions_is_refused():
+    """transformers' guides pass a new DynamicCache to generate(): it starts a state like no cache at all."""
+    from transformers import DynamicCache
+    model = native(50)
+    hub, prompt = wrapped(model), [5, 6, 7, 8, 9, 10, 11]
+    assert hub_generate(hub, prompt, 6, do_sample=False, past_key_values=DynamicCache(config=hub.config)) == \
+        native_greedy(model, prompt, 6)
+    holding = DynamicCache()
+    holding.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), layer_idx=0)
+    with pytest.raises(TypeError, match="^LavoLMForCausalLM continues a lavo.hf.LavoState \\(the cache its calls "
+                                        "return\\), got a DynamicCache holding positions: pass no cache to start, or "
+                                        "the one a call returned$"):
+        hub(torch.tensor([prompt]), past_key_values=holding)
+
+
+def test_no_new_positions_are_refused_by_name():
+    """A state reused with only the new ids (generate() wants the whole sequence), or an empty prompt."""
+    hub = wrapped(native())
+    state = hub(torch.tensor([[5, 6, 7, 8]])).cache
+    message = (r"^input_ids has no positions; generate\(\) takes the whole sequence so far \(the positions a state "
+               r"passed with it has consumed, then the new ones\), a call of the model only the new ones$")
+    for call in (lambda: hub.generate(torch.tensor([[9, 10]]), cache=state, max_new_tokens=2, pad_token_id=0),
+                 lambda: hub(torch.zeros(1, 0, dtype=torch.long))):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_untied_output_embeddings_are_refused():
+    with pytest.raises(ValueError, match="^LavoLMForCausalLM reads its logits from the token embedding matrix: "
+                                         "tie_word_embeddings=False is not supported$"):
+        H.LavoLMConfig(tie_word_embeddings=False)
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(inputs_embeds=torch.zeros(1, 3, 32)), "LavoLMForCausalLM takes input_ids only, not inputs_embeds"),
     (dict(output_hidden_states=True), "does not return hidden states: call it without output_hidden_states=True"),

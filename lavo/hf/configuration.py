@@ -46,6 +46,9 @@ class LavoLMConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         self.model_config()  # a bad mechanism, option or position fails here, with ModelConfig's message
+        if not self.tie_word_embeddings:
+            raise ValueError("LavoLMForCausalLM reads its logits from the token embedding matrix: "
+                             "tie_word_embeddings=False is not supported")
 
     def model_config(self) -> ModelConfig:
         """The native model's settings."""

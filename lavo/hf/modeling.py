@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache as HubCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
@@ -106,11 +107,19 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=state if use_cache else None)
 
 
-def merge_cache_names(cache: LavoState | None, past_key_values: LavoState | None) -> LavoState | None:
-    """The state passed as ``cache`` or under its older name ``past_key_values`` (not both)."""
+def merge_cache_names(cache: HubCache | None, past_key_values: HubCache | None) -> LavoState | None:
+    """The state passed as ``cache`` or under its older name ``past_key_values`` (not both). An empty
+    ``transformers`` cache of another kind (a ``DynamicCache()``, as transformers' guides pass to ``generate``)
+    means a new state; one that holds positions cannot be continued."""
     if cache is not None and past_key_values is not None:
         raise ValueError("pass the state as cache or as past_key_values, not both")
-    return past_key_values if cache is None else cache
+    given = past_key_values if cache is None else cache
+    if given is None or isinstance(given, LavoState):
+        return given
+    if isinstance(given, HubCache) and given.get_seq_length() == 0:
+        return None
+    raise TypeError(f"LavoLMForCausalLM continues a lavo.hf.LavoState (the cache its calls return), got a "
+                    f"{type(given).__name__} holding positions: pass no cache to start, or the one a call returned")
 
 
 def refuse_unsupported(input_ids: torch.Tensor | None, kwargs: dict) -> None:
@@ -119,6 +128,9 @@ def refuse_unsupported(input_ids: torch.Tensor | None, kwargs: dict) -> None:
         raise ValueError("LavoLMForCausalLM takes input_ids only, not inputs_embeds")
     if input_ids is None:
         raise ValueError("input_ids are required")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids has no positions; generate() takes the whole sequence so far (the positions a "
+                         "state passed with it has consumed, then the new ones), a call of the model only the new ones")
     for flag, what in (("output_hidden_states", "hidden states"), ("output_attentions", "attention weights")):
         if kwargs.get(flag):
             raise ValueError(f"LavoLMForCausalLM does not return {what}: call it without {flag}=True")
