@@ -133,6 +133,14 @@ class Mechanism(nn.Module):
         """The fixed layout of a layer with :attr:`has_step_layout`."""
         raise NotImplementedError
 
+    def check_dtype(self, x: torch.Tensor) -> None:
+        """Refuse an input of another dtype than the layer's weights outside autocast, which would otherwise fail
+        in the first matmul with a message that names neither."""
+        weights = next(self.parameters(), None)  # none in a replica made by nn.DataParallel
+        if weights is not None and x.dtype != weights.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(f"x has dtype {x.dtype} and the layer's weights {weights.dtype}: convert one "
+                             f"(x.to({weights.dtype}) or layer.to({x.dtype})), or call the layer under torch.autocast")
+
     def check_call(self, x: torch.Tensor, padding_mask: torch.Tensor | None, cache: Any) -> None:
         """The checks every ``forward`` makes first."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
@@ -142,10 +150,8 @@ class Mechanism(nn.Module):
         if x.shape[0] == 0:
             raise ValueError(f"x has an empty batch, shape {tuple(x.shape)}; a call needs at least one sequence")
         check_padding_mask(padding_mask, x.shape[0], x.shape[1])
-        weights = next(self.parameters(), None)  # none in a replica made by nn.DataParallel
-        if weights is not None and x.dtype != weights.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise ValueError(f"x has dtype {x.dtype} and the layer's weights {weights.dtype}: convert one "
-                             f"(x.to({weights.dtype}) or layer.to({x.dtype})), or call the layer under torch.autocast")
+        if not torch.compiler.is_compiling():  # eager only (Dynamo before torch 2.5 cannot trace the autocast query)
+            self.check_dtype(x)
         if cache is not None and not self.causal:
             raise ValueError(f"{type(self).__name__} was built with causal=False; a cache is only for causal decoding")
         if cache is not None and not self.supports_decoding:
