@@ -127,14 +127,14 @@ def train_listops(run: ListOpsRun, out_dir: str | Path, progress: bool = True, l
 
     from tqdm import tqdm
     out = Path(out_dir) / "results.json"
+    torch.manual_seed(run.seed)
+    model = run.build_model()  # first, so that a bad setting fails as such, before results are compared or drawn
     if out.exists():
         results = json.loads(out.read_text())
         check_same_settings(out, results["run"], asdict(run),
                             f"train into another --out folder, or delete {Path(out_dir)} to train this run there")
         log(f"[skip] {out} exists")
         return results
-    torch.manual_seed(run.seed)
-    model = run.build_model()  # first, so that a bad setting fails before the data is drawn
     splits = make_splits({"train": run.train_size, "valid": run.valid_size, "test": run.test_size},
                          run.seed, run.spec)
     optimizer = torch.optim.AdamW(parameter_groups(model, run.weight_decay, run.lr), betas=(0.9, 0.98))

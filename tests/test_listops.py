@@ -259,6 +259,8 @@ def test_a_finished_run_is_reused_only_for_the_settings_it_was_made_with(tmp_pat
         f"lavo listops: error: {tmp_path}/results.json was written with other settings (attention 'lavo', asked for "
         f"'softmax'; seed 0, asked for 5); train into another --out folder, or delete {tmp_path} to train this "
         "run there\n")
+    assert main(["listops", "--attention", "flash", "--out", str(tmp_path), "--quiet"]) == 2  # a typo, not a rerun
+    assert "unknown attention 'flash'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("setting, message", [
