@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .config import RunConfig
-from .data import Prepared, prepare
+from .data import Prepared, check_source, prepare
 from .files import make_directory
 from .layers.base import after_optimizer_step
 from .model import LanguageModel, count_parameters
@@ -548,6 +548,7 @@ def train(config: RunConfig, resume: bool = False, overwrite: bool = False, stop
     env, device = setup_distributed(config.train.device)
     say = log if env.main else (lambda *args, **kwargs: None)
     run_dir = Path(config.train.out_dir)
+    check_source(config.data.source)  # a misspelt source is named as such, before the run directory is judged
     lock = contextlib.nullcontext()
     if env.main:
         make_directory(run_dir, "train.out_dir")

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import lavo.train
 
 from lavo.config import RunConfig, TrainConfig, bundled_configs, deep_merge, load_config
+from lavo.data import DataError
 from lavo.run import RunError, load_run
 from lavo.train import WindowSampler, autocast_for, learning_rate, train, weights_digest
 from lm_corpus import tiny_run, write_corpus
@@ -106,6 +107,10 @@ def test_checkpoint_files(corpus, tmp_path):
     with pytest.raises(FileExistsError, match=r"already holds a run \(model.safetensors, state.pt, metrics.jsonl\)"
                        ".*--resume"):
         train(run(corpus, tmp_path, "r", steps=3), log=quiet)
+    misspelt = run(corpus, tmp_path, "r", steps=3)
+    misspelt.data.source = "austin"  # named as such, not as a run already there
+    with pytest.raises(DataError, match="^data source 'austin' is neither a built-in corpus"):
+        train(misspelt, log=quiet)
     for name in ("r/model.safetensors", "r/model.safetensors/deeper"):
         with pytest.raises(ValueError, match=f"^train.out_dir {tmp_path / name} cannot be a directory: "
                                              f"{out / 'model.safetensors'} is a file$"):

@@ -56,11 +56,16 @@ def source_texts(source: str, data_dir: str | os.PathLike, fetch: bool = True, l
             log(f"fetching {source} into {root / source} (once; this can take a minute)")
         root.mkdir(parents=True, exist_ok=True)
         return BUILTIN_SOURCES[source][0](root)
-    path = Path(source)
-    if not path.is_dir():
+    check_source(source)
+    return Path(source)
+
+
+def check_source(source: str) -> None:
+    """Refuse a ``source`` that is neither a built-in corpus, a mix of them, nor a directory: the check that
+    needs no download, which training makes before any other."""
+    if not is_builtin(source) and not Path(source).is_dir():
         raise DataError(f"data source {source!r} is neither a built-in corpus ({', '.join(BUILTIN_SOURCES)}), "
                         f"a mix of them joined by '{MIX}', nor a directory of .txt files")
-    return path
 
 
 def source_splits(source: str, data_dir: str | os.PathLike, holdout: list[str] | None, fetch: bool = True,
