@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
 import lavo.hf  # noqa: E402,F401  (registers the lavo_lm model type)
-from lavo.run import CONFIG, is_exported  # noqa: E402
+from lavo.run import is_exported, is_run  # noqa: E402
 
 
 def last_word_start(text: str) -> int:
@@ -88,7 +88,7 @@ def check_paths(parser: argparse.ArgumentParser, model: str, text: str) -> None:
     """Refuse, by name, a model directory that ``lavo export`` did not write, and a text that is not a file."""
     if not is_exported(model):
         found = (f"a training run: export it first (`lavo export {model} OUT_DIR`)"
-                 if os.path.isfile(os.path.join(model, CONFIG)) else "not a directory written by `lavo export`")
+                 if is_run(model) else "not a directory written by `lavo export`")
         parser.error(f"{model} is {found}")
     if not os.path.isfile(text):
         parser.error(f"{text} is not a file")

@@ -65,8 +65,9 @@ def make_directory(path: str | os.PathLike, what: str) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        blocking = next(parent for parent in (path, *path.parents) if parent.exists())
-        raise ValueError(f"{what} {path} cannot be a directory: {blocking} is a file") from None
+        blocking = next(parent for parent in (path, *path.parents) if parent.exists() or parent.is_symlink())
+        kind = "a file" if blocking.exists() else "a broken link"
+        raise ValueError(f"{what} {path} cannot be a directory: {blocking} is {kind}") from None
     return path
 
 

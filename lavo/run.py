@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import RunConfig, deep_merge
 from .data import Tokenizer, is_builtin, load_tokenizer_file
-from .files import atomic_write, fsync_path, process_exists, remove_orphans, write_json, write_text
+from .files import atomic_write, fsync_path, remove_orphans, write_json, write_text
 from .model import LanguageModel, ModelConfig
 
 CONFIG, TOKENIZER, WEIGHTS, STATE, METRICS = (
@@ -135,15 +135,26 @@ def checkpoint_id(path: Path) -> tuple[str | None, str | None]:
     return metadata.get("step"), metadata.get("checkpoint")
 
 
+def config_values(directory: str | os.PathLike) -> dict:
+    """The ``config.json`` of ``directory`` as read, or ``{}`` when there is none or it is unreadable
+    (:func:`read_run_config` says what is wrong with it)."""
+    try:
+        values = json.loads((Path(directory) / CONFIG).read_text())
+    except (OSError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
+
+
 def is_exported(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` was written by ``lavo export`` (a Hugging Face model directory) rather than being a
     run directory: its ``config.json`` names the model type ``lavo_lm``."""
-    path = Path(directory) / CONFIG
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, ValueError):  # none or unreadable: read_run_config says what is wrong with it
-        return False
-    return isinstance(values, dict) and values.get("model_type") == EXPORTED_MODEL_TYPE
+    return config_values(directory).get("model_type") == EXPORTED_MODEL_TYPE
+
+
+def is_run(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` is a run directory (trained or not): its ``config.json`` has the sections ``data``,
+    ``model`` and ``train``."""
+    return {"data", "model", "train"} <= set(config_values(directory))
 
 
 def load_model_dir(directory: str | os.PathLike, device: str | torch.device = "cpu"
@@ -274,13 +285,20 @@ class RunLock:
 
     @staticmethod
     def holder(run_dir: str | os.PathLike) -> int | None:
-        """The pid of the process training into ``run_dir`` now, or None. Read from the lock file, not by locking
-        it: a probe holding the lock even briefly could turn a starting trainer away."""
+        """The pid of the process that holds the lock of ``run_dir`` now, or None: a lock that ``/proc/locks``
+        lists (Linux; None elsewhere). Read, not probed: a probe holding the lock even briefly could turn a
+        starting trainer away, and the pid a killed trainer left in the file may belong to another process now."""
         try:
-            pid = int((Path(run_dir) / LOCK).read_text().strip())
-        except (OSError, ValueError):  # no lock file, or one a trainer has not written its pid into yet
+            status = (Path(run_dir) / LOCK).stat()
+            locks = Path("/proc/locks").read_text()
+        except OSError:
             return None
-        return pid if process_exists(pid) else None  # a killed trainer leaves its lock file behind
+        file_id = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+        for line in locks.splitlines():  # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2147215 0 EOF"
+            fields = line.split()
+            if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == file_id:
+                return int(fields[4])
+        return None
 
     def release(self) -> None:
         if self.descriptor is not None:

@@ -104,6 +104,9 @@ def test_errors_are_one_clear_line(tmp_path, capsys):
             "its first one (train.checkpoint_interval steps)") in capsys.readouterr().err
     assert main(["generate", str(tmp_path / "starting")]) == 2  # the lock released: no trainer
     assert "is not a trained run" in capsys.readouterr().err
+    (tmp_path / "starting" / ".lock").write_text(f"{os.getpid()}\n")  # left by a killed trainer; the pid lives on
+    assert main(["generate", str(tmp_path / "starting")]) == 2
+    assert "is not a trained run" in capsys.readouterr().err
     assert main(["train", "--set", "train.nonsense=1"]) == 2
     assert "unknown train settings ['nonsense']" in capsys.readouterr().err
 

@@ -134,6 +134,13 @@ def test_cross_layers_share_the_call(name):
         layer(torch.randn(3, 4, 16), torch.randn(3, 7, 8))
     with pytest.raises(ValueError, match="y and source must have the same batch size, got 3 and 2"):
         layer(torch.randn(3, 4, 16), torch.randn(2, 7, 16))
+    for y, source, name in ((torch.randn(3, 4, 16).double(), torch.randn(3, 7, 16), "y"),
+                            (torch.randn(3, 4, 16), torch.randn(3, 7, 16).half(), "source")):
+        other = y if name == "y" else source
+        with pytest.raises(ValueError, match=re.escape(
+                f"{name} has dtype {other.dtype} and the layer's weights torch.float32: convert one "
+                f"({name}.to(torch.float32) or layer.to({other.dtype})), or call the layer under torch.autocast")):
+            layer(y, source)
 
 
 @pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))

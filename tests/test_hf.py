@@ -242,10 +242,11 @@ def test_an_empty_transformers_cache_starts_a_state_and_one_holding_positions_is
         native_greedy(model, prompt, 6)
     holding = DynamicCache()
     holding.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), layer_idx=0)
-    with pytest.raises(TypeError, match="^LavoLMForCausalLM continues a lavo.hf.LavoState \\(the cache its calls "
-                                        "return\\), got a DynamicCache holding positions: pass no cache to start, or "
-                                        "the one a call returned$"):
-        hub(torch.tensor([prompt]), past_key_values=holding)
+    for cache, kind in ((holding, "DynamicCache holding positions"), ((), "tuple")):
+        with pytest.raises(TypeError, match=f"^LavoLMForCausalLM continues a lavo.hf.LavoState \\(the cache its calls "
+                                            f"return\\), got a {kind}: pass no cache to start, or the one a call "
+                                            "returned$"):
+            hub(torch.tensor([prompt]), past_key_values=cache)
 
 
 def test_no_new_positions_are_refused_by_name():
@@ -260,10 +261,15 @@ def test_no_new_positions_are_refused_by_name():
             call()
 
 
-def test_untied_output_embeddings_are_refused():
-    with pytest.raises(ValueError, match="^LavoLMForCausalLM reads its logits from the token embedding matrix: "
-                                         "tie_word_embeddings=False is not supported$"):
-        H.LavoLMConfig(tie_word_embeddings=False)
+def test_untied_output_embeddings_are_refused(saved):
+    """In the config, and from from_pretrained's keyword arguments, which transformers sets after the config is
+    made."""
+    message = "^LavoLMForCausalLM reads its logits from the token embedding matrix: tie_word_embeddings=False is " \
+              "not supported$"
+    for make in (lambda: H.LavoLMConfig(tie_word_embeddings=False),
+                 lambda: AutoModelForCausalLM.from_pretrained(saved[0], tie_word_embeddings=False)):
+        with pytest.raises(ValueError, match=message):
+            make()
 
 
 @pytest.mark.parametrize("options, message", [
@@ -428,6 +434,8 @@ def test_export_refuses_its_own_run_folder_an_exported_folder_and_a_file(trained
     assert main(["export", exported, str(trained / "again")]) == 2
     assert "is already an exported model directory: copy it, or export the run it came from" in (
         capsys.readouterr().err)
+    assert main(["export", str(tmp_path / "no-run"), str(tmp_path / "out" / "deep")]) == 2
+    assert "is not a trained run" in capsys.readouterr().err and not (tmp_path / "out").exists()
     (tmp_path / "notes.txt").write_text("")
     for target in ("notes.txt", "notes.txt/model"):
         assert main(["export", run, str(tmp_path / target)]) == 2
@@ -501,6 +509,7 @@ def test_the_stream_example_names_a_run_directory_and_a_missing_text(trained, tm
     from script_loader import load_script
     example = load_script("stream_perplexity", "examples/stream_perplexity.py")
     run, exported, text = trained / "run", trained / "exported", trained / "corpus" / "doc3.txt"
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')  # another model's folder, not a run
     for argv, message in [((run, text), f"{run} is a training run: export it first (`lavo export {run} OUT_DIR`)"),
                           ((tmp_path, text), f"{tmp_path} is not a directory written by `lavo export`"),
                           ((exported, tmp_path / "missing.txt"), f"{tmp_path / 'missing.txt'} is not a file")]:

@@ -115,6 +115,10 @@ def test_checkpoint_files(corpus, tmp_path):
         with pytest.raises(ValueError, match=f"^train.out_dir {tmp_path / name} cannot be a directory: "
                                              f"{out / 'model.safetensors'} is a file$"):
             train(run(corpus, tmp_path, name, steps=3), log=quiet)
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    with pytest.raises(ValueError, match=f"^train.out_dir {tmp_path / 'dangling'} cannot be a directory: "
+                                         f"{tmp_path / 'dangling'} is a broken link$"):
+        train(run(corpus, tmp_path, "dangling", steps=3), log=quiet)
 
 
 def test_learning_rate_schedule():

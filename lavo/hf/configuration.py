@@ -46,6 +46,11 @@ class LavoLMConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         self.model_config()  # a bad mechanism, option or position fails here, with ModelConfig's message
+        self.check_tied()
+
+    def check_tied(self) -> None:
+        """Refuse untied output embeddings, here and again when the model is built (``from_pretrained`` sets
+        its keyword arguments on the config after it is made)."""
         if not self.tie_word_embeddings:
             raise ValueError("LavoLMForCausalLM reads its logits from the token embedding matrix: "
                              "tie_word_embeddings=False is not supported")

@@ -33,9 +33,9 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite
     if out.resolve() == Path(run_dir).resolve():
         raise ValueError(f"{out} is the run directory itself: exporting there would replace the run's "
                          "config.json and weights; choose another directory")
+    model, config, tokenizer = load_run(run_dir)  # first: a run that cannot be read leaves no folder behind
     if any(make_directory(out, "the export directory").iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty: choose another directory or pass --overwrite")
-    model, config, tokenizer = load_run(run_dir)
     run = config.to_dict()
     del run["train"]["out_dir"]
     ids = dict(bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id, pad_token_id=tokenizer.eot_id)

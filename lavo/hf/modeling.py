@@ -28,6 +28,7 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
     _is_stateful = True
 
     def __init__(self, config: LavoLMConfig):
+        config.check_tied()
         super().__init__(config)
         self.lavo = LanguageModel(config.model_config())
         self.post_init()
@@ -118,8 +119,9 @@ def merge_cache_names(cache: HubCache | None, past_key_values: HubCache | None) 
         return given
     if isinstance(given, HubCache) and given.get_seq_length() == 0:
         return None
+    holding = " holding positions" if isinstance(given, HubCache) else ""
     raise TypeError(f"LavoLMForCausalLM continues a lavo.hf.LavoState (the cache its calls return), got a "
-                    f"{type(given).__name__} holding positions: pass no cache to start, or the one a call returned")
+                    f"{type(given).__name__}{holding}: pass no cache to start, or the one a call returned")
 
 
 def refuse_unsupported(input_ids: torch.Tensor | None, kwargs: dict) -> None:

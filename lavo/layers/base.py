@@ -133,14 +133,6 @@ class Mechanism(nn.Module):
         """The fixed layout of a layer with :attr:`has_step_layout`."""
         raise NotImplementedError
 
-    def check_dtype(self, x: torch.Tensor) -> None:
-        """Refuse an input of another dtype than the layer's weights outside autocast, which would otherwise fail
-        in the first matmul with a message that names neither."""
-        weights = next(self.parameters(), None)  # none in a replica made by nn.DataParallel
-        if weights is not None and x.dtype != weights.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise ValueError(f"x has dtype {x.dtype} and the layer's weights {weights.dtype}: convert one "
-                             f"(x.to({weights.dtype}) or layer.to({x.dtype})), or call the layer under torch.autocast")
-
     def check_call(self, x: torch.Tensor, padding_mask: torch.Tensor | None, cache: Any) -> None:
         """The checks every ``forward`` makes first."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
@@ -150,8 +142,7 @@ class Mechanism(nn.Module):
         if x.shape[0] == 0:
             raise ValueError(f"x has an empty batch, shape {tuple(x.shape)}; a call needs at least one sequence")
         check_padding_mask(padding_mask, x.shape[0], x.shape[1])
-        if not torch.compiler.is_compiling():  # eager only (Dynamo before torch 2.5 cannot trace the autocast query)
-            self.check_dtype(x)
+        check_input_dtype(self, x)
         if cache is not None and not self.causal:
             raise ValueError(f"{type(self).__name__} was built with causal=False; a cache is only for causal decoding")
         if cache is not None and not self.supports_decoding:
@@ -160,6 +151,18 @@ class Mechanism(nn.Module):
             kinds = " or ".join(kind.__name__ for kind in self.cache_types)
             raise ValueError(f"{type(self).__name__} continues a {kinds}, got a {type(cache).__name__}: pass the "
                              "cache this layer's previous call returned")
+
+
+def check_input_dtype(layer: nn.Module, x: torch.Tensor, name: str = "x") -> None:
+    """Refuse an input of another dtype than the layer's weights outside autocast, which would otherwise fail in
+    the first matmul with a message that names neither. Eager mode only: Dynamo before torch 2.5 cannot trace the
+    autocast query, and a compiled call fails in that matmul all the same."""
+    if torch.compiler.is_compiling():
+        return
+    weights = next(layer.parameters(), None)  # none in a replica made by nn.DataParallel
+    if weights is not None and x.dtype != weights.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise ValueError(f"{name} has dtype {x.dtype} and the layer's weights {weights.dtype}: convert one "
+                         f"({name}.to({weights.dtype}) or layer.to({x.dtype})), or call the layer under torch.autocast")
 
 
 def after_optimizer_step(model: nn.Module) -> None:
@@ -233,6 +236,8 @@ class CrossAttentionLayer(nn.Module):
         if y.shape[0] != source.shape[0]:
             raise ValueError(f"y and source must have the same batch size, got {y.shape[0]} and {source.shape[0]}")
         check_padding_mask(source_padding_mask, source.shape[0], source.shape[1], "source_padding_mask")
+        check_input_dtype(self, y, "y")
+        check_input_dtype(self, source, "source")
         q = rearrange(self.to_q(y), "b t (h d) -> b t h d", h=self.heads)
         source_heads = rearrange(self.to_source(source), "b s (n h d) -> n b s h d", n=self.source_projections,
                                  h=self.heads)
