@@ -125,9 +125,20 @@ def test_numbers_and_the_device_are_checked_when_parsed(flag, value, allowed, ca
 
 
 @pytest.mark.parametrize("flag", ["--lengths", "--decode-lengths", "--model-lengths"])
-def test_lengths_below_one_are_refused_when_parsed(flag, capsys):
+def test_lengths_below_one_or_not_numbers_are_refused_when_parsed(flag, capsys):
     assert bench_error(capsys, flag, "1K,0") == (
         f"python -m lavo.bench: error: argument {flag}: a length must be at least 1; got '0'")
+    assert bench_error(capsys, flag, "1K,abc") == (
+        f"python -m lavo.bench: error: argument {flag}: 'abc' is not a length: a whole number, or one with a K suffix "
+        "(4K = 4096)")
+
+
+@pytest.mark.parametrize("options, message", [
+    ('{"lavo": 3}', "--attention-options must be a JSON object of {mechanism: {option: value}}"),
+    ('{"nope": {}}', "--attention-options: unknown mechanisms ['nope']; choose from abc, cosformer, lavo"),
+    ('{"lavo": {"bogus": 1}}', "--attention-options: attention 'lavo' has no option 'bogus'; its options: rank")])
+def test_attention_options_are_checked_before_any_measurement(options, message, capsys):
+    assert bench_error(capsys, "--attention-options", options).startswith(f"python -m lavo.bench: error: {message}")
 
 
 def test_a_cuda_device_the_machine_lacks_is_refused(monkeypatch, capsys):
@@ -166,6 +177,9 @@ def test_declared_time_complexity_decides_the_lengths_run_and_the_skips_predicte
                       ("quadratic_local", 128): "ok", ("quadratic_local", 256): "skipped"}
     notes = {(r["mechanism"], r["length"]): r["note"] for r in runner.records}
     assert "predicted 4 s" in notes["quadratic_local", 256] and "predicted 4 s" in notes["sdpa (op)", 256]
+    text = output.markdown(runner.records, {"device": "cpu", "cpu": "test", "threads": 1, "torch": "test"}, s)
+    assert ("Empty cells: quadratic mechanisms are not run past --max-quadratic-length 256, and where the reference "
+            "of the ratios is not run, the others have no ratio.") in text  # the cells at 512 say nothing themselves
 
 
 
@@ -600,6 +614,36 @@ def test_gpu_check_judges_every_context_only_on_all_of_them():
     for measured, verdict in ((rows[:2], "partial (2/8)"), (rows, "yes")):  # a step cut short, a whole one
         verdicts = {target: met for target, _, met in gpu_check.targets(measured)}
         assert verdicts["decoding step <= 0.3 ms at every context: fused kernel"] == verdict
+
+
+def test_peak_memory_is_taken_after_the_timed_calls_so_never_on_the_first_call(monkeypatch):
+    calls = []
+
+    class RecordingPeak:
+        mib = 1.0
+
+        def __init__(self, device):
+            pass
+
+        def __enter__(self):
+            calls.append("peak")
+            return self
+
+        def __exit__(self, *exc):
+            pass
+    monkeypatch.setattr(measure, "PeakMemory", RecordingPeak)
+    measure.measure(lambda: calls.append("call"), torch.device("cpu"), repeats=2, warmup=0, time_limit=20)
+    assert calls == ["call", "call", "peak", "call"]
+
+
+def test_a_flops_cell_without_the_matmul_rate_shows_no_fraction():
+    records = [dict(section="flops", mechanism="matmul", op="matmul", length=3000, dtype="fp32", status="skipped",
+                    note="skipped: one call took 1 s > --time-limit 0.2 s"),
+               dict(section="flops", mechanism="lavo_attention (op)", op="fwd", length=128, status="ok",
+                    gflops_per_s=2.16, ratio=None)]
+    s = quick_settings("--sections", "flops")
+    text = output.markdown(records, {"device": "cpu", "cpu": "test", "threads": 1, "torch": "test"}, s)
+    assert "| fwd | 2.16 |" in text and "%" not in text.split("## LAVO op FLOP")[1]
 
 
 def test_a_series_first_call_may_compile_but_later_calls_keep_the_time_limit(monkeypatch):

@@ -14,7 +14,7 @@ import torch
 
 from ..model import PRESETS
 from ..ops.common import BACKENDS, make_current
-from ..registry import attention_class, available_attentions
+from ..registry import attention_class, available_attentions, check_options
 from ..settings import SettingsError, flag_type
 from . import attention, decode, flops, model, profile
 from .measure import machine_info
@@ -46,7 +46,11 @@ def _flag(name: str):
 def _length_value(text: str) -> int:
     """``"4K"`` -> 4096, ``"300"`` -> 300; a length must be at least 1."""
     text = text.strip().lower()
-    length = int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+    try:
+        length = int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a length: a whole number, or one with a K suffix "
+                                         "(4K = 4096)") from None
     if length < 1:
         raise argparse.ArgumentTypeError(f"a length must be at least 1; got {text!r}")
     return length
@@ -127,6 +131,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_attention_options(options: object, registered: list[str]) -> None:
+    """``--attention-options`` before any measurement: a JSON object of registered mechanisms, each with an
+    object of the options it has."""
+    shape = "--attention-options must be a JSON object of {mechanism: {option: value}}"
+    if not isinstance(options, dict) or not all(isinstance(value, dict) for value in options.values()):
+        raise SettingsError(shape)
+    unknown = [name for name in options if name not in registered]
+    if unknown:
+        raise SettingsError(f"--attention-options: unknown mechanisms {unknown}; choose from {', '.join(registered)}")
+    for name, values in options.items():
+        try:
+            check_options(name, values)
+        except ValueError as error:
+            raise SettingsError(f"--attention-options: {error}") from None
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     defaults = QUICK if args.quick else FULL
     given = {key: getattr(args, key, None) for key in FULL}  # model_overrides has no option: --quick only
@@ -146,8 +166,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                             f"{', '.join(name for name in registered if attention_class(name).supports_decoding)}")
     if values["model_preset"] not in PRESETS:
         raise SettingsError(f"--model-preset: unknown {values['model_preset']!r}; choose from {', '.join(PRESETS)}")
-    if not isinstance(args.attention_options, dict):
-        raise SettingsError("--attention-options must be a JSON object of {mechanism: {option: value}}")
+    check_attention_options(args.attention_options, registered)
     if args.device != "cpu" and (torch.device(args.device).index or 0) >= torch.cuda.device_count():
         raise SettingsError(f"--device {args.device}: no such CUDA device on this machine (it has "
                             f"{torch.cuda.device_count()}); use --device cpu")

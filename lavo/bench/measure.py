@@ -123,9 +123,10 @@ def timed_within(fn: Callable[[], Any], device: torch.device, time_limit: float)
 
 def measure(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup: int, time_limit: float,
             first_call_limit: float | None = None) -> Measurement:
-    """Warm-up calls, one call under :class:`PeakMemory`, then ``repeats`` timed calls; median time in ms.
-    Raises :class:`Skipped` as soon as a call exceeds ``time_limit`` seconds (the first call:
-    ``first_call_limit``, when given: it may compile)."""
+    """Warm-up calls, ``repeats`` timed calls, then one call under :class:`PeakMemory` (last, so that even
+    without warm-up it never holds the first call's one-time allocations); median time in ms. Raises
+    :class:`Skipped` as soon as a call exceeds ``time_limit`` seconds (the first call: ``first_call_limit``, when
+    given: it may compile)."""
     limits = iter([max(time_limit, first_call_limit or 0.0)])
 
     def call() -> float:
@@ -133,9 +134,9 @@ def measure(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup
 
     for _ in range(warmup):
         call()
+    times = [call() * 1e3 for _ in range(max(1, repeats))]
     with PeakMemory(device) as peak:
         call()
-    times = [call() * 1e3 for _ in range(max(1, repeats))]
     return Measurement(statistics.median(times), times, peak.mib)
 
 

@@ -64,6 +64,7 @@ def markdown(records: list[dict], info: dict, settings: Settings) -> str:
                 wide_table(part, _mechanism, lambda r: number(r["ms"]) + _ratio(r), "mechanism"), "",
                 f"## Attention, {which}: peak memory growth, MiB", "",
                 wide_table(part, _mechanism, lambda r: number(r["peak_mib"]), "mechanism", notes=False), ""]
+    out += _capped(s, s.lengths) if attention else []
     decode = _section(records, "decode")
     if decode:
         reference = next((r["ratio_to"] for r in decode if r["ratio_to"]), "—")
@@ -80,7 +81,7 @@ def markdown(records: list[dict], info: dict, settings: Settings) -> str:
                 f"(step time × {reference}) / peak MiB", "",
                 wide_table(model, _mechanism,
                            lambda r: f"{number(r['tokens_per_s'])}{_ratio(r)} / {number(r['peak_mib'])}",
-                           "attention"), ""]
+                           "attention"), ""] + _capped(s, s.model_lengths)
     flops = _section(records, "flops")
     if flops:
         out += ["## LAVO op FLOP efficiency: GFLOP/s (fraction of the matmul rate)", ""]
@@ -88,7 +89,8 @@ def markdown(records: list[dict], info: dict, settings: Settings) -> str:
             f"{number(r['gflops_per_s'])} GFLOP/s" if r["status"] == "ok" else r["note"])
             for r in flops if r["mechanism"] == "matmul"]
         out += ["", wide_table([r for r in flops if r["mechanism"] != "matmul"], lambda r: r["op"],
-                               lambda r: f"{number(r['gflops_per_s'])} ({100 * (r['ratio'] or 0):.0f}%)", "pass"), ""]
+                               lambda r: number(r["gflops_per_s"]) + (
+                                   f" ({100 * r['ratio']:.0f}%)" if r["ratio"] is not None else ""), "pass"), ""]
     profiles = _section(records, "profile")
     if profiles:
         out += [f"## Profile: self time per call by {profiles[0]['kind']}, longest first", ""]
@@ -103,6 +105,15 @@ def markdown(records: list[dict], info: dict, settings: Settings) -> str:
                                    [[k["name"], f"{k['calls']:g}", number(k["ms"]),
                                      f"{100 * k['share']:.1f}%"] for k in r["kernels"]]), ""]
     return "\n".join(out)
+
+
+def _capped(s: Settings, lengths: list[int]) -> list[str]:
+    """The note that explains the empty cells past ``--max-quadratic-length``, where some length is."""
+    if max(lengths, default=0) <= s.max_quadratic_length:
+        return []
+    return [f"Empty cells: quadratic mechanisms are not run past --max-quadratic-length "
+            f"{length_label(s.max_quadratic_length)}, and where the reference of the ratios is not run, the others "
+            "have no ratio.", ""]
 
 
 def _cache_mib(r: dict) -> float | None:

@@ -57,11 +57,11 @@ class Runner:
             return f"skipped: length {length_label(last_length)} failed or was skipped"
         growth = (length / last_length) ** GROWTH[time_complexity]
         if last_ms / 1e3 * growth > self.settings.time_limit:
-            return (f"skipped: predicted {last_ms / 1e3 * growth:.0f} s per call > --time-limit "
+            return (f"skipped: predicted {last_ms / 1e3 * growth:.3g} s per call > --time-limit "
                     f"{self.settings.time_limit:g} s")
         available = available_mib(self.device)
         if last_peak is not None and available is not None and last_peak * growth > 0.8 * available:
-            return f"skipped: predicted peak {last_peak * growth:.0f} MiB > 80% of the {available:.0f} MiB available"
+            return f"skipped: predicted peak {last_peak * growth:.3g} MiB > 80% of the {available:.0f} MiB available"
         return None
 
     def run(self, entry: dict, key: tuple, time_complexity: str, work: Callable[[dict], None]) -> dict:
