@@ -146,13 +146,13 @@ def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: floa
     decoder = graphed_decoder(model, cache) if use_cache else None
     out = [[] for _ in range(num_samples)]
     done = torch.zeros(num_samples, dtype=torch.bool)
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         next_ids = sample_next(logits[:, -1], generator, temperature, top_k, top_p)
         for i, token in enumerate(next_ids.tolist()):
             if not done[i]:
                 out[i].append(token)
                 done[i] = stop_id is not None and token == stop_id
-        if done.all():
+        if done.all() or step == max_new_tokens - 1:  # the last token is not fed: nothing reads its logits
             break
         if decoder is not None:
             logits = decoder.step(next_ids[:, None])

@@ -1,5 +1,6 @@
 """Sampling: seeded, cached decoding equals recomputing, top-k / top-p filtering."""
 import torch
+from reference_checks import forward_calls
 
 from lavo.generate import filter_logits, generate
 from lavo.model import build_model
@@ -66,3 +67,11 @@ def test_filter_logits():
     assert torch.isinf(filter_logits(logits, top_p=0.7)).tolist() == [[False, False, True, True]]
     assert torch.isinf(filter_logits(logits, top_p=0.5)).tolist() == [[False, True, True, True]]
     assert torch.isinf(filter_logits(logits, top_p=0.81)).tolist() == [[False, False, False, True]]
+
+
+def test_the_prompt_is_fed_once_and_each_new_token_but_the_last():
+    """Nothing reads the logits after the last token, so it is not fed (with a cache or recomputing)."""
+    for m in (model(), NoCache(model())):
+        calls = forward_calls([m])
+        assert len(generate(m, [1, 2, 3], 5, temperature=0)[0]) == 5
+        assert calls == [1 + 4]
