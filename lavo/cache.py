@@ -180,6 +180,16 @@ class _LavoState(Cache):
     window_sum: torch.Tensor
     window_count: torch.Tensor
 
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Refuse inputs of another dtype than the cached keys and values outside autocast (under it the two
+        mix), by name rather than with an einsum's dtype error."""
+        device_type = self.keys.device.type
+        if self.keys.dtype == dtype or torch.compiler.is_compiling() or torch.is_autocast_enabled(device_type):
+            return
+        raise ValueError(f"the cache holds {self.keys.dtype} keys and values and the inputs are {dtype}: make the "
+                         f"cache in the inputs' dtype (LavoCache.empty(..., dtype={dtype})) or call under "
+                         "torch.autocast")
+
 
 @dataclass(frozen=True)
 class LavoCache(_LavoState):

@@ -10,7 +10,7 @@ from lavo.cache import LavoCache, LavoStepCache
 from lavo import generate as generation
 from lavo.generate import StepDecoder, generate, graphed_decoder
 from lavo.model import build_model
-from lavo.ops import lavo_attention_cached, lavo_attention_naive, lavo_decode_step
+from lavo.ops import lavo_attention_cached, lavo_attention_naive, lavo_decode_step, orthogonal_basis
 from lavo.ops.lavo import step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -169,6 +169,21 @@ def test_a_layer_without_a_step_layout_continues_the_cache_step_cache_returns(at
     torch.testing.assert_close(torch.cat(steps, 1), expected[:, 6:], **FLOAT32)
     with pytest.raises(TypeError, match="^step_cache takes a cache that a call of this layer returned, got NoneType$"):
         layer.step_cache(None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cache_of_another_dtype_is_refused_by_name_outside_autocast(backend):
+    B, H, D, r, w = 1, 2, 16, 8, 4
+    q, k, v = (torch.randn(B, 1, H, D, dtype=torch.bfloat16, device=DEVICE) for _ in range(3))
+    basis = orthogonal_basis(H, r, D).to(DEVICE)
+    cache = LavoCache.empty(B, H, D, r, window=w, device=DEVICE)  # float32
+    message = (r"^the cache holds torch.float32 keys and values and the inputs are torch.bfloat16: make the cache in "
+               r"the inputs' dtype \(LavoCache.empty\(..., dtype=torch.bfloat16\)\) or call under torch.autocast$")
+    with torch.no_grad():
+        for call in (lambda: lavo_attention_cached(q, k, v, basis, cache, window=w),
+                     lambda: lavo_decode_step(q, k, v, basis, LavoStepCache.from_cache(cache, w), backend=backend)):
+            with pytest.raises(ValueError, match=message):
+                call()
 
 
 def test_step_cache_of_a_step_cache_is_itself_and_a_window_mismatch_is_refused():

@@ -35,6 +35,7 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
     check_read_scale(read_scale, q.shape[2])
     B, T, H, D = q.shape
     cache.check_fits(B, H, D, basis.shape[1], window=window, dissection=dissection, write=write, memory=memory)
+    cache.check_dtype(q.dtype)
     if is_variant(write, memory):
         return _variant_cached(q, k, v, basis, cache, window=window, pos_bias=pos_bias, real=padding_mask,
                                scale=scale, write=write, memory=memory, decay=decay, gate=gate,

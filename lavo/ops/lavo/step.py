@@ -53,6 +53,7 @@ def lavo_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: t
         raise ValueError(f"the cache holds (batch, heads, head_dim, rank) = {fits}, the inputs "
                          f"{(B, H, D, basis.shape[1])}")
     check_made_by(cache, dissection=dissection)
+    cache.check_dtype(q.dtype)
     scale = D ** -0.5 if scale is None else scale
     real = torch.ones(B, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask[:, 0]
     if uses_triton(backend, q):
