@@ -35,6 +35,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def wall_times(exp: Path) -> list[dict]:
+    """The wall time of each step of an experiment's queue (``wall_times.jsonl``, appended by common.sh), the
+    latest where a step ran again: a rerun from scratch must not count a run twice."""
+    latest = {entry["what"]: entry for entry in read_jsonl(exp / "wall_times.jsonl")}
+    return list(latest.values())
+
+
 def collect(exp: Path) -> dict:
     evaluation = json.loads((exp / "eval" / "all" / "results.json").read_text())
     ppl, params, tokens, steps, train_wall, loss = {}, {}, {}, {}, {}, {}
@@ -62,7 +69,7 @@ def collect(exp: Path) -> dict:
         "split": evaluation["split"],
         "final_train_loss": loss,
         "train_seconds": train_wall,
-        "wall_times": read_jsonl(exp / "wall_times.jsonl"),
+        "wall_times": wall_times(exp),
         "model": {k: v for k, v in config["model"].items() if k not in ("attention", "attention_options")},
         "options": {name: json.loads((Path(run) / "config.json").read_text())["model"]
                     for name, run in evaluation["runs"].items()},

@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .files import write_json
+from .files import make_directory, write_json
 from .layers.base import after_optimizer_step
 from .listops import CLASSES, VOCAB, ListOpsSpec, Split, make_splits
 from .model import Block, ModelConfig, add_positions, count_parameters, initialise, parameter_groups
 from .settings import (SEED, SettingsError, above, at_least, check_at_most, check_known, check_same_settings,
-                       check_settings, setting)
+                       check_settings, read_results, setting)
 from .train import learning_rate
 
 
@@ -123,16 +123,14 @@ def train_listops(run: ListOpsRun, out_dir: str | Path, progress: bool = True, l
     """Train ``run`` on its seeded splits, write ``out_dir/results.json`` and return it; a finished
     ``results.json`` of the same settings is returned as it is (the run is skipped), one of other settings is
     refused."""
-    import json
-
     from tqdm import tqdm
-    out = Path(out_dir) / "results.json"
+    out = make_directory(out_dir, "--out") / "results.json"  # a file there is named before any training
     torch.manual_seed(run.seed)
     model = run.build_model()  # first, so that a bad setting fails as such, before results are compared or drawn
     if out.exists():
-        results = json.loads(out.read_text())
-        check_same_settings(out, results["run"], asdict(run),
-                            f"train into another --out folder, or delete {Path(out_dir)} to train this run there")
+        elsewhere = f"train into another --out folder, or delete {Path(out_dir)} to train this run there"
+        results = read_results(out, ("run",), "`lavo listops`", elsewhere)
+        check_same_settings(out, results["run"], asdict(run), elsewhere)
         log(f"[skip] {out} exists")
         return results
     splits = make_splits({"train": run.train_size, "valid": run.valid_size, "test": run.test_size},
@@ -174,6 +172,5 @@ def train_listops(run: ListOpsRun, out_dir: str | Path, progress: bool = True, l
         "test_majority_accuracy": splits["test"].majority_accuracy(),
         "mean_train_length": float(train.lengths.float().mean()),
     }
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
     write_json(out, results)
     return results

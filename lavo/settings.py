@@ -14,12 +14,14 @@ setting, the value and what is allowed), and :func:`flag_type` turns the same de
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import numbers
 import re
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -196,6 +198,19 @@ def check_at_most(obj: Any, section: str, name: str, bound: str) -> None:
     value, limit = getattr(obj, name), getattr(obj, bound)
     if value > limit:
         raise SettingsError(f"{section}.{name} must be at most {section}.{bound} ({limit:g}); got {value:g}")
+
+
+def read_results(path: Path, keys: tuple[str, ...], kind: str, advice: str) -> dict:
+    """The JSON object of results in ``path``; ``ValueError`` naming the file when it is not JSON or lacks one of
+    ``keys`` (``kind`` says what it should be, ``advice`` what to do instead)."""
+    try:
+        results = json.loads(path.read_text())
+    except ValueError:
+        results = None
+    if not isinstance(results, dict) or not set(keys) <= results.keys():
+        raise ValueError(f"{path} is not a results file of {kind} (a JSON object of {' and '.join(keys)}); "
+                         f"{advice}")
+    return results
 
 
 def check_same_settings(path: Any, recorded: dict, requested: dict, advice: str) -> None:

@@ -50,6 +50,14 @@ REPORTED = sorted(p.parent.name for p in (ROOT / "experiments").glob("*/run.sh")
                   if "report_tools.py results" in p.read_text())
 
 
+def test_a_step_run_again_counts_once_in_the_wall_times(tmp_path):
+    """A rerun from scratch appends to wall_times.jsonl: each step's latest time counts, not both."""
+    report_tools = load_script("report_tools", "experiments/report_tools.py")
+    lines = [{"what": "train a", "wall_s": 10}, {"what": "train b", "wall_s": 20}, {"what": "train a", "wall_s": 12}]
+    (tmp_path / "wall_times.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert report_tools.wall_times(tmp_path) == [{"what": "train a", "wall_s": 12}, {"what": "train b", "wall_s": 20}]
+
+
 @pytest.mark.parametrize("experiment", REPORTED)
 def test_the_committed_tables_are_what_the_report_tool_makes_of_the_committed_results(experiment, monkeypatch):
     """No committed number drifts from its source: results.json is what the evaluation and the runs' metrics

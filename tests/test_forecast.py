@@ -1,5 +1,6 @@
 """Forecasting: the dataset parsers on small generated files, the split and window boundaries, standardisation
 fitted on training steps only, the baselines, the model's equal parameter counts, and one cell end to end."""
+import json
 import lzma
 import pickle
 import re
@@ -235,6 +236,19 @@ def test_a_file_that_is_not_a_results_file_is_named(tmp_path):
     with pytest.raises(ValueError, match=rf"^{path} is not a results file of `lavo forecast` \(a JSON object of "
                        r"settings and cells\); name another file$"):
         run_cells(generated_series(300), [24], [12], ["repeat_last"], [0], SMALL, path, progress=False)
+
+
+def test_the_results_file_is_checked_before_any_cell_trains(tmp_path, monkeypatch):
+    """A folder named as the results file is refused, and a missing folder is made, before the first cell."""
+    import lavo.forecast.experiment as experiment
+    monkeypatch.setattr(experiment, "run_cell", None)  # not called: calling it would raise TypeError
+    with pytest.raises(ValueError, match=f"^the results file {tmp_path} is a folder: name a file in it, e.g. "
+                                         f"{tmp_path / 'results.json'}$"):
+        run_cells(generated_series(300), [24], [12], ["softmax"], [0], SMALL, tmp_path, progress=False)
+    monkeypatch.undo()
+    deeper = tmp_path / "new" / "folder" / "results.json"
+    run_cells(generated_series(300), [24], [12], ["repeat_last"], [0], SMALL, deeper, progress=False)
+    assert "weather_nc|L24|H12|repeat_last|seed0" in json.loads(deeper.read_text())["cells"]
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -295,6 +295,24 @@ def test_a_bad_mechanism_setting_fails_before_the_data_is_drawn(tmp_path, monkey
         lavo.classify.train_listops(ListOpsRun(attention_options={"windw": 8}), tmp_path, progress=False)
 
 
+def test_an_out_folder_that_cannot_take_the_results_is_named_before_the_data_is_drawn(tmp_path, monkeypatch):
+    import lavo.classify
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the splits were drawn")
+
+    monkeypatch.setattr(lavo.classify, "make_splits", no_data)
+    (tmp_path / "a file").write_text("")
+    with pytest.raises(ValueError, match=f"^--out {tmp_path / 'a file'} cannot be a directory: "
+                                         f"{tmp_path / 'a file'} is a file$"):
+        lavo.classify.train_listops(ListOpsRun(), tmp_path / "a file", progress=False)
+    for text in ('{"test_accuracy": 0.5}', "not json"):  # another command's results, or no JSON at all
+        (tmp_path / "results.json").write_text(text)
+        with pytest.raises(ValueError, match=f"^{tmp_path / 'results.json'} is not a results file of `lavo listops` "
+                                             r"\(a JSON object of run\); train into another --out folder"):
+            lavo.classify.train_listops(ListOpsRun(), tmp_path, progress=False)
+
+
 def listops_report():
     """experiments/listops/report.py as a module (experiments/ is not a package)."""
     import importlib.util

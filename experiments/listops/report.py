@@ -17,7 +17,7 @@ from lavo.listops import ListOpsSpec, make_splits
 from lavo.report import markdown_table, panel_plot
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from report_tools import fill, read_jsonl  # noqa: E402  (experiments/ is not a package)
+from report_tools import fill, wall_times  # noqa: E402  (experiments/ is not a package)
 
 # ListOps test accuracy (%) as published. LRA: Tay et al. 2020 (arXiv 2011.04006), Table 1, ListOps column.
 LRA_TABLE_1 = {"softmax": ("Transformer", 36.37), "local": ("Local Attention", 15.82),
@@ -39,7 +39,7 @@ def model_order(exp: Path) -> list[str]:
 def collect(exp: Path) -> dict[str, dict[int, dict]]:
     """``{model: {seed: its results.json}}`` for the finished runs, models in run.sh's order and seeds ascending,
     each run with ``wall_seconds`` (the whole process, data generation included) from wall_times.jsonl."""
-    walls = {entry["what"].removeprefix("listops "): entry["wall_s"] for entry in read_jsonl(exp / "wall_times.jsonl")}
+    walls = {entry["what"].removeprefix("listops "): entry["wall_s"] for entry in wall_times(exp)}
     runs = {}
     for model in model_order(exp):
         by_seed = {}
@@ -136,7 +136,7 @@ def runs_table(runs: dict[str, dict[int, dict]]) -> str:
 
 
 def cost_table(exp: Path) -> str:
-    walls = [entry["wall_s"] for entry in read_jsonl(exp / "wall_times.jsonl")]
+    walls = [entry["wall_s"] for entry in wall_times(exp)]
     return markdown_table(["runs", "wall s in all", "hours", "shortest run s", "longest run s"],
                           [[len(walls), f"{sum(walls):,}", f"{sum(walls) / 3600:.1f}", min(walls), max(walls)]])
 

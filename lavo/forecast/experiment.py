@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,11 +18,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..files import write_json
+from ..files import make_directory, write_json
 from ..layers.base import after_optimizer_step
 from ..model import count_parameters
 from ..registry import CROSS_ATTENTIONS
-from ..settings import SEED, above, at_least, between, check_same_settings, check_settings, one_of, setting
+from ..settings import (SEED, above, at_least, between, check_same_settings, check_settings, one_of, read_results,
+                        setting)
 from .baselines import DLinear, RepeatLast, SeasonalNaive
 from .data import TARGET_COLUMN, Series, Standardised, gather_windows, standardise, window_starts
 from .model import Forecaster
@@ -181,14 +181,7 @@ def load_results(path: Path | None) -> dict:
     """The grid recorded in ``path``; an empty one when there is no file (or no path)."""
     if path is None or not path.is_file():
         return {"settings": None, "cells": {}}
-    try:
-        results = json.loads(path.read_text())
-    except ValueError:
-        results = None
-    if not isinstance(results, dict) or not {"settings", "cells"} <= results.keys():
-        raise ValueError(f"{path} is not a results file of `lavo forecast` (a JSON object of settings and cells); "
-                         "name another file")
-    return results
+    return read_results(path, ("settings", "cells"), "`lavo forecast`", "name another file")
 
 
 def run_cells(series: Series, input_lens: list[int], horizons: list[int], methods: list[str], seeds: list[int],
@@ -197,6 +190,11 @@ def run_cells(series: Series, input_lens: list[int], horizons: list[int], method
     settings must match the file's."""
     grid = Grid(input_lens, horizons, methods, seeds)
     results_path = None if results_path is None else Path(results_path)
+    if results_path is not None:  # before any cell trains: a folder, or a file under one, cannot take the results
+        if results_path.is_dir():
+            raise ValueError(f"the results file {results_path} is a folder: name a file in it, e.g. "
+                             f"{results_path / 'results.json'}")
+        make_directory(results_path.parent, "the results file's folder")
     results = load_results(results_path)
     if results["settings"] is not None:
         check_same_settings(results_path, results["settings"], asdict(settings), "use another file")
