@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.common import check_positive
+from ..ops.common import accumulation_dtype, check_positive
 from ..ops.cosformer import (CosformerCache, cosformer_attention, cosformer_attention_causal,
                              cosformer_cross_attention)
 from .base import AttentionLayer, CrossAttentionLayer, element_size
@@ -38,8 +38,9 @@ class CosformerAttention(AttentionLayer):
         return CosformerCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype)
 
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
-        # kv [B, H, 2D, D] and k_sum [B, H, 2D] in the input dtype
-        return batch_size * self.heads * 2 * self.head_dim * (self.head_dim + 1) * element_size(dtype)
+        # kv [B, H, 2D, D] and k_sum [B, H, 2D], float32 for 16-bit inputs
+        numbers = batch_size * self.heads * 2 * self.head_dim * (self.head_dim + 1)
+        return numbers * element_size(accumulation_dtype(dtype))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, max_length={self.max_length}, causal={self.causal}"

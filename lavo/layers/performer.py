@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.common import check_positive
+from ..ops.common import accumulation_dtype, check_positive
 from ..ops.performer import (PerformerCache, orthogonal_random_features, performer_attention,
                              performer_attention_causal)
 from .base import AttentionLayer, CrossAttentionLayer, element_size
@@ -58,9 +58,9 @@ class PerformerAttention(AttentionLayer):
         return PerformerCache.empty(batch_size, self.heads, self.features, self.head_dim, device=device, dtype=dtype)
 
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
-        # S [B, H, F, D], z [B, H, F] and the running key maximum [B, H], in the input dtype
-        numbers = batch_size * self.heads * (self.features * (self.head_dim + 1) + 1)
-        return numbers * element_size(dtype)
+        # S [B, H, F, D] and z [B, H, F] (float32 for 16-bit inputs), the running key maximum [B, H] in the input's
+        sums = batch_size * self.heads * self.features * (self.head_dim + 1) * element_size(accumulation_dtype(dtype))
+        return sums + batch_size * self.heads * element_size(dtype)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, features={self.features}, "

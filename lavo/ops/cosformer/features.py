@@ -33,9 +33,10 @@ class CosformerCache(Cache):
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, *, dtype: torch.dtype | None = None,
               device: torch.device | str | None = None) -> CosformerCache:
-        """The cache before the first token, for values of ``dtype``."""
-        k_sum = torch.zeros(batch, heads, 2 * head_dim, dtype=dtype, device=device)
-        return cls(torch.zeros(batch, heads, 2 * head_dim, head_dim, dtype=dtype, device=device), k_sum, 0)
+        """The cache before the first token, for values of ``dtype`` (the sums float32 for 16-bit values)."""
+        acc = accumulation_dtype(torch.get_default_dtype() if dtype is None else dtype)
+        k_sum = torch.zeros(batch, heads, 2 * head_dim, dtype=acc, device=device)
+        return cls(torch.zeros(batch, heads, 2 * head_dim, head_dim, dtype=acc, device=device), k_sum, 0)
 
 
 def cosformer_features(x: torch.Tensor, positions: torch.Tensor, horizon: int | torch.Tensor,

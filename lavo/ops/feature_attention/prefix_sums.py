@@ -3,12 +3,14 @@ r"""Attention through positive feature maps, ``o_t = phi(q_t) S / phi(q_t) z``, 
 ``S = sum_s phi(k_s) v_s^T [F, D]`` and ``z = sum_s phi(k_s) [F]`` run over all keys (non-causal) or, as prefix
 sums, over keys up to the query (causal). Features are ``[B, T, H, F]``, values ``[B, T, H, D]``; a padded key is
 one whose features are zero. Denominators are clamped below at ``eps`` (:func:`~lavo.ops.common.normalize`).
+The causal form carries ``S`` and ``z`` in float32 for 16-bit inputs (DESIGN, decision 5): summed in bfloat16,
+they drift once a few thousand tokens have been added.
 """
 from __future__ import annotations
 
 import torch
 
-from ..common import normalize
+from ..common import accumulation_dtype, normalize
 
 
 def feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,7 +40,7 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
 
     Args:
         q_feat, k_feat: ``[B, T, H, F]``; v: ``[B, T, H, D]``.
-        sums: ``(S [B, H, F, D], z [B, H, F])`` over earlier tokens (None: zeros).
+        sums: ``(S [B, H, F, D], z [B, H, F])`` over earlier tokens (None: zeros, float32 for 16-bit inputs).
         rescale: ``[B, n_chunks, H]``, a factor on the carried sums before each chunk (for stabilised features
             whose scale changes between chunks).
     Returns:
@@ -46,7 +48,9 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
     """
     batch, _, heads, features = k_feat.shape
     if sums is None:
-        sums = (v.new_zeros(batch, heads, features, v.shape[-1]), v.new_zeros(batch, heads, features))
+        acc = accumulation_dtype(v.dtype)
+        sums = (v.new_zeros(batch, heads, features, v.shape[-1], dtype=acc), v.new_zeros(batch, heads, features,
+                                                                                        dtype=acc))
     check_sums(sums, k_feat, v)
     kv, k_sum = sums
     outputs = []
@@ -56,9 +60,10 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
         if rescale is not None:
             kv, k_sum = kv * rescale[:, index, :, None, None], k_sum * rescale[:, index, :, None]
         weights = torch.einsum("bthf,bshf->bhts", q, k).tril()
-        numerator = torch.einsum("bhts,bshd->bthd", weights, values) + torch.einsum("bthf,bhfd->bthd", q, kv)
-        denominator = weights.sum(-1).transpose(1, 2) + torch.einsum("bthf,bhf->bth", q, k_sum)
-        outputs.append(normalize(numerator, denominator, eps))
+        carried = q.to(kv.dtype)  # the carried sums are read at their own precision
+        numerator = torch.einsum("bhts,bshd->bthd", weights, values) + torch.einsum("bthf,bhfd->bthd", carried, kv)
+        denominator = weights.sum(-1).transpose(1, 2) + torch.einsum("bthf,bhf->bth", carried, k_sum)
+        outputs.append(normalize(numerator, denominator, eps).to(v.dtype))
         kv = kv + torch.einsum("bshf,bshd->bhfd", k, values)
         k_sum = k_sum + k.sum(1)
     return torch.cat(outputs, 1), (kv, k_sum)

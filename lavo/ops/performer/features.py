@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ...cache import Cache
-from ..common import neg_inf
+from ..common import accumulation_dtype, neg_inf
 from ..feature_attention import causal_feature_attention, check_sums, feature_attention
 
 
@@ -34,10 +34,11 @@ class PerformerCache(Cache):
     @classmethod
     def empty(cls, batch: int, heads: int, features: int, head_dim: int, *, dtype: torch.dtype | None = None,
               device: torch.device | str | None = None) -> PerformerCache:
-        """The cache before the first token, for values of ``dtype``."""
+        """The cache before the first token, for values of ``dtype`` (the sums float32 for 16-bit values)."""
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        k_sum = torch.zeros(batch, heads, features, dtype=dtype, device=device)
-        return cls(torch.zeros(batch, heads, features, head_dim, dtype=dtype, device=device), k_sum,
+        acc = accumulation_dtype(dtype)
+        k_sum = torch.zeros(batch, heads, features, dtype=acc, device=device)
+        return cls(torch.zeros(batch, heads, features, head_dim, dtype=acc, device=device), k_sum,
                    torch.full((batch, heads), neg_inf(dtype), dtype=dtype, device=device), 0)
 
 
