@@ -62,3 +62,17 @@ def test_impossible_requests_are_named():
     layer = build_attention("local", 8, 2, causal=False, window=2)
     with pytest.raises(ValueError, match="causal=False; a cache is only for causal decoding"):
         layer(torch.randn(1, 3, 8), cache=build_attention("local", 8, 2, window=2).empty_cache(1))
+
+
+def test_a_cache_of_a_layer_with_a_smaller_window_is_refused_by_name():
+    small = build_attention("local", 8, 2, window=4, position_bias=False)
+    large = build_attention("local", 8, 2, window=8, position_bias=False)
+    large.load_state_dict(small.state_dict())
+    _, cache = small(torch.randn(1, 12, 8))
+    with pytest.raises(ValueError, match=r"^the cache holds 4 keys at position 12, but a local layer with window 8 "
+                                         r"needs the last 12: it was made by a layer with a smaller window; continue "
+                                         r"with the cache this layer returned$"):
+        large(torch.randn(1, 1, 8), cache=cache)
+    x = torch.randn(1, 13, 8)
+    _, cache = large(x[:, :12])  # more keys than the small window needs: the earliest are out of its reach
+    torch.testing.assert_close(small(x[:, 12:], cache=cache)[0], small(x)[0][:, 12:])

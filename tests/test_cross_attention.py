@@ -134,6 +134,11 @@ def test_cross_layers_share_the_call(name):
         layer(torch.randn(3, 4, 16), torch.randn(3, 7, 8))
     with pytest.raises(ValueError, match="y and source must have the same batch size, got 3 and 2"):
         layer(torch.randn(3, 4, 16), torch.randn(2, 7, 16))
+    with pytest.raises(ValueError, match=r"^y has an empty time axis, shape \(3, 0, 16\); a call needs at least one "
+                                         r"query$"):
+        layer(torch.randn(3, 0, 16), torch.randn(3, 7, 16))
+    if name != "abc":  # an empty source is an empty memory, read as zeros (ABC refuses it by name)
+        assert torch.equal(layer(torch.randn(3, 4, 16), torch.randn(3, 0, 16)), torch.zeros(3, 4, 16))
     for y, source, name in ((torch.randn(3, 4, 16).double(), torch.randn(3, 7, 16), "y"),
                             (torch.randn(3, 4, 16), torch.randn(3, 7, 16).half(), "source")):
         other = y if name == "y" else source

@@ -109,6 +109,9 @@ def test_an_input_of_another_dtype_than_the_weights_is_refused_alike_but_not_und
                                          r"one \(x.to\(torch.float64\) or layer.to\(torch.float32\)\), or call the "
                                          r"layer under torch.autocast$"):
         layer(torch.randn(1, 5, DIM))
+    with pytest.raises(ValueError, match=r"^x must be a floating-point tensor \(features, not token ids\), got "
+                                         r"torch.int64$"):
+        layer(torch.randint(0, 9, (1, 5, DIM)))
     layer.float()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = layer(torch.randn(1, 5, DIM, dtype=torch.bfloat16))

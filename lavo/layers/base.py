@@ -159,6 +159,8 @@ def check_input_dtype(layer: nn.Module, x: torch.Tensor, name: str = "x") -> Non
     autocast query, and a compiled call fails in that matmul all the same."""
     if torch.compiler.is_compiling():
         return
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor (features, not token ids), got {x.dtype}")
     weights = next(layer.parameters(), None)  # none in a replica made by nn.DataParallel
     if weights is not None and x.dtype != weights.dtype and not torch.is_autocast_enabled(x.device.type):
         raise ValueError(f"{name} has dtype {x.dtype} and the layer's weights {weights.dtype}: convert one "
@@ -235,6 +237,8 @@ class CrossAttentionLayer(nn.Module):
                 raise ValueError(f"{name} must have shape [B, T, {self.dim}], got {tuple(t.shape)}")
         if y.shape[0] != source.shape[0]:
             raise ValueError(f"y and source must have the same batch size, got {y.shape[0]} and {source.shape[0]}")
+        if y.shape[1] == 0:  # refused alike (LAVO's read divided by it)
+            raise ValueError(f"y has an empty time axis, shape {tuple(y.shape)}; a call needs at least one query")
         check_padding_mask(source_padding_mask, source.shape[0], source.shape[1], "source_padding_mask")
         check_input_dtype(self, y, "y")
         check_input_dtype(self, source, "source")

@@ -40,6 +40,10 @@ class LocalAttention(AttentionLayer):
             kept = visible_keys(k, v, padding_mask, self.window)
             return out, KVCache(*kept, k.shape[1], padding_mask is not None)
         start = cache.position
+        if cache.keys.shape[1] < (needed := visible_length(start, self.window)):
+            raise ValueError(f"the cache holds {cache.keys.shape[1]} keys at position {start}, but a local layer with "
+                             f"window {self.window} needs the last {needed}: it was made by a layer with a smaller "
+                             "window; continue with the cache this layer returned")
         cache = cache.append(k, v, padding_mask)
         out = local_attention_chunk(q, cache.keys, cache.values, start=start, key_mask=cache.key_mask, **options)
         if padding_mask is not None:

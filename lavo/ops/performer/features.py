@@ -76,6 +76,8 @@ def tiny(x: torch.Tensor) -> float:
 def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
                         padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Non-causal FAVOR+. ``q [B, T, H, D]``, ``k, v [B, S, H, D]``, ``projection [F, D]`` -> ``[B, T, H, D]``."""
+    if k.shape[1] == 0:  # no keys: an empty memory reads zeros, as one of padding only does
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
     exponents = key_exponents(k, projection, padding_mask)
     key_max = exponents.amax((1, 3), keepdim=True).detach().clamp(min=torch.finfo(k.dtype).min)
     return feature_attention(query_features(q, projection), torch.exp(exponents - key_max), v, eps=tiny(v))
