@@ -6,7 +6,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from .ops.common import accumulation_dtype
+from .ops.common import accumulation_dtype, dtypes_may_differ
 
 C = TypeVar("C", bound="Cache")
 
@@ -183,8 +183,7 @@ class _LavoState(Cache):
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Refuse inputs of another dtype than the cached keys and values outside autocast (under it the two
         mix), by name rather than with an einsum's dtype error."""
-        device_type = self.keys.device.type
-        if self.keys.dtype == dtype or torch.compiler.is_compiling() or torch.is_autocast_enabled(device_type):
+        if self.keys.dtype == dtype or dtypes_may_differ(self.keys.device.type):
             return
         raise ValueError(f"the cache holds {self.keys.dtype} keys and values and the inputs are {dtype}: make the "
                          f"cache in the inputs' dtype (LavoCache.empty(..., dtype={dtype})) or call under "

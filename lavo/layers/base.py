@@ -18,7 +18,7 @@ from einops import rearrange
 from torch import nn
 
 from ..cache import Cache
-from ..ops.common import check_padding_mask
+from ..ops.common import check_padding_mask, dtypes_may_differ
 
 
 def check_heads(dim: int, heads: int) -> int:
@@ -154,15 +154,15 @@ class Mechanism(nn.Module):
 
 
 def check_input_dtype(layer: nn.Module, x: torch.Tensor, name: str = "x") -> None:
-    """Refuse an input of another dtype than the layer's weights outside autocast, which would otherwise fail in
-    the first matmul with a message that names neither. Eager mode only: Dynamo before torch 2.5 cannot trace the
-    autocast query, and a compiled call fails in that matmul all the same."""
-    if torch.compiler.is_compiling():
-        return
+    """Refuse an input of another dtype than the layer's weights where they may not differ
+    (:func:`~lavo.ops.common.dtypes_may_differ`), which would otherwise fail in the first matmul with a message that
+    names neither."""
     if not x.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor (features, not token ids), got {x.dtype}")
+    if dtypes_may_differ(x.device.type):
+        return
     weights = next(layer.parameters(), None)  # none in a replica made by nn.DataParallel
-    if weights is not None and x.dtype != weights.dtype and not torch.is_autocast_enabled(x.device.type):
+    if weights is not None and x.dtype != weights.dtype:
         raise ValueError(f"{name} has dtype {x.dtype} and the layer's weights {weights.dtype}: convert one "
                          f"({name}.to({weights.dtype}) or layer.to({x.dtype})), or call the layer under torch.autocast")
 

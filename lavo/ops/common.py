@@ -21,6 +21,13 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def dtypes_may_differ(device_type: str) -> bool:
+    """Whether tensors of different dtypes may meet here, so that an eager dtype check must stand aside: under
+    autocast they mix by design, and under torch.compile the check is not traced (Dynamo before torch 2.5 cannot
+    trace the autocast query; a compiled call with mismatched dtypes fails in its first matmul all the same)."""
+    return torch.compiler.is_compiling() or torch.is_autocast_enabled(device_type)
+
+
 def no_float16_autocast(device_type: str) -> contextlib.AbstractContextManager:
     """Autocast off where it would run matmuls in float16, whose range (6.5e4) cannot hold an op's normalisers
     and their inverses; bfloat16 autocast, with float32's range, stays on."""
