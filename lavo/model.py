@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .cache import Cache
-from .layers.base import Mechanism
+from .layers.base import Mechanism, check_returned_cache
 from .registry import attention_class, available_attentions, build_attention, check_options
 from .settings import above, at_least, between, check_known, check_settings, one_of, setting
 
@@ -145,6 +145,7 @@ class Block(nn.Module):
 
     def _forward(self, x, padding_mask=None, cache=None):
         y, cache = self.attention(self.norm1(x), padding_mask=padding_mask, cache=cache)
+        check_returned_cache(self.attention, cache)
         x = x + self.dropout(y)
         x = x + self.dropout(self.mlp(self.norm2(x)))
         return x, cache

@@ -29,6 +29,7 @@ from .config import RunConfig, deep_merge
 from .data import Tokenizer, is_builtin, load_tokenizer_file
 from .files import atomic_write, fsync_path, remove_orphans, write_json, write_text
 from .model import LanguageModel, ModelConfig
+from .registry import UnknownAttention
 
 CONFIG, TOKENIZER, WEIGHTS, STATE, METRICS = (
     "config.json", "tokenizer.json", "model.safetensors", "state.pt", "metrics.jsonl")
@@ -71,6 +72,8 @@ def read_run_config(run_dir: str | os.PathLike) -> RunConfig:
     try:
         values = json.loads(path.read_text())
         return run_config_at(values, run_dir)
+    except UnknownAttention:
+        raise  # the config is fine; the package that registers its mechanism is not imported or installed
     except (ValueError, TypeError, AttributeError) as error:
         raise RunError(f"{path} is not a valid run config ({error}): restore it, or train the run again "
                        "with --overwrite") from error

@@ -31,10 +31,15 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class Allowed:
-    """What a setting may be: ``test(value)`` and the words that describe it (``">= 1"``, ``"one of a, b"``)."""
+    """What a setting may be: ``test(value)`` and the words that describe it (``">= 1"``, ``"one of a, b"``), or
+    a function giving them when asked (choices that can grow, as the registry's)."""
 
     test: Callable[[Any], bool]
-    words: str
+    description: str | Callable[[], str]
+
+    @property
+    def words(self) -> str:
+        return self.description() if callable(self.description) else self.description
 
 
 def at_least(low: float) -> Allowed:
@@ -56,8 +61,11 @@ def between(low: float, high: float, *, high_open: bool = False, low_open: bool 
 SEED = Allowed(lambda v: 0 <= v < 2**63, "in [0, 2^63)")
 
 
-def one_of(*choices: str) -> Allowed:
-    return Allowed(lambda v: v in choices, f"one of {', '.join(choices)}")
+def one_of(*choices: str | Callable[[], list[str]]) -> Allowed:
+    """One of ``choices``; a function among them gives choices read at each check (a registry that can grow)."""
+    def current() -> list[str]:
+        return [name for choice in choices for name in (choice() if callable(choice) else [choice])]
+    return Allowed(lambda v: v in current(), lambda: f"one of {', '.join(current())}")
 
 
 def matches(pattern: str, words: str) -> Allowed:

@@ -272,6 +272,32 @@ def test_untied_output_embeddings_are_refused(saved):
             make()
 
 
+def test_a_mechanism_with_a_non_persistent_buffer_is_refused_before_it_saves_or_loads_garbage():
+    """from_pretrained builds the model on the meta device and gives non-persistent buffers uninitialised memory,
+    which the wrapper cannot refill: the logits would silently differ."""
+    from lavo import Mechanism, register_attention
+    from lavo.registry import ATTENTIONS
+
+    @register_attention("test-buffered")
+    class Buffered(Mechanism):
+        def __init__(self, dim, heads, *, causal=True):
+            super().__init__(dim, heads, causal=causal)
+            self.register_buffer("gain", torch.full((dim,), 0.5), persistent=False)
+
+        def forward(self, x, padding_mask=None, cache=None):
+            return x * self.gain, None
+
+    try:
+        model = native(attention="test-buffered", attention_options={})
+        with pytest.raises(ValueError, match=r"^the Hugging Face model saves and restores persistent buffers only; "
+                           r"not persistent: blocks\.0\.attention\.gain, blocks\.1\.attention\.gain "
+                           r"\(from_pretrained would leave uninitialised memory there\): register them with "
+                           r"persistent=True$"):
+            H.LavoLMForCausalLM.from_native(model)
+    finally:
+        ATTENTIONS.pop("test-buffered")
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(inputs_embeds=torch.zeros(1, 3, 32)), "LavoLMForCausalLM takes input_ids only, not inputs_embeds"),
     (dict(output_hidden_states=True), "does not return hidden states: call it without output_hidden_states=True"),

@@ -156,8 +156,12 @@ def test_registering_a_new_mechanism():
             torch.zeros(1, 3, dtype=torch.long))
         assert y.shape == (1, 3, 5)
         assert torch.equal(build_attention("test-identity", 8, 2)(x)[0], x)
-        with pytest.raises(ValueError, match="already registered"):
-            register_attention("test-identity")(Identity)
+        assert not Identity.supports_decoding  # no cache_types
+        # the same class defined again (its module reloaded) replaces itself; another one is refused
+        register_attention("test-identity")(type("Identity", (Identity,), {"__qualname__": Identity.__qualname__}))
+        with pytest.raises(ValueError, match=r"^'test-identity' is already registered \(by test_mechanisms\.test_"
+                           r"registering_a_new_mechanism\.<locals>\.Identity\)$"):
+            register_attention("test-identity")(type("Other", (Identity,), {}))
     finally:
         ATTENTIONS.pop("test-identity")
     with pytest.raises(TypeError, match="must subclass lavo.layers.Mechanism"):

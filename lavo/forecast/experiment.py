@@ -1,7 +1,7 @@
 r"""One forecasting cell (dataset, input length, horizon, method, seed): train with early stopping on the
 validation windows, score MSE and MAE on every test window (standardised values), record it.
 
-A *method* is a cross attention of :data:`lavo.registry.CROSS_ATTENTIONS` (the transformer of
+A *method* is a registered cross attention (:mod:`lavo.registry`) (the transformer of
 :mod:`.model`) or a baseline of :data:`BASELINES`. Results go to one JSON file, a cell at a time as each
 finishes; cells already in it are skipped, so an interrupted sweep resumes.
 """
@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ..files import make_directory, write_json
 from ..layers.base import after_optimizer_step
 from ..model import count_parameters
-from ..registry import CROSS_ATTENTIONS
+from ..registry import available_cross_attentions
 from ..settings import (SEED, above, at_least, between, check_same_settings, check_settings, one_of, read_results,
                         setting)
 from .baselines import DLinear, RepeatLast, SeasonalNaive
@@ -60,7 +60,7 @@ class Grid:
 
     input: list[int] = setting(allowed=at_least(1))
     horizon: list[int] = setting(allowed=at_least(1))
-    method: list[str] = setting(allowed=one_of(*sorted(CROSS_ATTENTIONS), *BASELINES))
+    method: list[str] = setting(allowed=one_of(available_cross_attentions, *BASELINES))
     seed: list[int] = setting(allowed=SEED)
 
     def __post_init__(self):
@@ -82,8 +82,8 @@ def build_method(method: str, channels: int, input_len: int, horizon: int, steps
         return SeasonalNaive(horizon, steps_per_day, input_len)
     if method == "dlinear":
         return DLinear(input_len, horizon)
-    if method not in CROSS_ATTENTIONS:
-        raise ValueError(f"unknown method {method!r}; cross attentions: {', '.join(sorted(CROSS_ATTENTIONS))}; "
+    if method not in available_cross_attentions():
+        raise ValueError(f"unknown method {method!r}; cross attentions: {', '.join(available_cross_attentions())}; "
                          f"baselines: {', '.join(BASELINES)}")
     return Forecaster(channels, input_len, min(settings.label_len, input_len), horizon, cross=method,
                       cross_options=settings.cross_options.get(method, {}), dim=settings.dim, heads=settings.heads,

@@ -18,6 +18,18 @@ from .configuration import LavoLMConfig
 from .state import LavoState
 
 
+def check_buffers_persist(model: torch.nn.Module) -> None:
+    """Refuse non-persistent buffers: ``from_pretrained`` builds the model on the meta device and gives such a
+    buffer uninitialised memory, which :meth:`LavoLMForCausalLM._init_weights` cannot refill (it does not know
+    how a mechanism of your own computes it)."""
+    transient = [f"{name}.{buffer}" if name else buffer for name, module in model.named_modules()
+                 for buffer in module._non_persistent_buffers_set]
+    if transient:
+        raise ValueError(f"the Hugging Face model saves and restores persistent buffers only; not persistent: "
+                         f"{', '.join(sorted(transient))} (from_pretrained would leave uninitialised memory there): "
+                         "register them with persistent=True")
+
+
 class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = LavoLMConfig
     base_model_prefix = "lavo"
@@ -31,6 +43,7 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         config.check_tied()
         super().__init__(config)
         self.lavo = LanguageModel(config.model_config())
+        check_buffers_persist(self.lavo)
         self.post_init()
         if not self.lavo.supports_decoding:
             # generate() then feeds the whole sequence at every step instead of the last token

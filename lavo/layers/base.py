@@ -51,17 +51,29 @@ class Mechanism(nn.Module):
 
     ``x`` is ``[B, T, dim]``; ``padding_mask`` ``[B, T]`` bool (True = real token; padded positions output
     zeros and never change the real ones); ``cache`` is whatever the previous call returned (None to start a
-    sequence). A layer without a decoding form returns None as the
-    cache. Asking a layer for something its flags deny raises an error naming it.
+    sequence). A layer decodes when its class declares :attr:`cache_types`, the :class:`~lavo.cache.Cache`
+    kinds its causal calls return and continue, and implements :meth:`_new_cache` and :meth:`cache_nbytes`; a
+    layer without a decoding form returns None as the cache. Asking a layer for something its flags deny raises
+    an error naming it.
     """
 
     supports_causal = True
     supports_noncausal = True
-    supports_decoding = True  # a causal layer can continue a sequence from the cache it returns
     accepts_rotary = False  # takes ``rotary=True`` (the model's ``position="rope"``)
     time_complexity = "linear"  # "linear" | "quadratic" in the sequence length
     cache_types: tuple[type, ...] = ()  # the caches a call may continue (those its calls return)
+    # a causal layer can continue a sequence from the cache it returns: whether it declares cache_types, unless
+    # a class says otherwise (one whose subclass drops the decoding form)
+    supports_decoding = False
     has_step_layout = False  # step_cache gives a fixed layout that a one-token step updates in place
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "supports_decoding" not in cls.__dict__:
+            cls.supports_decoding = bool(cls.cache_types)
+        elif cls.supports_decoding and not cls.cache_types:
+            raise TypeError(f"{cls.__name__} sets supports_decoding but declares no cache_types, the caches its "
+                            "calls return and continue")
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True):
         super().__init__()
@@ -99,6 +111,8 @@ class Mechanism(nn.Module):
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
         """Upper bound of ``cache.nbytes()`` after ``context`` tokens of ``dtype`` inputs, for the cache a call
         returns (the fixed layout of :meth:`step_cache` has a size of its own)."""
+        if self.supports_decoding:
+            raise NotImplementedError(f"{type(self).__name__} decodes but does not implement cache_nbytes")
         raise ValueError(f"{type(self).__name__} has no decoding form, so no cache")
 
     def after_optimizer_step(self) -> None:
@@ -119,7 +133,8 @@ class Mechanism(nn.Module):
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> Cache:
         """The empty cache of a layer with a decoding form."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} decodes but does not implement _new_cache, which "
+                                  "empty_cache calls")
 
     def step_cache(self, cache: Cache) -> Cache:
         """``cache`` (one this layer returned) in a fixed layout that a one-token step updates in place, with no
@@ -151,6 +166,22 @@ class Mechanism(nn.Module):
             kinds = " or ".join(kind.__name__ for kind in self.cache_types)
             raise ValueError(f"{type(self).__name__} continues a {kinds}, got a {type(cache).__name__}: pass the "
                              "cache this layer's previous call returned")
+
+
+def check_returned_cache(layer: Mechanism, cache: Any) -> None:
+    """Refuse a cache that breaks the contract where it would otherwise go unnoticed: a causal layer that
+    decodes must return one of its :attr:`~Mechanism.cache_types` (None would make the next chunk forget the
+    context, and a cache of another kind would not be reordered by beam search), one that does not, None."""
+    if not layer.causal:
+        return
+    name = type(layer).__name__
+    if layer.supports_decoding and not isinstance(cache, layer.cache_types):
+        kinds = " or ".join(kind.__name__ for kind in layer.cache_types)
+        raise TypeError(f"{name} returned {type(cache).__name__} as its cache, not a {kinds} (its cache_types); a "
+                        "layer without a decoding form declares no cache_types and returns None")
+    if not layer.supports_decoding and cache is not None:
+        raise TypeError(f"{name} returned a {type(cache).__name__} but declares no cache_types, so nothing would "
+                        "continue from it: declare the cache kinds its calls return, or return None")
 
 
 def check_input_dtype(layer: nn.Module, x: torch.Tensor, name: str = "x") -> None:

@@ -47,6 +47,25 @@ def autocast_off(method):
     return run
 
 
+def first_order_only(op: str, reference: str):
+    """For the ``backward`` of a custom autograd Function that is not differentiable (it writes its gradients
+    in place): refuse to run it while a graph of the gradients is being built (``create_graph=True``, under which
+    backward runs with grad mode on). ``@once_differentiable`` refuses only when a second backward reaches its
+    error node, which ``torch.autograd.grad(..., inputs=...)`` can skip: the op's curvature was then silently
+    taken as zero."""
+    def wrap(backward):
+        @functools.wraps(backward)
+        def run(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise RuntimeError(f"{op} has no second derivative (its backward writes its gradients in place), "
+                                   "and create_graph=True asks for one (a gradient penalty, a Hessian-vector "
+                                   f"product), whose curvature it would miss: use {reference}, which is twice "
+                                   "differentiable, for that")
+            return backward(ctx, *grads)
+        return run
+    return wrap
+
+
 def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Sums of the entries strictly before each position along ``dim``."""
     return x.cumsum(dim) - x

@@ -8,9 +8,8 @@ coefficients are at least float32 whatever the input dtype (a float16 running su
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from ..common import accumulation_dtype, autocast_off
+from ..common import accumulation_dtype, autocast_off, first_order_only
 
 
 def project(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -45,7 +44,8 @@ class _MemoryRead(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # its backward is not differentiable: a second derivative is refused, by name
+    @first_order_only("LAVO's memory read (PyTorch path)",
+                      "lavo.ops.lavo_attention_naive or code_cross_attention_naive")
     @autocast_off
     def backward(ctx, grad_out):
         q, coefficients, basis, = ctx.saved_tensors

@@ -8,10 +8,10 @@ blocks of ``w`` queries against their ``2w`` (or ``3w``) neighbouring keys, so t
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 from einops import rearrange
 
-from ..common import autocast_off, check_pos_bias, check_window_inputs, neg_inf, uses_triton
+from ..common import (autocast_off, check_pos_bias, check_window_inputs, first_order_only, neg_inf,
+                      uses_triton)
 
 
 # Elements of scores computed at once: 4 MiB in float32, about what stays in cache.
@@ -81,7 +81,8 @@ class _BlockedLocalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # its backward is not differentiable: a second derivative is refused, by name
+    @first_order_only("The sliding-window attention (PyTorch path)",
+                      "lavo.ops.local_attention_naive or lavo_attention_naive")
     @autocast_off
     def backward(ctx, grad_out):
         q, k, v, bias, key_valid, out, lse, saved = ctx.saved_tensors
