@@ -65,6 +65,19 @@ def test_empty_cache_equals_no_cache(name):
 
 
 @pytest.mark.parametrize("name", DECODING)
+def test_under_autocast_an_empty_cache_is_the_one_a_first_call_makes(name):
+    """Made for the weights' dtype, it held float32 keys and values where a call under float16 autocast keeps
+    float16 ones: twice the bytes, past the cache_nbytes bound for float16."""
+    layer = _build(name).float()
+    x = torch.randn(2, 11, DIM)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        _, first = layer(x)
+        _, continued = layer(x, cache=layer.empty_cache(2))
+    assert [t.dtype for t in continued.tensors()] == [t.dtype for t in first.tensors()]
+    assert continued.nbytes() == first.nbytes() <= layer.cache_nbytes(2, 11, torch.float16)
+
+
+@pytest.mark.parametrize("name", DECODING)
 def test_nbytes_is_the_bytes_of_every_tensor_field(name):
     _, _, _, cache = _prefix(_build(name))
     tensors = [value for f in fields(cache) if isinstance(value := getattr(cache, f.name), torch.Tensor)]

@@ -121,13 +121,16 @@ class Mechanism(nn.Module):
 
     def empty_cache(self, batch_size: int, *, device: torch.device | str | None = None,
                     dtype: torch.dtype | None = None) -> Cache:
-        """The cache before the first token, on the layer's device and for its dtype unless given;
-        ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``. A layer without a decoding form raises."""
+        """The cache before the first token, on the layer's device and for its dtype unless given (under
+        autocast, the dtype its calls compute in); ``layer(x, cache=layer.empty_cache(B))`` equals ``layer(x)``.
+        A layer without a decoding form raises."""
         if not self.supports_decoding:
             raise ValueError(f"{type(self).__name__} has no decoding form, so no cache")
         if device is None or dtype is None:
             parameters = list(self.parameters())  # none in a replica made by nn.DataParallel
-            device = device or (parameters[0].device if parameters else "cpu")
+            device = torch.device(device or (parameters[0].device if parameters else "cpu"))
+            if dtype is None and torch.is_autocast_enabled(device.type):
+                dtype = torch.get_autocast_dtype(device.type)
             dtype = dtype or (parameters[0].dtype if parameters else torch.get_default_dtype())
         return self._new_cache(batch_size, device=device, dtype=dtype)
 

@@ -21,6 +21,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def float16_widened(dtype: torch.dtype) -> torch.dtype:
+    """float32 for float16, whose range the products and sums of positive features leave (below ~6e-8 and above
+    65,504); other dtypes as they are (bfloat16 has float32's range)."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def dtypes_may_differ(device_type: str) -> bool:
     """Whether tensors of different dtypes may meet here, so that an eager dtype check must stand aside: under
     autocast they mix by design, and under torch.compile the check is not traced (Dynamo before torch 2.5 cannot

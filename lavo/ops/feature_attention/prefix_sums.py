@@ -4,20 +4,30 @@ r"""Attention through positive feature maps, ``o_t = phi(q_t) S / phi(q_t) z``, 
 sums, over keys up to the query (causal). Features are ``[B, T, H, F]``, values ``[B, T, H, D]``; a padded key is
 one whose features are zero. Denominators are clamped below at ``eps`` (:func:`~lavo.ops.common.normalize`).
 The causal form carries ``S`` and ``z`` in float32 for 16-bit inputs (DESIGN, decision 5): summed in bfloat16,
-they drift once a few thousand tokens have been added.
+they drift once a few thousand tokens have been added. Float16 inputs are computed in float32 (its range: the
+product of a query's and a key's separately normalised features underflows, and ``S`` overflows), and autocast
+is off inside, so that it does not round the float32 sums back to 16 bits; outputs have the dtype of ``v``.
 """
 from __future__ import annotations
 
 import torch
 
-from ..common import accumulation_dtype, normalize
+from ..common import accumulation_dtype, float16_widened, normalize
 
 
-def feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+def _computed(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, eps: float | None):
+    """The inputs in the dtype the sums are computed in, and ``eps`` (default: that dtype's smallest normal)."""
+    dtype = float16_widened(v.dtype)
+    return *(t.to(dtype) for t in (q_feat, k_feat, v)), torch.finfo(dtype).tiny if eps is None else eps
+
+
+def feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor,
+                      eps: float | None = None) -> torch.Tensor:
     """Non-causal, by associativity: ``[B, T, H, F]``, ``[B, S, H, F]``, ``[B, S, H, D]`` -> ``[B, T, H, D]``."""
-    kv = torch.einsum("bshf,bshd->bhfd", k_feat, v)
-    numerator = torch.einsum("bthf,bhfd->bthd", q_feat, kv)
-    return normalize(numerator, torch.einsum("bthf,bhf->bth", q_feat, k_feat.sum(1)), eps)
+    with torch.autocast(v.device.type, enabled=False):
+        queries, keys, values, eps = _computed(q_feat, k_feat, v, eps)
+        numerator = torch.einsum("bthf,bhfd->bthd", queries, torch.einsum("bshf,bshd->bhfd", keys, values))
+        return normalize(numerator, torch.einsum("bthf,bhf->bth", queries, keys.sum(1)), eps).to(v.dtype)
 
 
 def check_sums(sums: tuple[torch.Tensor, torch.Tensor], k_feat: torch.Tensor, v: torch.Tensor) -> None:
@@ -31,7 +41,7 @@ def check_sums(sums: tuple[torch.Tensor, torch.Tensor], k_feat: torch.Tensor, v:
 
 
 def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor,
-                             sums: tuple[torch.Tensor, torch.Tensor] | None = None, *, eps: float,
+                             sums: tuple[torch.Tensor, torch.Tensor] | None = None, *, eps: float | None = None,
                              chunk: int = 64, rescale: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     r"""Causal, ``chunk`` tokens at a time: inside a chunk the masked ``[chunk, chunk]`` weights
@@ -54,16 +64,17 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
     check_sums(sums, k_feat, v)
     kv, k_sum = sums
     outputs = []
-    # split(), not slicing: a slice's backward fills a zero tensor as long as the whole sequence (quadratic in T).
-    pieces = zip(q_feat.split(chunk, 1), k_feat.split(chunk, 1), v.split(chunk, 1))
-    for index, (q, k, values) in enumerate(pieces):
-        if rescale is not None:
-            kv, k_sum = kv * rescale[:, index, :, None, None], k_sum * rescale[:, index, :, None]
-        weights = torch.einsum("bthf,bshf->bhts", q, k).tril()
-        carried = q.to(kv.dtype)  # the carried sums are read at their own precision
-        numerator = torch.einsum("bhts,bshd->bthd", weights, values) + torch.einsum("bthf,bhfd->bthd", carried, kv)
-        denominator = weights.sum(-1).transpose(1, 2) + torch.einsum("bthf,bhf->bth", carried, k_sum)
-        outputs.append(normalize(numerator, denominator, eps).to(v.dtype))
-        kv = kv + torch.einsum("bshf,bshd->bhfd", k, values)
-        k_sum = k_sum + k.sum(1)
+    with torch.autocast(v.device.type, enabled=False):
+        queries, keys, values, eps = _computed(q_feat, k_feat, v, eps)
+        # split(), not slicing: a slice's backward fills a zero tensor as long as the whole sequence (quadratic in T)
+        for index, (q, k, vs) in enumerate(zip(queries.split(chunk, 1), keys.split(chunk, 1), values.split(chunk, 1))):
+            if rescale is not None:
+                kv, k_sum = kv * rescale[:, index, :, None, None], k_sum * rescale[:, index, :, None]
+            weights = torch.einsum("bthf,bshf->bhts", q, k).tril()
+            carried = q.to(kv.dtype)  # the carried sums are read at their own precision
+            numerator = torch.einsum("bhts,bshd->bthd", weights, vs) + torch.einsum("bthf,bhfd->bthd", carried, kv)
+            denominator = weights.sum(-1).transpose(1, 2) + torch.einsum("bthf,bhf->bth", carried, k_sum)
+            outputs.append(normalize(numerator, denominator, eps).to(v.dtype))
+            kv = kv + torch.einsum("bshf,bshd->bhfd", k.to(kv.dtype), vs.to(kv.dtype))
+            k_sum = k_sum + k.sum(1, dtype=k_sum.dtype)
     return torch.cat(outputs, 1), (kv, k_sum)

@@ -69,10 +69,6 @@ def key_exponents(k: torch.Tensor, projection: torch.Tensor, padding_mask: torch
     return exponents if padding_mask is None else exponents.masked_fill(~padding_mask[:, :, None, None], -math.inf)
 
 
-def tiny(x: torch.Tensor) -> float:
-    return torch.finfo(x.dtype).tiny
-
-
 def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
                         padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Non-causal FAVOR+. ``q [B, T, H, D]``, ``k, v [B, S, H, D]``, ``projection [F, D]`` -> ``[B, T, H, D]``."""
@@ -80,7 +76,7 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
         return q.new_zeros(*q.shape[:3], v.shape[-1])
     exponents = key_exponents(k, projection, padding_mask)
     key_max = exponents.amax((1, 3), keepdim=True).detach().clamp(min=torch.finfo(k.dtype).min)
-    return feature_attention(query_features(q, projection), torch.exp(exponents - key_max), v, eps=tiny(v))
+    return feature_attention(query_features(q, projection), torch.exp(exponents - key_max), v)
 
 
 def performer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
@@ -103,5 +99,5 @@ def performer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     previous = torch.cat([cache.key_max[:, None], key_max[:, :-1]], 1)
     k_feat = torch.exp(exponents - key_max.repeat_interleave(chunk, 1)[:, :length, :, None])
     out, (kv, k_sum) = causal_feature_attention(query_features(q, projection), k_feat, v, (cache.kv, cache.k_sum),
-                                                eps=tiny(v), chunk=chunk, rescale=torch.exp(previous - key_max))
+                                                chunk=chunk, rescale=torch.exp(previous - key_max))
     return out, PerformerCache(kv, k_sum, key_max[:, -1], cache.position + length)
