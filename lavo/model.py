@@ -190,6 +190,14 @@ class LanguageModel(nn.Module):
         self.norm = nn.LayerNorm(config.dim)
         initialise(self, self.blocks, config)
 
+    def reset_parameters(self) -> None:
+        """Initialise every weight and buffer again as construction does, with fresh draws: for a model built on
+        the meta device (``with torch.device("meta")``), after ``to_empty(device=...)``."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        initialise(self, self.blocks, self.config)
+
     @property
     def supports_decoding(self) -> bool:
         """Whether every layer can continue a sequence from a cache."""

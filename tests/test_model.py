@@ -87,3 +87,55 @@ def test_padding_mask_is_passed_to_attention():
         alone, _ = model(ids[1:, 8:])
     torch.testing.assert_close(padded[1, 8:], alone[0], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(unmasked[1, 8:], alone[0], atol=1e-3)
+
+
+# Every option that adds a tensor of the layer's own (a learned basis takes the orthonormal parametrization).
+OWN_TENSORS = [("lavo", {"window": 4, "write": "gated", "read_temperature": True}),
+               ("lavo", {"window": 4, "basis": "learned", "rank": 4, "write": "decay"}),
+               ("local", {"window": 4}), ("abc", {"slots": 3}), ("longshort", {"window": 4}),
+               ("performer", {"features": 8, "redraw_interval": 2}), ("s4d", {}), ("cosformer", {}), ("softmax", {})]
+
+
+@pytest.mark.parametrize("attention, options", OWN_TENSORS, ids=[f"{a}-{len(o)}" for a, o in OWN_TENSORS])
+def test_a_model_built_on_the_meta_device_is_initialised_by_reset_parameters(attention, options):
+    """Deferred initialisation: build on the meta device, to_empty(), reset_parameters(). Every weight and buffer
+    must be made again (the mechanisms' own ones too: LAVO's basis, Performer's features, S4D's system were left
+    as uninitialised memory), so the result equals a model built eagerly and reset from the same seed."""
+    config = dict(vocab_size=50, dim=16, depth=2, heads=2, attention=attention, attention_options=options)
+    eager = build_model(config)
+    with torch.device("meta"):
+        deferred = build_model(config)
+    deferred.to_empty(device="cpu")
+    for model in (eager, deferred):
+        torch.manual_seed(1)
+        model.reset_parameters()
+    expected = eager.state_dict()
+    assert list(deferred.state_dict()) == list(expected)
+    for name, tensor in deferred.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    ids = torch.randint(0, 50, (2, 9))
+    logits, _ = deferred(ids)
+    torch.testing.assert_close(logits, eager(ids)[0])
+    layer = deferred.blocks[0].attention
+    if attention == "lavo":
+        basis = layer.basis
+        torch.testing.assert_close(basis @ basis.mT, torch.eye(basis.shape[1]).expand_as(basis @ basis.mT))
+
+
+def test_reset_parameters_draws_the_mechanisms_own_tensors_as_construction_does():
+    """What construction gives a mechanism's own tensors is what reset_parameters gives them: one initialiser
+    each, kept (deterministic ones equal, random ones drawn alike after the same RNG state)."""
+    from lavo import build_attention
+    for name, options in OWN_TENSORS:
+        torch.manual_seed(0)
+        layer = build_attention(name, 16, 2, **options)
+        own = {key: value.clone() for key, value in layer.state_dict().items() if "to_" not in key
+               and "norm" not in key}
+        # replay the RNG up to the first of the layer's own draws: the linear layers draw first (S4D's after)
+        torch.manual_seed(0)
+        if name != "s4d":
+            for module in (layer.to_qkv, layer.to_out):
+                module.reset_parameters()
+        layer.reset_parameters()
+        for key, value in own.items():
+            assert torch.equal(layer.state_dict()[key], value), (name, key)

@@ -1,12 +1,14 @@
 """ABC (attention with bounded-memory control) with a learned control: a fixed number of memory slots per head."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from ..ops.abc import ABCCache, abc_attention, abc_cross_attention
 from ..ops.common import accumulation_dtype
-from .base import AttentionLayer, CrossAttentionLayer, element_size
+from .base import AttentionLayer, CrossAttentionLayer, add_initialised, element_size, scaled_normal
 
 
 def add_control(module: nn.Module, slots: int) -> None:
@@ -14,7 +16,8 @@ def add_control(module: nn.Module, slots: int) -> None:
     if not isinstance(slots, int) or slots < 1:
         raise ValueError(f"slots must be a positive integer, got {slots!r}")
     module.slots = slots
-    module.control = nn.Parameter(torch.randn(module.heads, slots, module.head_dim) * module.head_dim ** -0.5)
+    add_initialised(module, "control", partial(scaled_normal, module.heads, slots, module.head_dim,
+                                               std=module.head_dim ** -0.5))
 
 
 class ABCAttention(AttentionLayer):

@@ -11,11 +11,12 @@ head split.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from einops import rearrange
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..cache import Cache
 from ..ops.common import check_padding_mask, dtypes_may_differ
@@ -44,6 +45,38 @@ def keyword_options(cls: type, *internal: str) -> dict[str, Any]:
     """The keyword-only parameters of ``cls``'s constructor but ``internal``, with their defaults."""
     parameters = inspect.signature(cls.__init__).parameters.values()
     return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.name not in internal}
+
+
+def scaled_normal(*shape: int, std: float) -> torch.Tensor:
+    return torch.randn(*shape) * std
+
+
+def add_initialised(module: nn.Module, name: str, make: Callable[[], torch.Tensor], *, buffer: bool = False) -> None:
+    """Give ``module.<name>`` the tensor ``make()`` makes, as a parameter (or a buffer), and keep ``make`` so that
+    :func:`reset_initialised` makes it again: what a module owns beyond its submodules is initialised in one place,
+    for construction and for a model built on the meta device and then materialised with ``to_empty()``. ``make``
+    is a ``functools.partial`` of a module-level function, so that the module still pickles."""
+    value = make()
+    if buffer:
+        module.register_buffer(name, value)
+    else:
+        setattr(module, name, nn.Parameter(value))
+    if "_initialisers" not in module.__dict__:
+        module._initialisers = {}
+    module._initialisers[name] = make
+
+
+def reset_initialised(module: nn.Module) -> None:
+    """Make every tensor :func:`add_initialised` gave ``module`` again, in the order it was added (fresh draws
+    from the global RNG for the random ones), in place: on its device, in its dtype."""
+    with torch.no_grad():
+        for name, make in module.__dict__.get("_initialisers", {}).items():
+            current = getattr(module, name)
+            value = make().to(device=current.device, dtype=current.dtype)
+            if parametrize.is_parametrized(module, name):  # set through the parametrization's right inverse
+                setattr(module, name, value)
+            else:
+                current.copy_(value)
 
 
 class Mechanism(nn.Module):
@@ -94,6 +127,11 @@ class Mechanism(nn.Module):
     @classmethod
     def option_names(cls) -> list[str]:
         return list(cls.option_defaults())
+
+    def reset_parameters(self) -> None:
+        """Initialise again what the layer owns beyond its submodules (which have their own ``reset_parameters``),
+        as construction does: after ``to_empty()`` of a layer built on the meta device."""
+        reset_initialised(self)
 
     def no_weight_decay(self) -> list[nn.Parameter]:
         """Parameters to keep out of weight decay besides those with fewer than two dimensions."""
@@ -259,6 +297,10 @@ class CrossAttentionLayer(nn.Module):
         """The keyword options of the constructor, with their defaults (``source_projections`` is the
         subclass's own)."""
         return keyword_options(cls, "source_projections")
+
+    def reset_parameters(self) -> None:
+        """As :meth:`Mechanism.reset_parameters`."""
+        reset_initialised(self)
 
     def attend(self, q: torch.Tensor, *source_heads: torch.Tensor,
                source_padding_mask: torch.Tensor | None) -> torch.Tensor:

@@ -2,28 +2,33 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from torch import nn
 
 from ..cache import LavoCache, LavoStepCache, check_made_by
 from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, lavo_decode_step, orthogonal_basis
-from ..ops.common import check_backend, check_window, pos_bias_size
+from ..ops.common import check_backend, check_window
 from ..ops.lavo.variants import check_variant, is_variant
-from .base import AttentionLayer, CrossAttentionLayer
+from .base import AttentionLayer, CrossAttentionLayer, add_initialised
+from .local import add_position_bias
 from .orthonormal import register_orthonormal
 
 
 def add_basis(module: nn.Module, heads: int, rank: int, head_dim: int, kind: str) -> None:
     """Give ``module.basis [H, r, D]``: a fixed random buffer, or a parameter kept exactly orthonormal."""
-    initial = orthogonal_basis(heads, rank, head_dim)
-    if kind == "fixed":
-        module.register_buffer("basis", initial)
-    elif kind == "learned":
-        module.basis = nn.Parameter(initial)
-        register_orthonormal(module, "basis")
-    else:
+    if kind not in ("fixed", "learned"):
         raise ValueError(f"basis must be 'fixed' or 'learned', got {kind!r}")
+    add_initialised(module, "basis", partial(orthogonal_basis, heads, rank, head_dim), buffer=kind == "fixed")
+    if kind == "learned":
+        register_orthonormal(module, "basis")
+
+
+def initial_log_decay(heads: int, window: int) -> torch.Tensor:
+    """``[H]``: the log decay rates of half-lives from ``w`` to ``64 w``, geometric over the heads."""
+    half_lives = window * 64.0 ** (torch.arange(heads) / max(1, heads - 1))
+    return (math.log(2) / half_lives).log()
 
 
 def learned_basis(module: nn.Module) -> list[nn.Parameter]:
@@ -60,13 +65,14 @@ class LavoAttention(AttentionLayer):
         self.rank = self.head_dim if rank is None else rank
         self.window, self.dissection, self.write, self.memory = window, dissection, write, memory
         add_basis(self, heads, self.rank, self.head_dim, basis)
-        self.pos_bias = nn.Parameter(torch.zeros(heads, pos_bias_size(window, causal))) if position_bias else None
-        self.log_decay = None  # log of the decay rate per position, [H]
-        if write == "decay":
-            half_lives = window * 64.0 ** (torch.arange(heads) / max(1, heads - 1))
-            self.log_decay = nn.Parameter((math.log(2) / half_lives).log())
-        self.write_gate = nn.Parameter(torch.zeros(heads, self.rank, self.head_dim)) if write == "gated" else None
-        self.log_read_scale = nn.Parameter(torch.zeros(heads)) if read_temperature else None
+        add_position_bias(self, heads, window, causal, position_bias)
+        self.log_decay = self.write_gate = self.log_read_scale = None
+        if write == "decay":  # log of the decay rate per position, [H]
+            add_initialised(self, "log_decay", partial(initial_log_decay, heads, window))
+        if write == "gated":
+            add_initialised(self, "write_gate", partial(torch.zeros, heads, self.rank, self.head_dim))
+        if read_temperature:
+            add_initialised(self, "log_read_scale", partial(torch.zeros, heads))
         check_variant(write, memory, causal, dissection, self.log_decay, self.write_gate, heads, self.rank,
                       self.head_dim)
 

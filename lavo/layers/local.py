@@ -1,13 +1,22 @@
 """Sliding-window attention alone: LAVO's local branch without the orthogonal memory."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from ..cache import KVCache
 from ..ops.common import check_backend, check_window, pos_bias_size
 from ..ops.local import local_attention, local_attention_chunk, visible_keys, visible_length
-from .base import AttentionLayer
+from .base import AttentionLayer, add_initialised
+
+
+def add_position_bias(module: nn.Module, heads: int, window: int, causal: bool, enabled: bool) -> None:
+    """Give ``module.pos_bias``: the relative-position bias of the window, zero at first (None when disabled)."""
+    module.pos_bias = None
+    if enabled:
+        add_initialised(module, "pos_bias", partial(torch.zeros, heads, pos_bias_size(window, causal)))
 
 
 class LocalAttention(AttentionLayer):
@@ -28,7 +37,7 @@ class LocalAttention(AttentionLayer):
         check_window(window)
         check_backend(backend)
         self.window, self.backend = window, backend
-        self.pos_bias = nn.Parameter(torch.zeros(heads, pos_bias_size(window, causal))) if position_bias else None
+        add_position_bias(self, heads, window, causal, position_bias)
 
     def attend(self, q, k, v, padding_mask, cache):
         options = dict(window=self.window, pos_bias=self.pos_bias)

@@ -1,12 +1,13 @@
 """Transformer-LS long-short attention: a sliding window plus dynamically projected landmarks."""
 from __future__ import annotations
 
-import torch
+from functools import partial
+
 from torch import nn
 
 from ..ops.common import check_window
 from ..ops.longshort import longshort_attention
-from .base import AttentionLayer
+from .base import AttentionLayer, add_initialised, scaled_normal
 
 
 class LongShortAttention(AttentionLayer):
@@ -39,7 +40,8 @@ class LongShortAttention(AttentionLayer):
         if not isinstance(landmarks, int) or landmarks < 1:
             raise ValueError(f"landmarks must be a positive integer, got {landmarks!r}")
         self.window, self.landmarks = window, landmarks
-        self.projection = nn.Parameter(torch.randn(heads, self.head_dim, landmarks) * self.head_dim ** -0.5)
+        add_initialised(self, "projection", partial(scaled_normal, heads, self.head_dim, landmarks,
+                                                    std=self.head_dim ** -0.5))
         self.short_norm, self.long_norm = (nn.LayerNorm(dim), nn.LayerNorm(dim)) if dual_ln else (None, None)
 
     def attend(self, q, k, v, padding_mask, cache):

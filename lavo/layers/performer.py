@@ -1,12 +1,14 @@
 """Performer (FAVOR+) self-attention (Choromanski et al., 2021)."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..ops.common import accumulation_dtype, check_positive
 from ..ops.performer import (PerformerCache, orthogonal_random_features, performer_attention,
                              performer_attention_causal)
-from .base import AttentionLayer, CrossAttentionLayer, element_size
+from .base import AttentionLayer, CrossAttentionLayer, add_initialised, element_size
 
 
 class PerformerAttention(AttentionLayer):
@@ -33,13 +35,13 @@ class PerformerAttention(AttentionLayer):
         if redraw_interval is not None:
             check_positive("PerformerAttention", redraw_interval=redraw_interval)
         self.features, self.chunk, self.redraw_interval = features, chunk, redraw_interval
-        self.register_buffer("projection", orthogonal_random_features(features, self.head_dim))
+        add_initialised(self, "projection", partial(orthogonal_random_features, features, self.head_dim), buffer=True)
         if redraw_interval is not None:
-            self.register_buffer("optimizer_steps", torch.zeros((), dtype=torch.long))
+            add_initialised(self, "optimizer_steps", partial(torch.zeros, (), dtype=torch.long), buffer=True)
 
     def redraw_features(self) -> None:
         """A new projection from the global RNG (a new tensor: what autograd saved of the old one stays valid)."""
-        self.projection = orthogonal_random_features(self.features, self.head_dim).to(self.projection)
+        self.projection = self._initialisers["projection"]().to(self.projection)
 
     def after_optimizer_step(self) -> None:
         if self.redraw_interval is None:
@@ -79,7 +81,7 @@ class PerformerCrossAttention(CrossAttentionLayer):
         super().__init__(dim, heads)
         check_positive("PerformerCrossAttention", features=features)
         self.features = features
-        self.register_buffer("projection", orthogonal_random_features(features, self.head_dim))
+        add_initialised(self, "projection", partial(orthogonal_random_features, features, self.head_dim), buffer=True)
 
     def attend(self, q, k, v, source_padding_mask):
         return performer_attention(q, k, v, self.projection, padding_mask=source_padding_mask)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -9,9 +10,24 @@ from torch import nn
 
 from ..ops.common import accumulation_dtype
 from ..ops.s4d import S4DCache, discretize, fft_convolution, s4d_kernel, s4d_scan
-from .base import Mechanism, element_size, zero_padded
+from .base import Mechanism, add_initialised, element_size, zero_padded
 
 SYSTEM_LR_CAP = 1e-3  # the S4D reference's peak learning rate for A and dt
+
+
+def log_uniform(size: int, *, low: float, high: float) -> torch.Tensor:
+    """``[size]`` logs drawn uniformly between ``log(low)`` and ``log(high)`` (S4D's ``dt``)."""
+    return torch.empty(size).uniform_(math.log(low), math.log(high))
+
+
+def imaginary_parts(dim: int, modes: int) -> torch.Tensor:
+    """S4D-Lin's ``Im(A) = pi n`` for each mode ``n``, ``[dim, modes]``."""
+    return math.pi * torch.arange(modes, dtype=torch.float32).expand(dim, modes).clone()
+
+
+def complex_normal(*shape: int) -> torch.Tensor:
+    """A standard complex normal ``[*shape]`` as ``[*shape, 2]`` real numbers."""
+    return torch.view_as_real(torch.randn(*shape, dtype=torch.cfloat))
 
 
 class S4DLayer(Mechanism):
@@ -42,12 +58,11 @@ class S4DLayer(Mechanism):
             raise ValueError(f"S4DLayer needs 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
         modes = state_size // 2
         self.state_size = state_size
-        self.log_dt = nn.Parameter(torch.empty(dim).uniform_(math.log(dt_min), math.log(dt_max)))
-        self.log_a_real = nn.Parameter(torch.full((dim, modes), math.log(0.5)))
-        self.a_imag = nn.Parameter(math.pi * torch.arange(modes, dtype=torch.float32).expand(dim, modes).clone())
-        directions = 1 if causal else 2
-        self.c = nn.Parameter(torch.view_as_real(torch.randn(directions, dim, modes, dtype=torch.cfloat)))
-        self.skip = nn.Parameter(torch.randn(dim))
+        add_initialised(self, "log_dt", partial(log_uniform, dim, low=dt_min, high=dt_max))
+        add_initialised(self, "log_a_real", partial(torch.full, (dim, modes), math.log(0.5)))
+        add_initialised(self, "a_imag", partial(imaginary_parts, dim, modes))
+        add_initialised(self, "c", partial(complex_normal, 1 if causal else 2, dim, modes))
+        add_initialised(self, "skip", partial(torch.randn, dim))
         self.to_glu = nn.Linear(dim, 2 * dim)
 
     def system(self) -> tuple[torch.Tensor, torch.Tensor]:
