@@ -146,6 +146,36 @@ def test_inputs_of_two_dtypes_are_refused_by_name(name):
         OPS[name](q, k, v.bfloat16())
 
 
+@pytest.mark.parametrize("name", ["lavo", "lavo non-causal", "local", "longshort"])
+def test_an_empty_batch_is_refused_by_the_windowed_ops_as_by_the_layers(name):
+    """Was: `cannot reshape tensor of 0 elements into shape [0, -1, 3]`."""
+    q = torch.randn(0, 21, 2, 8)
+    with pytest.raises(ValueError, match=r"^q has an empty batch, shape \(0, 21, 2, 8\); a call needs at least one "
+                                         r"sequence$"):
+        OPS[name](q, q, q)
+
+
+def test_cross_attention_refuses_an_empty_batch_or_query_axis():
+    """Was: an IndexError from the memory read, and a ZeroDivisionError."""
+    for q in (torch.randn(0, 3, 2, 8), torch.randn(1, 0, 2, 8)):
+        with pytest.raises(ValueError, match=r"^q has an empty batch or query axis, shape"):
+            code_cross_attention(q, torch.randn(q.shape[0], 5, 2, 8), BASIS)
+
+
+@pytest.mark.parametrize("op", [
+    lambda q, scale: lavo_attention(q, q, q, BASIS, window=4, scale=scale, backend="torch"),
+    lambda q, scale: local_attention(q, q, q, window=4, scale=scale, backend="torch"),
+    lambda q, scale: code_cross_attention(q, q, BASIS, scale=scale, backend="torch"),
+])
+def test_a_scale_that_requires_a_gradient_is_refused_since_the_op_gives_it_none(op):
+    """Was: accepted, and the scale's gradient silently None (a learned temperature that never trains)."""
+    q = torch.randn(1, 9, 2, 8)
+    with pytest.raises(TypeError, match=r"^scale is a constant of the op, which gives it no gradient: a learned "
+                                        r"scale would never train; scale q instead"):
+        op(q, torch.tensor(0.7, requires_grad=True))
+    torch.testing.assert_close(op(q, torch.tensor(0.7)), op(q, 0.7))  # a constant tensor is a number
+
+
 @pytest.mark.parametrize("keep_weights", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
 def test_chunked_and_recomputed_local_kernel_matches_naive(monkeypatch, causal, keep_weights):

@@ -370,3 +370,30 @@ def test_the_int64_offsets_form_matches_naive(monkeypatch, causal, dissection):
         lambda *x: lavo_attention(*x[:4], pos_bias=x[4], padding_mask=_on(mask, DEVICE), backend="triton", **options),
         lambda *x: lavo_attention_naive(*x[:4], pos_bias=x[4], padding_mask=mask, **options),
         [q, k, v, basis, pos_bias], device=DEVICE, **FLOAT32)
+
+
+def test_deterministic_algorithms_keep_auto_on_torch_and_triton_says_why(monkeypatch):
+    """The kernels' backward adds the position-bias and basis gradients with atomic adds, in no set order."""
+    from types import SimpleNamespace
+
+    from lavo.ops import common
+    monkeypatch.setattr(common, "TRITON_AVAILABLE", True)
+    monkeypatch.setattr(common, "capability", lambda q: (9, 0))
+    cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    message = (r"^backend='triton' adds the position-bias and basis gradients with atomic adds, whose order is not "
+               r"deterministic, and torch\.use_deterministic_algorithms\(True\) is set: backend='torch' \(or 'auto', "
+               r"which takes it then\) is deterministic$")
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert not uses_triton("auto", cuda_like)
+        with pytest.raises(RuntimeError, match=message):
+            uses_triton("triton", cuda_like)
+        with torch.no_grad():  # the forward kernels are deterministic
+            assert uses_triton("auto", cuda_like) and uses_triton("triton", cuda_like)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match=message):
+            assert uses_triton("triton", cuda_like)
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+    assert uses_triton("auto", cuda_like)

@@ -7,6 +7,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import os
+import warnings
 
 import torch
 
@@ -145,10 +146,22 @@ def check_basis(basis: torch.Tensor, heads: int, head_dim: int) -> None:
 
 def check_window_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
                         padding_mask: torch.Tensor | None) -> None:
-    """What every windowed op checks first: the window, matching ``[B, T, H, D]`` q/k/v and the padding mask."""
+    """What every windowed op checks first: the window, matching ``[B, T, H, D]`` q/k/v with at least one
+    sequence (the layers refuse an empty batch alike) and the padding mask."""
     check_window(window)
     check_matching(q=q, k=k, v=v)
+    if q.shape[0] == 0:
+        raise ValueError(f"q has an empty batch, shape {tuple(q.shape)}; a call needs at least one sequence")
     check_padding_mask(padding_mask, q.shape[0], q.shape[1])
+
+
+def query_scale(scale: float | None, head_dim: int) -> float:
+    """The factor on the scores: ``scale``, or ``head_dim ** -0.5`` when None. A tensor that requires a gradient
+    is refused: the fast forms take the scale as a constant and give it no gradient, so it would never train."""
+    if isinstance(scale, torch.Tensor) and scale.requires_grad:
+        raise TypeError("scale is a constant of the op, which gives it no gradient: a learned scale would never "
+                        "train; scale q instead (LAVO's layer learns its read temperature with read_temperature=True)")
+    return head_dim ** -0.5 if scale is None else scale
 
 
 BACKENDS = ("auto", "triton", "torch")
@@ -247,18 +260,25 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
 
 
+def _deterministic_backward() -> bool:
+    """Whether a backward may follow and torch is asked for deterministic algorithms."""
+    return torch.is_grad_enabled() and torch.are_deterministic_algorithms_enabled()
+
+
 def uses_triton(backend: str, q: torch.Tensor) -> bool:
     r"""Whether an op with ``backend`` (``"auto"``, ``"triton"`` or ``"torch"``) runs its Triton kernels on ``q``.
 
     ``auto`` takes them for CUDA tensors of a dtype they handle, on a GPU of compute capability 8.0 or later, when
     Triton 3.3 or later is installed, the torch path otherwise; ``triton`` insists, and says why it cannot where it
-    cannot.
+    cannot. Under ``torch.use_deterministic_algorithms(True)`` with gradients on, ``auto`` takes the torch path
+    and ``triton`` raises (warns, with ``warn_only=True``): the kernels' backward adds some gradients atomically.
     """
     check_backend(backend)
     if backend == "torch":
         return False
     if backend == "auto":
-        return q.is_cuda and q.dtype in TRITON_DTYPES and TRITON_AVAILABLE and capability(q) >= MIN_CAPABILITY
+        return (q.is_cuda and q.dtype in TRITON_DTYPES and TRITON_AVAILABLE and capability(q) >= MIN_CAPABILITY
+                and not _deterministic_backward())
     if TRITON_VERSION is None:
         raise ValueError("backend='triton' needs the triton package (pip install 'lavo[gpu]')")
     if not TRITON_AVAILABLE:
@@ -278,4 +298,11 @@ def uses_triton(backend: str, q: torch.Tensor) -> bool:
                          f"(NVIDIA Ampere), this one has {major}.{minor}; backend='torch' runs on it")
     if q.dtype not in TRITON_DTYPES:
         raise ValueError(f"backend='triton' takes float16, bfloat16 or float32 inputs, got {q.dtype}")
+    if q.is_cuda and _deterministic_backward():
+        message = ("backend='triton' adds the position-bias and basis gradients with atomic adds, whose order is "
+                   "not deterministic, and torch.use_deterministic_algorithms(True) is set: backend='torch' (or "
+                   "'auto', which takes it then) is deterministic")
+        if not torch.is_deterministic_algorithms_warn_only_enabled():
+            raise RuntimeError(message)
+        warnings.warn(message)
     return True

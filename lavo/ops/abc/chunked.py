@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import Cache
-from ..common import accumulation_dtype, check_matching, check_padding_mask, neg_inf, no_float16_autocast
+from ..common import (accumulation_dtype, check_matching, check_padding_mask, neg_inf, no_float16_autocast,
+                      query_scale)
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, control: to
         raise ValueError(f"control must have shape [H, r, D] with H={H}, D={D}, got {tuple(control.shape)}")
     if cache is not None and not causal:
         raise ValueError("a cache exists only for causal attention (causal=False was given)")
-    scale = D ** -0.5 if scale is None else scale
+    scale = query_scale(scale, D)
     with no_float16_autocast(q.device.type):
         return _abc_attention(q, k, v, control, causal, padding_mask, cache, scale, chunk)
 
@@ -182,7 +183,7 @@ def abc_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contr
     check_padding_mask(padding_mask, B, S)
     if control.dim() != 3 or control.shape[0] != H or control.shape[2] != D:
         raise ValueError(f"control must have shape [H, r, D] with H={H}, D={D}, got {tuple(control.shape)}")
-    scale = D ** -0.5 if scale is None else scale
+    scale = query_scale(scale, D)
     out_dtype = q.dtype
     q, k, v, control = (x.to(accumulation_dtype(out_dtype)) for x in (q, k, v, control))
     real = torch.ones(B, S, dtype=q.dtype, device=q.device) if padding_mask is None else padding_mask.to(q.dtype)

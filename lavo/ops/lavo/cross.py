@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import check_basis, check_padding_mask, uses_triton
+from ..common import check_basis, check_padding_mask, query_scale, uses_triton
 from .memory import memory_read, project
 
 
@@ -25,10 +25,13 @@ def code_cross_attention(q: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, 
     if q.dim() != 4 or x.dim() != 4 or q.shape[0] != x.shape[0] or q.shape[2:] != x.shape[2:]:
         raise ValueError(f"q [B, Tq, H, D] and x [B, S, H, D] must agree on B, H and D, got q {tuple(q.shape)} "
                          f"and x {tuple(x.shape)}")
+    if q.shape[0] == 0 or q.shape[1] == 0:  # refused as the layers refuse them (the read divided by Tq)
+        raise ValueError(f"q has an empty batch or query axis, shape {tuple(q.shape)}; a call needs at least one "
+                         "sequence and one query")
     B, S, H, D = x.shape
     check_basis(basis, H, D)
     check_padding_mask(padding_mask, B, S)
-    scale = D ** -0.5 if scale is None else scale
+    scale = query_scale(scale, D)
     if uses_triton(backend, q):
         from .gpu import code_cross_attention_triton
         return code_cross_attention_triton(q, x, basis, padding_mask=padding_mask, scale=scale)

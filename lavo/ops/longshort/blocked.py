@@ -20,7 +20,7 @@ import torch
 from einops import rearrange
 from torch.nn.functional import layer_norm, pad
 
-from ..common import check_window_inputs, neg_inf
+from ..common import check_window_inputs, neg_inf, query_scale
 from ..local.blocked import block_bias
 
 DualNorm = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -89,7 +89,7 @@ def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     B, T, H, D = q.shape
     if projection.dim() != 3 or projection.shape[:2] != (H, D):
         raise ValueError(f"projection must have shape [H, D, r] with H={H}, D={D}, got {tuple(projection.shape)}")
-    scale = D ** -0.5 if scale is None else scale
+    scale = query_scale(scale, D)
     w, n = window, -(-T // window)
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask
 
