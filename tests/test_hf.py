@@ -328,6 +328,16 @@ def test_resized_embeddings_score_a_padded_batch():
     torch.testing.assert_close(padded[:1, 1:], alone, rtol=0, atol=1e-5)
 
 
+def test_a_padded_batch_under_autocast_returns_logits_of_the_autocast_dtype():
+    """As an unpadded batch does; they were float32, an extra [B, T, vocab] copy."""
+    hub = wrapped(native())
+    ids = torch.tensor([[0, 1, 2], [1, 2, 3]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        padded = hub(ids, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]])).logits
+        unpadded = hub(ids).logits
+    assert padded.dtype == unpadded.dtype == torch.bfloat16
+
+
 def test_a_loss_over_num_items_in_batch_is_the_summed_loss_over_that_count():
     """Trainer passes the token count of a whole accumulated batch; the loss must divide by it, not average."""
     hub = wrapped(native())

@@ -98,8 +98,10 @@ class LavoState(HubCache):
         self.columns += T
         if len(pieces) == 1 and pieces[0][2].shape[:2] == (B, T):
             return pieces[0][2]  # no padding: the rows are in order already
-        # the tied embedding's rows, not model.config.vocab_size, which resize_token_embeddings leaves as it was
-        out = torch.zeros(B, T, model.embed.num_embeddings, dtype=model.embed.weight.dtype, device=ids.device)
+        # the tied embedding's rows, not model.config.vocab_size, which resize_token_embeddings leaves as it was;
+        # the logits' dtype (autocast's), as an unpadded batch returns them
+        dtype = pieces[0][2].dtype if pieces else model.embed.weight.dtype
+        out = torch.zeros(B, T, model.embed.num_embeddings, dtype=dtype, device=ids.device)
         for device_rows, columns, logits in pieces:
             out[device_rows, columns] = logits.to(out.dtype)
         return out
