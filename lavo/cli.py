@@ -91,7 +91,7 @@ def cmd_eval(args) -> None:
     evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split,
                   parts=args.parts.split(",") if args.parts else None, text=args.text,
                   batch_size=args.batch_size, chunk_size=args.chunk_size or None, max_tokens=args.max_tokens,
-                  spread=args.spread, data_dir=args.data_dir, device=args.device, out_dir=args.out,
+                  spread=args.spread, data_dir=args.data_dir, device=args.device, dtype=args.dtype, out_dir=args.out,
                   progress=not args.quiet)
 
 
@@ -125,6 +125,8 @@ def add_eval(commands) -> None:
     p.add_argument("--spread", action="store_true", help="take the scored tokens as windows spread evenly over the "
                    "whole text instead of its first --max-tokens, so that every document of a held-out set counts")
     p.add_argument("--device", default="auto", type=_flag("train", "device"), help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", type=_flag("eval", "dtype"),
+                   help="float32, or bfloat16 or float16 to score under autocast (default: float32)")
     p.add_argument("--out", default=None, help="directory for results.json and perplexity.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=cmd_eval)

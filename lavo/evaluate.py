@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .files import write_json
 from .report import line_plot, text_table
-from .settings import above, at_least, check_settings, setting
+from .settings import above, at_least, check_settings, one_of, setting
 
 
 DEFAULT_MULTIPLES = [1, 2, 4, 8]
@@ -36,6 +36,7 @@ class EvalSettings:
     max_tokens: int | None = setting(None, at_least(1))
     batch_size: int = setting(8, at_least(1))
     chunk_size: int | None = setting(512, at_least(0))  # 0 or None: each segment in one forward pass
+    dtype: str = setting("float32", one_of("float32", "bfloat16", "float16"))  # autocast to it, unless float32
 
     def __post_init__(self):
         check_settings(self, "eval")
@@ -185,21 +186,23 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
                   split: str = "valid", parts: list[str] | None = None, text: str | None = None,
                   batch_size: int = 8, chunk_size: int | None = 512,
                   max_tokens: int | None = None, spread: bool = False, data_dir: str | None = None,
-                  device: str = "auto", out_dir: str | None = None, progress: bool = True,
+                  device: str = "auto", dtype: str = "float32", out_dir: str | None = None, progress: bool = True,
                   log=print) -> dict[str, dict[int, dict]]:
     """Score trained runs (run directories or directories written by ``lavo export``) on the split ``split`` of
     each run's data (read from ``data_dir``, default the run's own; ``parts``: only the documents of those parts
     of a mixed source), or on the plain text ``text`` (a file or a
     folder of ``.txt`` files), tokenised with each run's tokenizer; print the table, write ``results.json`` and
     ``perplexity.png``. ``spread``: the scored targets are windows spread over the whole text rather than its
-    first ``max_tokens`` (:func:`segment_starts`)."""
+    first ``max_tokens`` (:func:`segment_starts`). ``dtype``: ``"bfloat16"`` or ``"float16"`` scores under
+    autocast (the losses are still summed in float64)."""
     from .data import DataError
     from .run import load_model_dir
-    from .train import resolve_device
+    from .train import autocast_for, resolve_device
 
     settings = EvalSettings(multiples=multiples, lengths=lengths, max_tokens=max_tokens, batch_size=batch_size,
-                            chunk_size=chunk_size)
+                            chunk_size=chunk_size, dtype=dtype)
     device = resolve_device(device)
+    autocast = autocast_for(dtype, device, "--dtype")
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise ValueError(f"--out {out_dir} is a file: give a folder for results.json and perplexity.png")
     names = [Path(run).name for run in run_dirs]
@@ -234,15 +237,16 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
                           held_out_tokens(config, tokenizer, split, data_dir, parts))
         if progress:
             log(f"scoring {name} at lengths {', '.join(map(str, lengths))}")
-        results[name] = perplexity_by_length(model, texts[key], lengths, batch_size=batch_size,
-                                             chunk_size=chunk_size, max_tokens=max_tokens, device=device,
-                                             progress=progress, spread=spread)
+        with autocast():
+            results[name] = perplexity_by_length(model, texts[key], lengths, batch_size=batch_size,
+                                                 chunk_size=chunk_size, max_tokens=max_tokens, device=device,
+                                                 progress=progress, spread=spread)
     log(format_table(results, f"tokens of {text}" if text else SCORED[split]))
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         payload = {"split": split if text is None else None, "parts": parts if text is None else None, "text": text,
-                   "spread": spread,
+                   "spread": spread, "dtype": dtype,
                    "runs": {name: str(run) for (name, *_), run in zip(loaded, run_dirs)},
                    "results": {name: {str(k): v for k, v in r.items()} for name, r in results.items()}}
         write_json(out / "results.json", payload)

@@ -140,19 +140,20 @@ def setup_distributed(device_name: str) -> tuple[Distributed, torch.device]:
 AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+def autocast_for(dtype: str, device: torch.device,
+                 setting: str = "train.dtype") -> Callable[[], contextlib.AbstractContextManager]:
     """A context factory: autocast to ``dtype`` (``"bfloat16"`` or ``"float16"``), nothing for float32. Refuses
     bfloat16 on a GPU without it (before Ampere), where it would be emulated, slowly, or fail; warns of float16 on
-    the CPU."""
+    the CPU. ``setting``: what the messages call the choice."""
     if dtype == "float32":
         return contextlib.nullcontext
     if dtype not in AUTOCAST_DTYPES:
-        raise ValueError(f"train.dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        raise ValueError(f"{setting} must be float32, bfloat16 or float16, got {dtype!r}")
     if dtype == "bfloat16" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        raise RunError(f"train.dtype=bfloat16 needs a GPU with bfloat16 arithmetic (NVIDIA Ampere or later); "
-                       f"{torch.cuda.get_device_name(device)} has none: use train.dtype=float16 or float32")
+        raise RunError(f"{setting}=bfloat16 needs a GPU with bfloat16 arithmetic (NVIDIA Ampere or later); "
+                       f"{torch.cuda.get_device_name(device)} has none: use {setting}=float16 or float32")
     if dtype == "float16" and device.type == "cpu":
-        warnings.warn("train.dtype=float16 on the CPU is slow: most CPUs have no fast float16 arithmetic; use "
+        warnings.warn(f"{setting}=float16 on the CPU is slow: most CPUs have no fast float16 arithmetic; use "
                       "float32 there (or bfloat16, on a CPU with bfloat16 instructions)", stacklevel=2)
     return lambda: torch.autocast(device.type, dtype=AUTOCAST_DTYPES[dtype])
 

@@ -40,6 +40,15 @@ def test_data_train_eval_generate(tmp_path, capsys):
     results = json.loads((tmp_path / "eval" / "results.json").read_text())["results"]["run"]
     assert sorted(results, key=int) == ["32", "64", "128"]
     assert (tmp_path / "eval" / "perplexity.png").is_file()
+    # scored under bfloat16 autocast: the same tokens, the loss within bfloat16's rounding of float32's
+    assert main(["eval", str(tmp_path / "run"), "--multiples", "1,2,4", "--out", str(tmp_path / "eval-bf16"),
+                 "--chunk-size", "40", "--dtype", "bfloat16", "--quiet"]) == 0
+    capsys.readouterr()
+    bf16 = json.loads((tmp_path / "eval-bf16" / "results.json").read_text())
+    assert bf16["dtype"] == "bfloat16"
+    for length, result in bf16["results"]["run"].items():
+        assert result["tokens"] == results[length]["tokens"]
+        assert result["loss"] != results[length]["loss"] and abs(result["loss"] - results[length]["loss"]) < 0.02
 
     args = ["generate", str(tmp_path / "run"), "--prompt", "the sister", "--max-new-tokens", "12", "--seed", "3"]
     assert main(args) == 0
