@@ -13,6 +13,7 @@ is looked up there (docs/ATTENTIONS.md, "A mechanism of your own").
 from __future__ import annotations
 
 import inspect
+import warnings
 from functools import cache
 from importlib.metadata import EntryPoint, entry_points
 from typing import Callable
@@ -99,16 +100,21 @@ _loaded: set[str] = set()
 def _load_entry_points(name: str | None = None) -> None:
     """Import what the ``lavo.attentions`` entry points name (only ``name``'s, when given), each once: a module
     registers its mechanisms as it is imported; a class named directly is registered under the entry point's
-    name."""
+    name. An entry point that fails to import raises when it is the one asked for by name, and is skipped with a
+    warning otherwise, so that one broken package does not stop lavo from listing or finding the others."""
     for point in _entry_points():
         if point.name in _loaded or (name is not None and point.name != name):
             continue
-        _loaded.add(point.name)
         try:
             loaded = point.load()
         except Exception as error:
-            raise ImportError(f"entry point {point.name!r} = {point.value!r} of group {ENTRY_POINT_GROUP!r} "
-                              f"failed to import: {error}") from error
+            message = (f"entry point {point.name!r} = {point.value!r} of group {ENTRY_POINT_GROUP!r} failed to "
+                       f"import: {error}")
+            if name is not None:
+                raise ImportError(message) from error
+            warnings.warn(f"skipped {message}", stacklevel=3)
+            continue
+        _loaded.add(point.name)
         if isinstance(loaded, type) and issubclass(loaded, Mechanism) and loaded not in ATTENTIONS.values():
             register_attention(point.name)(loaded)
         if isinstance(loaded, type) and issubclass(loaded, CrossAttentionLayer) \
@@ -119,6 +125,8 @@ def _load_entry_points(name: str | None = None) -> None:
 def _lookup(table: dict, name: str, kind: str) -> type:
     if name not in table:
         _load_entry_points(name)
+    if name not in table:  # a module named by one entry point may register several mechanisms
+        _load_entry_points()
     if name not in table:
         decorator = "register_attention" if table is ATTENTIONS else "register_cross_attention"
         raise UnknownAttention(f"unknown {kind} {name!r}; available: {', '.join(_available(table))}. A mechanism "

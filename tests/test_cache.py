@@ -75,6 +75,13 @@ def test_under_autocast_an_empty_cache_is_the_one_a_first_call_makes(name):
         _, continued = layer(x, cache=layer.empty_cache(2))
     assert [t.dtype for t in continued.tensors()] == [t.dtype for t in first.tensors()]
     assert continued.nbytes() == first.nbytes() <= layer.cache_nbytes(2, 11, torch.float16)
+    # autocast leaves a float64 layer in float64, and its empty cache with it
+    double = _build(name)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        _, first = double(x.double())
+        _, continued = double(x.double(), cache=double.empty_cache(2))
+    assert [t.dtype for t in continued.tensors()] == [t.dtype for t in first.tensors()]
+    assert all(t.is_meta for t in double.empty_cache(2, device="meta").tensors())
 
 
 @pytest.mark.parametrize("name", DECODING)

@@ -5,7 +5,8 @@ from reference_checks import assert_same_outputs_and_grads, random_inputs
 
 from lavo import LavoCache
 from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_attention, lavo_attention_cached,
-                      lavo_attention_naive, local_attention, local_attention_naive, orthogonal_basis)
+                      lavo_attention_naive, local_attention, local_attention_chunk, local_attention_naive,
+                      orthogonal_basis)
 from lavo.ops.abc import abc_attention
 from lavo.ops.longshort import longshort_attention
 
@@ -174,6 +175,18 @@ def test_a_scale_that_requires_a_gradient_is_refused_since_the_op_gives_it_none(
                                         r"scale would never train; scale q instead"):
         op(q, torch.tensor(0.7, requires_grad=True))
     torch.testing.assert_close(op(q, torch.tensor(0.7)), op(q, 0.7))  # a constant tensor is a number
+
+
+@pytest.mark.parametrize("op", [
+    lambda q, scale: abc_attention(q, q, q, torch.ones(2, 5, 8, dtype=q.dtype), scale=scale)[0],
+    lambda q, scale: longshort_attention(q, q, q, torch.ones(2, 8, 3, dtype=q.dtype), window=4, scale=scale),
+    lambda q, scale: local_attention_chunk(q, q, q, start=0, window=4, scale=scale),
+])
+def test_ops_made_of_differentiable_operations_still_learn_a_scale(op):
+    """Only the ops with autograd Functions of their own refuse a scale that needs a gradient."""
+    q = torch.randn(1, 9, 2, 8, dtype=torch.float64)
+    scale = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda s: op(q, s), (scale,))
 
 
 @pytest.mark.parametrize("keep_weights", [True, False])

@@ -2,6 +2,7 @@
 saved runs, Hugging Face models), and the contract checks that catch what would otherwise go unnoticed."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -79,11 +80,38 @@ def test_a_saved_run_and_a_fresh_process_find_the_mechanism_through_its_entry_po
 
 def test_an_unknown_name_in_a_saved_run_says_how_to_register_it_and_not_that_the_run_is_damaged(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model": {"attention": "nowhere"}}))
-    with pytest.raises(UnknownAttention, match=r"^unknown attention 'nowhere'; available: abc, cosformer, lavo, "
-                       r"local, longshort, performer, s4d, softmax\. A mechanism of your own is registered when its "
-                       r"module is imported \(@register_attention\); for the command line and saved models, name "
-                       r"that module in an entry point of the group 'lavo\.attentions' of its package$"):
+    available = re.escape(", ".join(registry.available_attentions()))  # the built-in ones, and any installed
+    with pytest.raises(UnknownAttention, match=rf"^unknown attention 'nowhere'; available: {available}\. A mechanism "
+                       r"of your own is registered when its module is imported \(@register_attention\); for the "
+                       r"command line and saved models, name that module in an entry point of the group "
+                       r"'lavo\.attentions' of its package$"):
         read_run_config(tmp_path)
+
+
+def test_a_module_that_registers_several_mechanisms_is_found_by_each_name(plugin):
+    """The entry point is named after one of them; the others are found by importing every entry point."""
+    (plugin / "lavo_plugin_demo.py").write_text(PLUGIN + textwrap.dedent('''
+        @register_attention("plugin-scale-twice")
+        class Twice(Scale):
+            pass
+    '''))
+    try:
+        assert attention_class("plugin-scale-twice").__name__ == "Twice"
+    finally:
+        ATTENTIONS.pop("plugin-scale-twice", None)
+
+
+def test_a_broken_entry_point_is_named_when_asked_for_and_skipped_with_a_warning_otherwise(plugin):
+    """One broken package must not stop lavo from listing, or telling apart, the others."""
+    (plugin / "lavo_plugin_demo.py").write_text("raise ImportError('needs a package that is not installed')\n")
+    message = (r"entry point 'plugin-scale' = 'lavo_plugin_demo' of group 'lavo\.attentions' failed to import: "
+               r"needs a package that is not installed")
+    with pytest.warns(UserWarning, match=f"^skipped {message}$"):
+        assert "lavo" in registry.available_attentions()
+    with pytest.raises(ImportError, match=f"^{message}$"):
+        attention_class("plugin-scale")
+    with pytest.warns(UserWarning, match="^skipped"), pytest.raises(UnknownAttention, match="^unknown attention 'x'"):
+        attention_class("x")
 
 
 def test_options_a_config_could_not_set_are_refused_at_registration():

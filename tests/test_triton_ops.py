@@ -379,7 +379,7 @@ def test_deterministic_algorithms_keep_auto_on_torch_and_triton_says_why(monkeyp
     from lavo.ops import common
     monkeypatch.setattr(common, "TRITON_AVAILABLE", True)
     monkeypatch.setattr(common, "capability", lambda q: (9, 0))
-    cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, requires_grad=True)
     message = (r"^backend='triton' adds the position-bias and basis gradients with atomic adds, whose order is not "
                r"deterministic, and torch\.use_deterministic_algorithms\(True\) is set: backend='torch' \(or 'auto', "
                r"which takes it then\) is deterministic$")
@@ -391,6 +391,8 @@ def test_deterministic_algorithms_keep_auto_on_torch_and_triton_says_why(monkeyp
             uses_triton("triton", cuda_like)
         with torch.no_grad():  # the forward kernels are deterministic
             assert uses_triton("auto", cuda_like) and uses_triton("triton", cuda_like)
+        frozen = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, requires_grad=False)  # no backward follows
+        assert uses_triton("auto", frozen) and uses_triton("triton", frozen)
         torch.use_deterministic_algorithms(True, warn_only=True)
         with pytest.warns(UserWarning, match=message):
             assert uses_triton("triton", cuda_like)

@@ -167,9 +167,11 @@ class Mechanism(nn.Module):
         if device is None or dtype is None:
             parameters = list(self.parameters())  # none in a replica made by nn.DataParallel
             device = torch.device(device or (parameters[0].device if parameters else "cpu"))
-            if dtype is None and torch.is_autocast_enabled(device.type):
-                dtype = torch.get_autocast_dtype(device.type)
-            dtype = dtype or (parameters[0].dtype if parameters else torch.get_default_dtype())
+            weights = parameters[0].dtype if parameters else torch.get_default_dtype()
+            # autocast computes float32 layers in its dtype (and leaves float64 ones as they are)
+            autocast = (weights == torch.float32 and torch.amp.is_autocast_available(device.type)
+                        and torch.is_autocast_enabled(device.type))
+            dtype = dtype or (torch.get_autocast_dtype(device.type) if autocast else weights)
         return self._new_cache(batch_size, device=device, dtype=dtype)
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> Cache:

@@ -156,12 +156,17 @@ def check_window_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windo
 
 
 def query_scale(scale: float | None, head_dim: int) -> float:
-    """The factor on the scores: ``scale``, or ``head_dim ** -0.5`` when None. A tensor that requires a gradient
-    is refused: the fast forms take the scale as a constant and give it no gradient, so it would never train."""
+    """The factor on the scores: ``scale``, or ``head_dim ** -0.5`` when None."""
+    return head_dim ** -0.5 if scale is None else scale
+
+
+def constant_scale(scale: float | None, head_dim: int) -> float:
+    """:func:`query_scale` for an op whose autograd Function takes the scale as a constant and gives it no
+    gradient: a tensor that requires one is refused, as it would never train."""
     if isinstance(scale, torch.Tensor) and scale.requires_grad:
         raise TypeError("scale is a constant of the op, which gives it no gradient: a learned scale would never "
                         "train; scale q instead (LAVO's layer learns its read temperature with read_temperature=True)")
-    return head_dim ** -0.5 if scale is None else scale
+    return query_scale(scale, head_dim)
 
 
 BACKENDS = ("auto", "triton", "torch")
@@ -260,9 +265,10 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
 
 
-def _deterministic_backward() -> bool:
-    """Whether a backward may follow and torch is asked for deterministic algorithms."""
-    return torch.is_grad_enabled() and torch.are_deterministic_algorithms_enabled()
+def _deterministic_backward(q: torch.Tensor) -> bool:
+    """Whether a backward may follow (``q`` takes part in a graph) and torch is asked for deterministic
+    algorithms."""
+    return torch.is_grad_enabled() and q.requires_grad and torch.are_deterministic_algorithms_enabled()
 
 
 def uses_triton(backend: str, q: torch.Tensor) -> bool:
@@ -270,15 +276,16 @@ def uses_triton(backend: str, q: torch.Tensor) -> bool:
 
     ``auto`` takes them for CUDA tensors of a dtype they handle, on a GPU of compute capability 8.0 or later, when
     Triton 3.3 or later is installed, the torch path otherwise; ``triton`` insists, and says why it cannot where it
-    cannot. Under ``torch.use_deterministic_algorithms(True)`` with gradients on, ``auto`` takes the torch path
-    and ``triton`` raises (warns, with ``warn_only=True``): the kernels' backward adds some gradients atomically.
+    cannot. Under ``torch.use_deterministic_algorithms(True)``, for a ``q`` that requires a gradient with grad
+    mode on, ``auto`` takes the torch path and ``triton`` raises (warns, with ``warn_only=True``): the kernels'
+    backward adds some gradients atomically.
     """
     check_backend(backend)
     if backend == "torch":
         return False
     if backend == "auto":
         return (q.is_cuda and q.dtype in TRITON_DTYPES and TRITON_AVAILABLE and capability(q) >= MIN_CAPABILITY
-                and not _deterministic_backward())
+                and not _deterministic_backward(q))
     if TRITON_VERSION is None:
         raise ValueError("backend='triton' needs the triton package (pip install 'lavo[gpu]')")
     if not TRITON_AVAILABLE:
@@ -298,7 +305,7 @@ def uses_triton(backend: str, q: torch.Tensor) -> bool:
                          f"(NVIDIA Ampere), this one has {major}.{minor}; backend='torch' runs on it")
     if q.dtype not in TRITON_DTYPES:
         raise ValueError(f"backend='triton' takes float16, bfloat16 or float32 inputs, got {q.dtype}")
-    if q.is_cuda and _deterministic_backward():
+    if q.is_cuda and _deterministic_backward(q):
         message = ("backend='triton' adds the position-bias and basis gradients with atomic adds, whose order is "
                    "not deterministic, and torch.use_deterministic_algorithms(True) is set: backend='torch' (or "
                    "'auto', which takes it then) is deterministic")

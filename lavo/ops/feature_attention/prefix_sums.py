@@ -75,6 +75,6 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
             numerator = torch.einsum("bhts,bshd->bthd", weights, vs) + torch.einsum("bthf,bhfd->bthd", carried, kv)
             denominator = weights.sum(-1).transpose(1, 2) + torch.einsum("bthf,bhf->bth", carried, k_sum)
             outputs.append(normalize(numerator, denominator, eps).to(v.dtype))
-            kv = kv + torch.einsum("bshf,bshd->bhfd", k.to(kv.dtype), vs.to(kv.dtype))
-            k_sum = k_sum + k.sum(1, dtype=k_sum.dtype)
+            kv = kv + torch.einsum("bshf,bshd->bhfd", k, vs)
+            k_sum = k_sum + k.sum(1)
     return torch.cat(outputs, 1), (kv, k_sum)

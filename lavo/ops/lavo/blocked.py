@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ...cache import PAPER_MEMORY, LavoCache
-from ..common import (accumulation_dtype, check_basis, check_pos_bias, check_window_inputs, exclusive_cumsum,
-                      query_scale, uses_triton)
+from ..common import (accumulation_dtype, check_basis, check_pos_bias, check_window_inputs, constant_scale,
+                      exclusive_cumsum, uses_triton)
 from ..local.blocked import blocked_local_attention, from_blocks, real_tokens, to_blocks
 from ..local.decoding import visible_keys
 from .memory import memory_read, project
@@ -87,7 +87,7 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
     if return_cache and not causal:
         raise ValueError("a cache exists only for causal attention (causal=False was given)")
     B, T, H, D = q.shape
-    scale = query_scale(scale, D)
+    scale = constant_scale(scale, D)
     variant = is_variant(write, memory)
     if (variant or read_scale is not None) and backend == "triton":
         raise ValueError("backend='triton' computes the paper's memory only (write='mean', memory='scalar', no "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...cache import PAPER_MEMORY, LavoCache
-from ..common import query_scale
+from ..common import constant_scale
 from ..local.decoding import keep_visible, local_attention_chunk
 from .blocked import check_inputs, check_read_scale, scaled_queries
 from .memory import memory_read, project
@@ -44,7 +44,7 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
     if cache.memory_top is not None:
         raise ValueError("this cache holds a memory variant's states; the paper's memory continues from "
                          "LavoCache.empty or from a cache it returned")
-    scale = query_scale(scale, D)
+    scale = constant_scale(scale, D)
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask
     keys, values, key_mask = cache.keys, cache.values, cache.key_mask
     memory_sum, memory_count = cache.memory_sum, cache.memory_count
@@ -95,7 +95,7 @@ def _variant_cached(q, k, v, basis, cache: LavoCache, *, window, pos_bias, real,
                          "LavoCache.empty_variant or from a cache the variant returned")
     B, T, H, D = q.shape
     cache.check_batch_size(B)
-    scale = query_scale(scale, D)
+    scale = constant_scale(scale, D)
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if real is None else real
     keys, values, key_mask, position = cache.keys, cache.values, cache.key_mask, cache.position
     memory_state = SlotState(cache.memory_top, cache.memory_sum, cache.memory_count)

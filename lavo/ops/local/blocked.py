@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from ..common import (autocast_off, check_pos_bias, check_window_inputs, first_order_only, neg_inf,
-                      query_scale, uses_triton)
+from ..common import (autocast_off, check_pos_bias, check_window_inputs, constant_scale, first_order_only,
+                      neg_inf, uses_triton)
 
 
 # Elements of scores computed at once: 4 MiB in float32, about what stays in cache.
@@ -214,7 +214,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
     check_window_inputs(q, k, v, window, padding_mask)
     B, T, H, D = q.shape
     check_pos_bias(pos_bias, H, window, causal)
-    scale = query_scale(scale, D)
+    scale = constant_scale(scale, D)
     if uses_triton(backend, q):
         from .kernels import window_attention
         out = window_attention(q, k, v, window=window, causal=causal, pos_bias=pos_bias, padding_mask=padding_mask,
