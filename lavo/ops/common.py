@@ -268,7 +268,7 @@ def check_backend(backend: str) -> None:
 def _deterministic_backward(q: torch.Tensor) -> bool:
     """Whether a backward may follow (``q`` takes part in a graph) and torch is asked for deterministic
     algorithms."""
-    return torch.is_grad_enabled() and q.requires_grad and torch.are_deterministic_algorithms_enabled()
+    return torch.are_deterministic_algorithms_enabled() and torch.is_grad_enabled() and q.requires_grad
 
 
 def uses_triton(backend: str, q: torch.Tensor) -> bool:
