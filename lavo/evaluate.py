@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -103,7 +104,7 @@ def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch
                          progress: bool = False, spread: bool = False) -> dict[int, dict]:
     """``{L: {"loss", "ppl", "tokens", "segments"}}`` over the same ``N`` targets for every ``L``: the first ones,
     or windows of them spread over the whole text (:func:`segment_starts`)."""
-    EvalSettings(lengths=list(lengths), batch_size=batch_size, chunk_size=chunk_size, max_tokens=max_tokens)
+    EvalSettings(lengths=list(lengths), batch_size=batch_size, chunk_size=chunk_size, max_tokens=max_tokens)  # a check
     lengths = sorted(set(int(length) for length in lengths))
     chunk_size = chunk_size or None
     n = shared_length(len(tokens), lengths, max_tokens)
@@ -182,6 +183,40 @@ def held_out_tokens(config, tokenizer, split: str, data_dir: str | None, parts: 
         raise DataError(f"{error} ({where})") from error
 
 
+class LoadedModel(NamedTuple):
+    """A model to score, as :func:`~lavo.run.load_model_dir` loads it, under the name its table row shows."""
+
+    name: str
+    path: str
+    model: Any
+    config: Any  # the run config; None for an exported model that does not record it
+    tokenizer: Any
+
+
+def load_models(run_dirs: list[str], device) -> list[LoadedModel]:
+    """Each directory's model, named by its folder, or by its path when two folders share a name."""
+    from .run import load_model_dir
+    names = [Path(run).name for run in run_dirs]
+    if len(set(names)) < len(names):
+        names = [str(run) for run in run_dirs]
+    return [LoadedModel(name, run, *load_model_dir(run, device)) for name, run in zip(names, run_dirs)]
+
+
+def write_results(out_dir: str, loaded: list[LoadedModel], results: dict[str, dict[int, dict]], *, split: str,
+                  parts: list[str] | None, text: str | None, spread: bool, dtype: str,
+                  train_length: int | None, log=print) -> None:
+    """``results.json`` (what was scored, how, and the results) and ``perplexity.png`` in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"split": split if text is None else None, "parts": parts if text is None else None, "text": text,
+               "spread": spread, "dtype": dtype,
+               "runs": {run.name: str(run.path) for run in loaded},
+               "results": {name: {str(k): v for k, v in r.items()} for name, r in results.items()}}
+    write_json(out / "results.json", payload)
+    plot = save_plot(results, out / "perplexity.png", train_length=train_length)
+    log(f"wrote {out / 'results.json'} and {plot}")
+
+
 def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, multiples: list[float] | None = None,
                   split: str = "valid", parts: list[str] | None = None, text: str | None = None,
                   batch_size: int = 8, chunk_size: int | None = 512,
@@ -196,7 +231,6 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     first ``max_tokens`` (:func:`segment_starts`). ``dtype``: ``"bfloat16"`` or ``"float16"`` scores under
     autocast (the losses are still summed in float64)."""
     from .data import DataError
-    from .run import load_model_dir
     from .train import autocast_for, resolve_device
 
     settings = EvalSettings(multiples=multiples, lengths=lengths, max_tokens=max_tokens, batch_size=batch_size,
@@ -205,51 +239,42 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     autocast = autocast_for(dtype, device, "--dtype")
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise ValueError(f"--out {out_dir} is a file: give a folder for results.json and perplexity.png")
-    names = [Path(run).name for run in run_dirs]
-    if len(set(names)) < len(names):  # same folder name in different places: use the paths
-        names = [str(run) for run in run_dirs]
-    loaded = [(name, *load_model_dir(run, device)) for name, run in zip(names, run_dirs)]
-    missing_config = [run for (_, _, config, _), run in zip(loaded, run_dirs) if config is None]
+    loaded = load_models(run_dirs, device)
+    missing_config = [run.path for run in loaded if run.config is None]
     if missing_config and text is None:
         raise DataError(f"{', '.join(map(str, missing_config))} do not record the data they trained on: score a "
                         "text with --text FILE")
     if text is None:
-        differ = {(c.data.source, c.data.tokenizer) for _, _, c, _ in loaded}
+        differ = {(run.config.data.source, run.config.data.tokenizer) for run in loaded}
     else:  # on a given text only the tokenizers matter
-        differ = {t.inner.to_str() for _, _, _, t in loaded}
+        differ = {run.tokenizer.inner.to_str() for run in loaded}
     if len(differ) > 1:
         log("warning: the runs use different data or tokenizers: perplexities do not compare")
-    train_length = next((c.train.train_length for _, _, c, _ in loaded if c is not None), None)
+    train_length = next((run.config.train.train_length for run in loaded if run.config is not None), None)
     if settings.lengths is None and train_length is None:
         raise ValueError("the models do not record their training length: give --lengths")
     lengths = settings.lengths_for(train_length)
     texts = {}  # runs on the same data with the same tokenizer score the same tokens: tokenise once
     results = {}
-    for name, model, config, tokenizer in loaded:
+    for run in loaded:
+        tokenizer = run.tokenizer
         if text is None:
-            data = config.data
+            data = run.config.data
             key = (data.source, data_dir or data.data_dir, json.dumps(data.holdout), json.dumps(parts),
                    tokenizer.inner.to_str())
         else:
             key = (text, tokenizer.inner.to_str())
         if key not in texts:
             texts[key] = (text_tokens(text, tokenizer) if text else
-                          held_out_tokens(config, tokenizer, split, data_dir, parts))
+                          held_out_tokens(run.config, tokenizer, split, data_dir, parts))
         if progress:
-            log(f"scoring {name} at lengths {', '.join(map(str, lengths))}")
+            log(f"scoring {run.name} at lengths {', '.join(map(str, lengths))}")
         with autocast():
-            results[name] = perplexity_by_length(model, texts[key], lengths, batch_size=batch_size,
-                                                 chunk_size=chunk_size, max_tokens=max_tokens, device=device,
-                                                 progress=progress, spread=spread)
+            results[run.name] = perplexity_by_length(run.model, texts[key], lengths, batch_size=batch_size,
+                                                     chunk_size=chunk_size, max_tokens=max_tokens, device=device,
+                                                     progress=progress, spread=spread)
     log(format_table(results, f"tokens of {text}" if text else SCORED[split]))
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        payload = {"split": split if text is None else None, "parts": parts if text is None else None, "text": text,
-                   "spread": spread, "dtype": dtype,
-                   "runs": {name: str(run) for (name, *_), run in zip(loaded, run_dirs)},
-                   "results": {name: {str(k): v for k, v in r.items()} for name, r in results.items()}}
-        write_json(out / "results.json", payload)
-        plot = save_plot(results, out / "perplexity.png", train_length=train_length)
-        log(f"wrote {out / 'results.json'} and {plot}")
+        write_results(out_dir, loaded, results, split=split, parts=parts, text=text, spread=spread, dtype=dtype,
+                      train_length=train_length, log=log)
     return results

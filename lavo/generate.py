@@ -137,7 +137,7 @@ def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: floa
     """``num_samples`` continuations of ``prompt`` (token ids), each at most ``max_new_tokens`` long."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
-    SamplingSettings(max_new_tokens, temperature, top_k, top_p, seed, num_samples)
+    SamplingSettings(max_new_tokens, temperature, top_k, top_p, seed, num_samples)  # built to check the arguments
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)

@@ -36,11 +36,11 @@ CONFIG, TOKENIZER, WEIGHTS, STATE, METRICS = (
 PENDING = ".model.safetensors.next"  # the next checkpoint's weights, until its state.pt commits them
 LOCK = ".lock"
 RUN_FILES = (WEIGHTS, STATE, METRICS)  # what a run directory that has trained holds
+EXPORTED_MODEL_TYPE = "lavo_lm"  # `model_type` in the config.json of a directory written by `lavo export`
 
 
 class RunError(RuntimeError):
     """A run directory that cannot be used as asked; the message names the file and what to do."""
-EXPORTED_MODEL_TYPE = "lavo_lm"  # `model_type` in the config.json of a directory written by `lavo export`
 
 
 def save_run_config(run_dir: str | os.PathLike, config: RunConfig, model_config: ModelConfig,

@@ -471,22 +471,7 @@ class Trainer:
         try:
             with StopRequests() as stops:
                 while p.step < end:
-                    lr = learning_rate(p.step, tc)
-                    try:
-                        loss, norm = self.train_step(lr)
-                    except torch.cuda.OutOfMemoryError as error:
-                        raise RunError(self.out_of_memory(p.step + 1)) from error
-                    p.step += 1
-                    p.tokens += self.tokens_per_step
-                    p.loss = loss.item()
-                    self.window_tokens += self.tokens_per_step
-                    p.elapsed = time.perf_counter() - started
-                    if p.step % tc.log_interval == 0 or p.step == end:
-                        self.log_step(loss, norm, lr)
-                    if self.bar is not None:
-                        self.bar.update(1)
-                    if tc.eval_interval and (p.step % tc.eval_interval == 0 or p.step == tc.steps) and self.env.main:
-                        self.off_the_clock(self.validate)
+                    self.take_step(end, started)
                     stop = self.stop_reason(stops)
                     if stop == "interrupt":
                         self.say(f"interrupted after step {p.step}; saving a checkpoint (resume with --resume)")
@@ -502,6 +487,29 @@ class Trainer:
                 self.bar = None
         self.checkpoint()
         return self.finish()
+
+    def take_step(self, end: int, started: float) -> None:
+        """One training step and its bookkeeping: the counters, the log record (every ``log_interval`` steps and
+        at ``end``), the progress bar, and validation when due. ``started``: the ``perf_counter`` reading at which
+        the run's training time was zero (this call's start less what earlier calls trained)."""
+        tc, p = self.tc, self.progress
+        lr = learning_rate(p.step, tc)
+        try:
+            loss, norm = self.train_step(lr)
+        except torch.cuda.OutOfMemoryError as error:
+            raise RunError(self.out_of_memory(p.step + 1)) from error
+        p.step += 1
+        p.tokens += self.tokens_per_step
+        p.loss = loss.item()
+        self.window_tokens += self.tokens_per_step
+        p.elapsed = time.perf_counter() - started
+        if p.step % tc.log_interval == 0 or p.step == end:
+            self.log_step(loss, norm, lr)
+        if self.bar is not None:
+            self.bar.update(1)
+        # at train.steps, not at end: a call cut short by stop_after validates as the uninterrupted run would
+        if tc.eval_interval and (p.step % tc.eval_interval == 0 or p.step == tc.steps) and self.env.main:
+            self.off_the_clock(self.validate)
 
     def out_of_memory(self, step: int) -> str:
         """What to do when training step ``step`` ran out of GPU memory."""

@@ -37,6 +37,12 @@ def zero_padded(y: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Ten
     return y if padding_mask is None else y.masked_fill(~padding_mask[..., None], 0)
 
 
+def first_parameter(module: nn.Module) -> nn.Parameter | None:
+    """The module's first parameter, for its device and dtype; None in a replica made by ``nn.DataParallel``,
+    which holds none."""
+    return next(module.parameters(), None)
+
+
 def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -95,8 +101,8 @@ class Mechanism(nn.Module):
     accepts_rotary = False  # takes ``rotary=True`` (the model's ``position="rope"``)
     time_complexity = "linear"  # "linear" | "quadratic" in the sequence length
     cache_types: tuple[type, ...] = ()  # the caches a call may continue (those its calls return)
-    # a causal layer can continue a sequence from the cache it returns: whether it declares cache_types, unless
-    # a class says otherwise (one whose subclass drops the decoding form)
+    # whether a causal layer continues a sequence from the cache it returns: set from cache_types for each
+    # subclass (__init_subclass__), unless the subclass sets it itself
     supports_decoding = False
     has_step_layout = False  # step_cache gives a fixed layout that a one-token step updates in place
 
@@ -165,9 +171,9 @@ class Mechanism(nn.Module):
         if not self.supports_decoding:
             raise ValueError(f"{type(self).__name__} has no decoding form, so no cache")
         if device is None or dtype is None:
-            parameters = list(self.parameters())  # none in a replica made by nn.DataParallel
-            device = torch.device(device or (parameters[0].device if parameters else "cpu"))
-            weights = parameters[0].dtype if parameters else torch.get_default_dtype()
+            first = first_parameter(self)
+            device = torch.device(device or (first.device if first is not None else "cpu"))
+            weights = first.dtype if first is not None else torch.get_default_dtype()
             # autocast computes float32 layers in its dtype (and leaves float64 ones as they are)
             autocast = (weights == torch.float32 and torch.amp.is_autocast_available(device.type)
                         and torch.is_autocast_enabled(device.type))
@@ -235,7 +241,7 @@ def check_input_dtype(layer: nn.Module, x: torch.Tensor, name: str = "x") -> Non
         raise ValueError(f"{name} must be a floating-point tensor (features, not token ids), got {x.dtype}")
     if dtypes_may_differ(x.device.type):
         return
-    weights = next(layer.parameters(), None)  # none in a replica made by nn.DataParallel
+    weights = first_parameter(layer)
     if weights is not None and x.dtype != weights.dtype:
         raise ValueError(f"{name} has dtype {x.dtype} and the layer's weights {weights.dtype}: convert one "
                          f"({name}.to({weights.dtype}) or layer.to({x.dtype})), or call the layer under torch.autocast")

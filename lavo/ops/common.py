@@ -73,6 +73,12 @@ def first_order_only(op: str, reference: str):
     return wrap
 
 
+def zero_padded_queries(out: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """``out [B, T, H, D]`` with zeros at padded queries (``padding_mask [B, T]``, True = real), whatever the op
+    computed there. A product with the mask (the layers' :func:`~lavo.layers.base.zero_padded` fills instead)."""
+    return out if padding_mask is None else out * padding_mask[:, :, None, None].to(out.dtype)
+
+
 def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Sums of the entries strictly before each position along ``dim``."""
     return x.cumsum(dim) - x

@@ -11,7 +11,7 @@ import torch
 from einops import rearrange
 
 from ..common import (autocast_off, check_pos_bias, check_window_inputs, constant_scale, first_order_only,
-                      neg_inf, uses_triton)
+                      neg_inf, uses_triton, zero_padded_queries)
 
 
 # Elements of scores computed at once: 4 MiB in float32, about what stays in cache.
@@ -120,12 +120,12 @@ def _block_weights(queries, keys, bias, key_valid, masked, c0, causal, shift=Non
     shift = scores.amax(-1, keepdim=True) if shift is None else shift
     # exp() of a value that underflows takes a slow path on CPU (about 10x); clamp, then zero what is masked.
     weights = scores.sub_(shift).clamp_(min=EXP_FLOOR).exp_()
+    future = bias == neg_inf(bias.dtype)  # the keys after a causal query: neg_inf in its bias
     if padded:
-        keep = key_valid[c0:c1, :, None, None, :] & (bias > neg_inf(bias.dtype)) if causal else \
-            key_valid[c0:c1, :, None, None, :]
-        weights.masked_fill_(~keep, 0)
+        keep = key_valid[c0:c1, :, None, None, :]
+        weights.masked_fill_(~(keep & ~future) if causal else ~keep, 0)
     elif causal:
-        weights.masked_fill_(bias == neg_inf(bias.dtype), 0)
+        weights.masked_fill_(future, 0)
     return weights, shift
 
 
@@ -219,12 +219,10 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
         from .kernels import window_attention
         out = window_attention(q, k, v, window=window, causal=causal, pos_bias=pos_bias, padding_mask=padding_mask,
                                scale=scale)
-        return out if padding_mask is None else out * padding_mask[:, :, None, None].to(out.dtype)
-    out = blocked_local_attention(to_blocks(q, window), to_blocks(k, window), to_blocks(v, window),
-                                  real_tokens(padding_mask, B, T, window, q.device), causal=causal, pos_bias=pos_bias,
-                                  scale=scale)
-    out = from_blocks(out, T)
-    if padding_mask is not None:
-        out = out * padding_mask[:, :, None, None].to(out.dtype)
-    return out
+    else:
+        out = blocked_local_attention(to_blocks(q, window), to_blocks(k, window), to_blocks(v, window),
+                                      real_tokens(padding_mask, B, T, window, q.device), causal=causal,
+                                      pos_bias=pos_bias, scale=scale)
+        out = from_blocks(out, T)
+    return zero_padded_queries(out, padding_mask)
 
