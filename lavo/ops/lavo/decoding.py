@@ -37,92 +37,101 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
     B, T, H, D = q.shape
     cache.check_fits(B, H, D, basis.shape[1], window=window, dissection=dissection, write=write, memory=memory)
     cache.check_dtype(q.dtype)
+    scale = constant_scale(scale, D)
     if is_variant(write, memory):
-        return _variant_cached(q, k, v, basis, cache, window=window, pos_bias=pos_bias, real=padding_mask,
-                               scale=scale, write=write, memory=memory, decay=decay, gate=gate,
-                               read_scale=read_scale)
-    if cache.memory_top is not None:
-        raise ValueError("this cache holds a memory variant's states; the paper's memory continues from "
-                         "LavoCache.empty or from a cache it returned")
-    scale = constant_scale(scale, D)
+        state = _VariantMemory(cache, basis, scale=scale, read_scale=read_scale, write=write, memory=memory,
+                               decay=decay, gate=gate, window=window)
+    else:
+        state = _PaperMemory(cache, basis, scale=scale, read_scale=read_scale, dissection=dissection)
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask
-    keys, values, key_mask = cache.keys, cache.values, cache.key_mask
-    memory_sum, memory_count = cache.memory_sum, cache.memory_count
-    window_sum, window_count = cache.window_sum, cache.window_count
-    position = cache.position
-    outputs = []
-    begin = 0
-    while begin < T:
-        end = min(T, begin + window - position % window)
-        piece = slice(begin, end)
-        keys = torch.cat([keys, k[:, piece]], 1)
-        values = torch.cat([values, v[:, piece]], 1)
-        key_mask = torch.cat([key_mask, real[:, piece]], 1)
-        local = local_attention_chunk(q[:, piece], keys, values, start=position, window=window, pos_bias=pos_bias,
-                                      key_mask=key_mask, scale=scale)
-        counts = real[:, None, piece, None].to(memory_sum.dtype)  # [B, 1, L, 1]
-        proj = project((local if dissection else v[:, piece]).transpose(1, 2), basis) * counts  # [B, H, L, r]
-        if dissection:
-            coefficients = (memory_sum / memory_count.clamp(min=1)[:, None, None])[:, :, None]
-        else:
-            running = (memory_sum + window_sum)[:, :, None] + proj.cumsum(2)
-            seen = (memory_count + window_count)[:, None, None, None] + counts.cumsum(2)
-            coefficients = running / seen.clamp(min=1)
-        queries = scaled_queries(q[:, piece].transpose(1, 2), read_scale)
-        memory = memory_read(queries, coefficients, basis, scale).transpose(1, 2)
-        outputs.append((local + memory) / 2 * real[:, piece, None, None].to(q.dtype))
-        window_sum = window_sum + proj.sum(2)
-        window_count = window_count + counts.sum((1, 2, 3))
-        position += end - begin
-        if position % window == 0:
-            memory_sum, memory_count = memory_sum + window_sum, memory_count + window_count
-            window_sum, window_count = torch.zeros_like(window_sum), torch.zeros_like(window_count)
-        keys, values, key_mask = keep_visible(position, window, keys, values, key_mask)
-        begin = end
-    cache = LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=memory_sum, memory_count=memory_count,
-                      window_sum=window_sum, window_count=window_count, position=position, window=window,
-                      dissection=dissection, **PAPER_MEMORY)
-    return torch.cat(outputs, 1), cache
-
-
-def _variant_cached(q, k, v, basis, cache: LavoCache, *, window, pos_bias, real, scale, write, memory, decay, gate,
-                    read_scale) -> tuple[torch.Tensor, LavoCache]:
-    """:func:`lavo_attention_cached` for a memory variant (:mod:`.variants`): the same pieces, with the memories
-    kept as ``(top, sum, count)`` states. The unfinished window's state is referenced to its start; at a
-    boundary it is merged into the memory, whose decay logits drop by a whole window."""
-    if cache.memory_top is None:
-        raise ValueError("this cache holds the paper's memory; a memory variant continues from "
-                         "LavoCache.empty_variant or from a cache the variant returned")
-    B, T, H, D = q.shape
-    cache.check_batch_size(B)
-    scale = constant_scale(scale, D)
-    real = torch.ones(B, T, dtype=torch.bool, device=q.device) if real is None else real
     keys, values, key_mask, position = cache.keys, cache.values, cache.key_mask, cache.position
-    memory_state = SlotState(cache.memory_top, cache.memory_sum, cache.memory_count)
-    window_state = SlotState(cache.window_top, cache.window_sum, cache.window_count)
     outputs, begin = [], 0
-    while begin < T:
+    while begin < T:  # in pieces that never cross a window boundary
         end = min(T, begin + window - position % window)
         piece = slice(begin, end)
         keys, values = torch.cat([keys, k[:, piece]], 1), torch.cat([values, v[:, piece]], 1)
         key_mask = torch.cat([key_mask, real[:, piece]], 1)
         local = local_attention_chunk(q[:, piece], keys, values, start=position, window=window, pos_bias=pos_bias,
                                       key_mask=key_mask, scale=scale)
-        offsets = torch.arange(position % window, position % window + end - begin, device=q.device)
-        logits, written = write_logits(local.transpose(1, 2), basis, memory, decay, gate, offsets)
-        counts = real[:, None, piece, None].to(logits.dtype)  # [B, 1, L, 1]
-        window_state = merge(window_state, summarise(logits, written, counts, memory), 0.0)
-        queries = scaled_queries(q[:, piece].transpose(1, 2), read_scale)
-        read = read_variant(queries, memory_state.mean(), basis, scale, memory).transpose(1, 2)
+        read = state.step(q[:, piece], v[:, piece], local, real[:, piece], position % window)
         outputs.append((local + read) / 2 * real[:, piece, None, None].to(q.dtype))
         position += end - begin
         if position % window == 0:
-            memory_state = merge(memory_state, window_state, head_shift(decay, window))
-            window_state = empty_state(window_state.top, window_state.total.shape[-1])
+            state.close_window()
         keys, values, key_mask = keep_visible(position, window, keys, values, key_mask)
         begin = end
-    cache = LavoCache(keys=keys, values=values, key_mask=key_mask, position=position, window=window,
-                      memory_top=memory_state.top, memory_sum=memory_state.total, memory_count=memory_state.norm,
-                      window_top=window_state.top, window_sum=window_state.total, window_count=window_state.norm,
-                      dissection=True, write=write, memory=memory)
-    return torch.cat(outputs, 1), cache
+    return torch.cat(outputs, 1), state.cache(keys=keys, values=values, key_mask=key_mask, position=position,
+                                              window=window)
+
+
+class _PaperMemory:
+    """The paper's memory through a chunk: sums of the coordinates (float32 for 16-bit inputs) and counts, of the
+    whole windows before and of the window under way."""
+
+    def __init__(self, cache: LavoCache, basis: torch.Tensor, *, scale, read_scale, dissection: bool):
+        if cache.memory_top is not None:
+            raise ValueError("this cache holds a memory variant's states; the paper's memory continues from "
+                             "LavoCache.empty or from a cache it returned")
+        self.basis, self.scale, self.read_scale, self.dissection = basis, scale, read_scale, dissection
+        self.memory_sum, self.memory_count = cache.memory_sum, cache.memory_count
+        self.window_sum, self.window_count = cache.window_sum, cache.window_count
+
+    def step(self, q, v, local, real, offset: int) -> torch.Tensor:
+        """Read the memory for a piece ``[B, L, H, D]`` of one window (``real [B, L]``), then write it."""
+        counts = real[:, None, :, None].to(self.memory_sum.dtype)  # [B, 1, L, 1]
+        proj = project((local if self.dissection else v).transpose(1, 2), self.basis) * counts  # [B, H, L, r]
+        if self.dissection:  # the whole windows before
+            coefficients = (self.memory_sum / self.memory_count.clamp(min=1)[:, None, None])[:, :, None]
+        else:  # every position up to the query
+            running = (self.memory_sum + self.window_sum)[:, :, None] + proj.cumsum(2)
+            seen = (self.memory_count + self.window_count)[:, None, None, None] + counts.cumsum(2)
+            coefficients = running / seen.clamp(min=1)
+        queries = scaled_queries(q.transpose(1, 2), self.read_scale)
+        self.window_sum = self.window_sum + proj.sum(2)
+        self.window_count = self.window_count + counts.sum((1, 2, 3))
+        return memory_read(queries, coefficients, self.basis, self.scale).transpose(1, 2)
+
+    def close_window(self) -> None:
+        self.memory_sum, self.memory_count = self.memory_sum + self.window_sum, self.memory_count + self.window_count
+        self.window_sum, self.window_count = torch.zeros_like(self.window_sum), torch.zeros_like(self.window_count)
+
+    def cache(self, **kept) -> LavoCache:
+        return LavoCache(memory_sum=self.memory_sum, memory_count=self.memory_count, window_sum=self.window_sum,
+                         window_count=self.window_count, dissection=self.dissection, **PAPER_MEMORY, **kept)
+
+
+class _VariantMemory:
+    """A memory variant (:mod:`.variants`) through a chunk: ``(top, sum, count)`` states of the whole windows
+    before and of the window under way. The unfinished window's state is referenced to its start; when it closes
+    it is merged into the memory, whose decay logits drop by a whole window."""
+
+    def __init__(self, cache: LavoCache, basis: torch.Tensor, *, scale, read_scale, write: str, memory: str,
+                 decay, gate, window: int):
+        if cache.memory_top is None:
+            raise ValueError("this cache holds the paper's memory; a memory variant continues from "
+                             "LavoCache.empty_variant or from a cache the variant returned")
+        self.basis, self.scale, self.read_scale = basis, scale, read_scale
+        self.write, self.memory, self.decay, self.gate, self.window = write, memory, decay, gate, window
+        self.memory_state = SlotState(cache.memory_top, cache.memory_sum, cache.memory_count)
+        self.window_state = SlotState(cache.window_top, cache.window_sum, cache.window_count)
+
+    def step(self, q, v, local, real, offset: int) -> torch.Tensor:
+        """Read the memory for a piece ``[B, L, H, D]`` of one window starting ``offset`` positions into it
+        (``real [B, L]``), then write the piece into the window's state."""
+        offsets = torch.arange(offset, offset + q.shape[1], device=q.device)
+        logits, written = write_logits(local.transpose(1, 2), self.basis, self.memory, self.decay, self.gate,
+                                       offsets)
+        counts = real[:, None, :, None].to(logits.dtype)  # [B, 1, L, 1]
+        self.window_state = merge(self.window_state, summarise(logits, written, counts, self.memory), 0.0)
+        queries = scaled_queries(q.transpose(1, 2), self.read_scale)
+        return read_variant(queries, self.memory_state.mean(), self.basis, self.scale, self.memory).transpose(1, 2)
+
+    def close_window(self) -> None:
+        self.memory_state = merge(self.memory_state, self.window_state, head_shift(self.decay, self.window))
+        self.window_state = empty_state(self.window_state.top, self.window_state.total.shape[-1])
+
+    def cache(self, **kept) -> LavoCache:
+        memory, window = self.memory_state, self.window_state
+        return LavoCache(memory_top=memory.top, memory_sum=memory.total, memory_count=memory.norm,
+                         window_top=window.top, window_sum=window.total, window_count=window.norm, dissection=True,
+                         write=self.write, memory=self.memory, **kept)
