@@ -103,12 +103,14 @@ class LavoAttention(AttentionLayer):
         if self.is_variant:
             raise ValueError("a LavoStepCache holds the paper's memory; this layer's memory variant decodes through "
                              "LavoCache")
-        check_made_by(cache, window=options.pop("window"))
+        check_made_by(cache, window=self.window)
+        # a step takes its window from the cache, and the padding of its own position
+        step_options = {name: value for name, value in options.items() if name not in ("window", "padding_mask")}
         outputs = []
         for t in range(q.shape[1]):
-            options["padding_mask"] = None if padding_mask is None else padding_mask[:, t:t + 1]
+            mask = None if padding_mask is None else padding_mask[:, t:t + 1]
             out, cache = lavo_decode_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], self.basis, cache,
-                                          backend=self.backend, **options)
+                                          padding_mask=mask, backend=self.backend, **step_options)
             outputs.append(out)
         return torch.cat(outputs, 1), cache
 

@@ -30,10 +30,10 @@ def scaled_queries(q: torch.Tensor, read_scale: torch.Tensor | None) -> torch.Te
     return q if read_scale is None else q * read_scale.to(q.dtype)[:, None, None]
 
 
-def _memory_branch(q, features, counts, basis, scale, causal, dissection, skip_counts):
+def _memory_branch(q, features, counts, basis, scale, causal, dissection, all_counts_one):
     r"""Global branch on blocks: ``q, features [n, B, H, w, D]``, ``counts [n, B, 1, w, 1]`` ->
     (read-out ``[n, B, H, w, D]``, per-window projection sums ``[n, B, H, 1, r]``)."""
-    if not skip_counts:
+    if not all_counts_one:
         features = features * counts.to(features.dtype)
     block_count = counts.sum(3, keepdim=True)
     if dissection or not causal:
@@ -102,13 +102,15 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
     real = real_tokens(padding_mask, B, T, window, q.device)
     local = blocked_local_attention(qb, kb, vb, real, causal=causal, pos_bias=pos_bias, scale=scale)
     counts = real[:, :, None, :, None].to(accumulation_dtype(q.dtype))  # [n, B, 1, w, 1]
-    skip_counts = padding_mask is None and T % window == 0  # every count is 1
+    all_counts_one = padding_mask is None and T % window == 0  # no padding, and no block padded past T
     qr = scaled_queries(qb, read_scale)
+    # the variants and the paper's memory differ here, in the memory branch, and in the cache they return
     if variant:
-        read, windows, upto = variant_memory_branch(qr, local, counts, basis, scale, causal, memory, decay, gate)
+        read, window_states, states_upto = variant_memory_branch(qr, local, counts, basis, scale, causal, memory,
+                                                                 decay, gate)
     else:
         read, block_sum = _memory_branch(qr, local if dissection else vb, counts, basis, scale, causal, dissection,
-                                         skip_counts)
+                                         all_counts_one)
     out = from_blocks(read.add_(local).mul_(0.5), T)  # the read-out is not kept for backward: reuse it
     out = zero_padded_queries(out, padding_mask)
     if not return_cache:
@@ -116,19 +118,19 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
     if variant:
         keys, values, key_mask = visible_keys(k, v, padding_mask, window)
         return out, LavoCache(keys=keys, values=values, key_mask=key_mask, position=T, window=window,
-                              dissection=True, write=write, memory=memory,
-                              **variant_cache_states(windows, upto, T // window))
+                              dissection=True, write=write, memory=memory,  # variants need dissection
+                              **variant_cache_states(window_states, states_upto, T // window))
     window_proj = block_sum[..., 0, :].permute(1, 2, 0, 3)  # [B, H, n, r]
     return out, cache_after(k, v, padding_mask, window_proj, counts.sum((2, 3, 4)).T, window, dissection)
 
 
-def cache_after(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, window_proj: torch.Tensor,
+def cache_after(k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None, window_proj: torch.Tensor,
                 counts: torch.Tensor, window: int, dissection: bool) -> LavoCache:
     r"""The cache of the paper's memory that continues a sequence of ``T`` positions: ``k, v [B, T, H, D]``,
-    ``real [B, T]`` or None, the projections of each window's feature sums ``[B, H, n, r]`` (of the local outputs
-    with ``dissection``, else of the values) and its counts of real tokens ``[B, n]``."""
+    ``padding_mask [B, T]`` or None, the projections of each window's feature sums ``[B, H, n, r]`` (of the local
+    outputs with ``dissection``, else of the values) and its counts of real tokens ``[B, n]``."""
     done = k.shape[1] // window  # completed windows
-    keys, values, key_mask = visible_keys(k, v, real, window)
+    keys, values, key_mask = visible_keys(k, v, padding_mask, window)
     return LavoCache(keys=keys, values=values, key_mask=key_mask, memory_sum=window_proj[:, :, :done].sum(2),
                      memory_count=counts[:, :done].sum(1), window_sum=window_proj[:, :, done:].sum(2),
                      window_count=counts[:, done:].sum(1), position=k.shape[1], window=window,
