@@ -135,7 +135,7 @@ def add_eval(commands) -> None:
 def cmd_generate(args) -> None:
     from .generate import generate
     from .run import load_model_dir
-    from .train import resolve_device
+    from .devices import resolve_device
     device = resolve_device(args.device)
     model, _, tokenizer = load_model_dir(args.run, device)
     prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_id]

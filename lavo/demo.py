@@ -76,7 +76,7 @@ def seconds_per_step(config: RunConfig, vocab_size: int, steps: int = 4, warmup:
     import torch.nn.functional as F
 
     from .model import LanguageModel
-    from .train import resolve_device
+    from .devices import resolve_device
 
     device = resolve_device(config.train.device)
     torch.manual_seed(0)

@@ -231,7 +231,7 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     first ``max_tokens`` (:func:`segment_starts`). ``dtype``: ``"bfloat16"`` or ``"float16"`` scores under
     autocast (the losses are still summed in float64)."""
     from .data import DataError
-    from .train import autocast_for, resolve_device
+    from .devices import autocast_for, resolve_device
 
     settings = EvalSettings(multiples=multiples, lengths=lengths, max_tokens=max_tokens, batch_size=batch_size,
                             chunk_size=chunk_size, dtype=dtype)

@@ -16,7 +16,6 @@ import os
 import signal
 import threading
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 from .config import RunConfig
 from .data import Prepared, check_source, prepare
+from .devices import autocast_for, resolve_device
 from .files import make_directory
 from .layers.base import after_optimizer_step
 from .model import LanguageModel, count_parameters
@@ -42,18 +42,6 @@ RESUMABLE_CHANGES = {"out_dir", "steps", "time_limit", "device", "compile", "act
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-
-def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        name = f"cuda:{local_rank}"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was asked for, but no CUDA device is available: choose the CPU "
-                         "(--device cpu; for lavo train, --set train.device=cpu)")
-    return device
-
 
 def learning_rate(step: int, config) -> float:
     """The rate of step ``step`` (0-based): linear warmup to ``lr`` over ``warmup`` steps, then cosine decay that
@@ -135,27 +123,6 @@ def setup_distributed(device_name: str) -> tuple[Distributed, torch.device]:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     make_current(device)
     return env, device
-
-
-AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def autocast_for(dtype: str, device: torch.device,
-                 setting: str = "train.dtype") -> Callable[[], contextlib.AbstractContextManager]:
-    """A context factory: autocast to ``dtype`` (``"bfloat16"`` or ``"float16"``), nothing for float32. Refuses
-    bfloat16 on a GPU without it (before Ampere), where it would be emulated, slowly, or fail; warns of float16 on
-    the CPU. ``setting``: what the messages call the choice."""
-    if dtype == "float32":
-        return contextlib.nullcontext
-    if dtype not in AUTOCAST_DTYPES:
-        raise ValueError(f"{setting} must be float32, bfloat16 or float16, got {dtype!r}")
-    if dtype == "bfloat16" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        raise RunError(f"{setting}=bfloat16 needs a GPU with bfloat16 arithmetic (NVIDIA Ampere or later); "
-                       f"{torch.cuda.get_device_name(device)} has none: use {setting}=float16 or float32")
-    if dtype == "float16" and device.type == "cpu":
-        warnings.warn(f"{setting}=float16 on the CPU is slow: most CPUs have no fast float16 arithmetic; use "
-                      "float32 there (or bfloat16, on a CPU with bfloat16 instructions)", stacklevel=2)
-    return lambda: torch.autocast(device.type, dtype=AUTOCAST_DTYPES[dtype])
 
 
 def valid_loss(model, tokens, length, batches, batch_size, device, autocast) -> float:
