@@ -112,15 +112,6 @@ class KVCache(Cache):
         keys = torch.zeros(batch, 0, heads, head_dim, dtype=dtype, device=device)
         return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), 0)
 
-    @classmethod
-    def of(cls, k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None) -> KVCache:
-        """The cache of a sequence's first ``T`` positions: ``k, v [B, T, H, D]`` themselves, not copied (a
-        training forward makes one per layer and uses none); the first :meth:`append` copies them into buffers
-        with room to grow."""
-        mask = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if padding_mask is None else \
-            padding_mask.clone()  # the caller's, which it may change
-        return cls(k, v, mask, k.shape[1], padding_mask is not None)
-
     def _writable_end(self, *new: torch.Tensor) -> int | None:
         """Where this cache's positions end in its buffers when ``new`` may be written after them in place, else
         None."""

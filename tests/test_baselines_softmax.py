@@ -104,28 +104,3 @@ def test_one_token_steps_without_padding_call_sdpa_without_a_mask(monkeypatch):
             steps.append(y)
     assert calls == [(6, 6, None, True), (1, 7, None, False), (1, 8, None, False), (1, 9, None, False)]
     torch.testing.assert_close(torch.cat(steps, 1), full[:, 6:])
-
-
-def test_a_first_call_keeps_its_keys_and_values_as_the_cache_without_copying_them(monkeypatch):
-    """A training forward makes a cache per layer and uses none: it copied every layer's keys and values into new
-    buffers, which stayed alive until the model's forward returned (a softmax model's peak memory grew by all of
-    them). The first append copies them instead, into buffers with room to grow."""
-    from lavo.cache import KVCache
-    appends = []
-    real_append = KVCache.append
-    monkeypatch.setattr(KVCache, "append", lambda self, *args: appends.append(1) or real_append(self, *args))
-    torch.manual_seed(0)
-    layer = build_attention("softmax", 24, 3, rotary=True).double()
-    x = torch.randn(2, 9, 24, dtype=torch.float64)
-    mask = torch.ones(2, 6, dtype=torch.bool)
-    mask[0, :2] = False
-    _, cache = layer(x[:, :6], padding_mask=mask)
-    assert appends == []
-    mask[1, 0] = False  # the caller's mask, changed after the call, is not the cache's
-    assert cache.key_mask[1, 0] and cache.position == 6 and cache.padded
-    with torch.no_grad():
-        step, cache = layer(x[:, 6:7], cache=cache)
-        rest, cache = layer(x[:, 7:9], cache=cache)
-    assert len(appends) == 2 and cache.buffers is not None and cache.position == 9
-    expected, _ = layer(x)  # row 1 has no padding
-    torch.testing.assert_close(torch.cat([step, rest], 1)[1], expected[1, 6:9])
