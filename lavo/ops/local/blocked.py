@@ -120,12 +120,12 @@ def _block_weights(queries, keys, bias, key_valid, masked, c0, causal, shift=Non
     shift = scores.amax(-1, keepdim=True) if shift is None else shift
     # exp() of a value that underflows takes a slow path on CPU (about 10x); clamp, then zero what is masked.
     weights = scores.sub_(shift).clamp_(min=EXP_FLOOR).exp_()
-    future = bias <= neg_inf(bias.dtype)  # the keys after a causal query: neg_inf in its bias (or a -inf given)
-    if padded:
-        keep = key_valid[c0:c1, :, None, None, :]
-        weights.masked_fill_(~(keep & ~future) if causal else ~keep, 0)
-    elif causal:
-        weights.masked_fill_(future, 0)
+    drop = ~key_valid[c0:c1, :, None, None, :] if padded else None
+    if causal:  # the keys after the query: neg_inf in its bias (or a -inf given)
+        future = bias <= neg_inf(bias.dtype)
+        drop = future if drop is None else drop | future
+    if drop is not None:
+        weights.masked_fill_(drop, 0)
     return weights, shift
 
 
