@@ -127,9 +127,9 @@ def _lookup(table: dict, name: str, kind: str) -> type:
         _load_entry_points(name)
     if name not in table:  # a module named by one entry point may register several mechanisms
         _load_entry_points()
-    if name not in table:
+    if name not in table:  # every entry point is loaded by now: the table is all there is
         decorator = "register_attention" if table is ATTENTIONS else "register_cross_attention"
-        raise UnknownAttention(f"unknown {kind} {name!r}; available: {', '.join(_available(table))}. A mechanism "
+        raise UnknownAttention(f"unknown {kind} {name!r}; available: {', '.join(sorted(table))}. A mechanism "
                                f"of your own is registered when its module is imported (@{decorator}); for "
                                f"the command line and saved models, name that module in an entry point of the "
                                f"group {ENTRY_POINT_GROUP!r} of its package")
