@@ -39,10 +39,10 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
     cache.check_dtype(q.dtype)
     scale = constant_scale(scale, D)
     if is_variant(write, memory):
-        state = _VariantMemory(cache, basis, scale=scale, read_scale=read_scale, write=write, memory=memory,
-                               decay=decay, gate=gate, window=window)
+        state = _VariantMemory(cache, basis, scale=scale, write=write, memory=memory, decay=decay, gate=gate,
+                               window=window)
     else:
-        state = _PaperMemory(cache, basis, scale=scale, read_scale=read_scale, dissection=dissection)
+        state = _PaperMemory(cache, basis, scale=scale, dissection=dissection)
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask
     keys, values, key_mask, position = cache.keys, cache.values, cache.key_mask, cache.position
     outputs, begin = [], 0
@@ -53,7 +53,8 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
         key_mask = torch.cat([key_mask, real[:, piece]], 1)
         local = local_attention_chunk(q[:, piece], keys, values, start=position, window=window, pos_bias=pos_bias,
                                       key_mask=key_mask, scale=scale)
-        read = state.step(q[:, piece], v[:, piece], local, real[:, piece], position % window)
+        queries = scaled_queries(q[:, piece].transpose(1, 2), read_scale)  # [B, H, L, D]
+        read = state.step(queries, v[:, piece], local, real[:, piece], position % window)
         outputs.append((local + read) / 2 * real[:, piece, None, None].to(q.dtype))
         position += end - begin
         if position % window == 0:
@@ -68,16 +69,17 @@ class _PaperMemory:
     """The paper's memory through a chunk: sums of the coordinates (float32 for 16-bit inputs) and counts, of the
     whole windows before and of the window under way."""
 
-    def __init__(self, cache: LavoCache, basis: torch.Tensor, *, scale, read_scale, dissection: bool):
+    def __init__(self, cache: LavoCache, basis: torch.Tensor, *, scale, dissection: bool):
         if cache.memory_top is not None:
             raise ValueError("this cache holds a memory variant's states; the paper's memory continues from "
                              "LavoCache.empty or from a cache it returned")
-        self.basis, self.scale, self.read_scale, self.dissection = basis, scale, read_scale, dissection
+        self.basis, self.scale, self.dissection = basis, scale, dissection
         self.memory_sum, self.memory_count = cache.memory_sum, cache.memory_count
         self.window_sum, self.window_count = cache.window_sum, cache.window_count
 
-    def step(self, q, v, local, real, offset: int) -> torch.Tensor:
-        """Read the memory for a piece ``[B, L, H, D]`` of one window (``real [B, L]``), then write it."""
+    def step(self, queries, v, local, real, offset: int) -> torch.Tensor:
+        """Read the memory for a piece of one window (``queries [B, H, L, D]``, read-scaled; ``v`` and ``local``
+        ``[B, L, H, D]``; ``real [B, L]``), then write it."""
         counts = real[:, None, :, None].to(self.memory_sum.dtype)  # [B, 1, L, 1]
         proj = project((local if self.dissection else v).transpose(1, 2), self.basis) * counts  # [B, H, L, r]
         if self.dissection:  # the whole windows before
@@ -86,7 +88,6 @@ class _PaperMemory:
             running = (self.memory_sum + self.window_sum)[:, :, None] + proj.cumsum(2)
             seen = (self.memory_count + self.window_count)[:, None, None, None] + counts.cumsum(2)
             coefficients = running / seen.clamp(min=1)
-        queries = scaled_queries(q.transpose(1, 2), self.read_scale)
         self.window_sum = self.window_sum + proj.sum(2)
         self.window_count = self.window_count + counts.sum((1, 2, 3))
         return memory_read(queries, coefficients, self.basis, self.scale).transpose(1, 2)
@@ -105,25 +106,24 @@ class _VariantMemory:
     before and of the window under way. The unfinished window's state is referenced to its start; when it closes
     it is merged into the memory, whose decay logits drop by a whole window."""
 
-    def __init__(self, cache: LavoCache, basis: torch.Tensor, *, scale, read_scale, write: str, memory: str,
-                 decay, gate, window: int):
+    def __init__(self, cache: LavoCache, basis: torch.Tensor, *, scale, write: str, memory: str, decay, gate,
+                 window: int):
         if cache.memory_top is None:
             raise ValueError("this cache holds the paper's memory; a memory variant continues from "
                              "LavoCache.empty_variant or from a cache the variant returned")
-        self.basis, self.scale, self.read_scale = basis, scale, read_scale
+        self.basis, self.scale = basis, scale
         self.write, self.memory, self.decay, self.gate, self.window = write, memory, decay, gate, window
         self.memory_state = SlotState(cache.memory_top, cache.memory_sum, cache.memory_count)
         self.window_state = SlotState(cache.window_top, cache.window_sum, cache.window_count)
 
-    def step(self, q, v, local, real, offset: int) -> torch.Tensor:
-        """Read the memory for a piece ``[B, L, H, D]`` of one window starting ``offset`` positions into it
-        (``real [B, L]``), then write the piece into the window's state."""
-        offsets = torch.arange(offset, offset + q.shape[1], device=q.device)
+    def step(self, queries, v, local, real, offset: int) -> torch.Tensor:
+        """Read the memory for a piece of one window starting ``offset`` positions into it (arguments as
+        :meth:`_PaperMemory.step`), then write the piece into the window's state."""
+        offsets = torch.arange(offset, offset + local.shape[1], device=local.device)
         logits, written = write_logits(local.transpose(1, 2), self.basis, self.memory, self.decay, self.gate,
                                        offsets)
         counts = real[:, None, :, None].to(logits.dtype)  # [B, 1, L, 1]
         self.window_state = merge(self.window_state, summarise(logits, written, counts, self.memory), 0.0)
-        queries = scaled_queries(q.transpose(1, 2), self.read_scale)
         return read_variant(queries, self.memory_state.mean(), self.basis, self.scale, self.memory).transpose(1, 2)
 
     def close_window(self) -> None:
