@@ -295,8 +295,9 @@ def add_forecast(commands) -> None:
     p.add_argument("--horizon", type=flag_type(Grid, "horizon"), required=True,
                    help="steps to forecast, e.g. 96 or 96,192,336,720")
     p.add_argument("--input", type=flag_type(Grid, "input"), default=[96], help="input steps (default: 96)")
-    p.add_argument("--cross", type=names(available_cross_attentions()), default=[],
-                   help=f"cross attentions, comma-separated: {', '.join(available_cross_attentions())}")
+    cross = available_cross_attentions()
+    p.add_argument("--cross", type=names(cross), default=[],
+                   help=f"cross attentions, comma-separated: {', '.join(cross)}")
     p.add_argument("--baseline", type=names(BASELINES), default=[],
                    help=f"baselines, comma-separated: {', '.join(BASELINES)}")
     p.add_argument("--seed", type=flag_type(Grid, "seed"), default=[0], help="seeds, comma-separated (default: 0)")
