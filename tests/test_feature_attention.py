@@ -53,7 +53,7 @@ def _relative_error(y, expected):
 @pytest.mark.parametrize("how", ["module", "autocast"])
 def test_cosformer_in_float16_keeps_its_sums_out_of_float16s_range(how):
     """S sums T products: past ~10K tokens of unit inputs it leaves float16's range. Computed in float16 (and,
-    under autocast, read back through float16 einsums) the outputs were 10% to 68% off, or NaN, at 16K and 32K."""
+    under autocast, read back through float16 einsums) the outputs were far off, or NaN, at 16K and 32K."""
     from lavo.ops.cosformer import cosformer_attention, cosformer_attention_causal
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 32768, 1, 16) for _ in range(3))
@@ -68,7 +68,7 @@ def test_cosformer_in_float16_keeps_its_sums_out_of_float16s_range(how):
 
 def test_performers_first_positions_in_float16_do_not_lose_their_denominator():
     """A query's and a key's features are normalised separately, so their products can be tiny: in float16 the
-    first positions' denominators underflowed to zero or below the clamp, and their outputs were up to 99% off."""
+    first positions' denominators underflowed to zero or below the clamp, and their outputs were far off."""
     from lavo.ops.performer import orthogonal_random_features, performer_attention_causal
     torch.manual_seed(0)
     projection = orthogonal_random_features(64, 16)
@@ -76,5 +76,5 @@ def test_performers_first_positions_in_float16_do_not_lose_their_denominator():
     expected = performer_attention_causal(q.double(), k.double(), v.double(), projection.double())[0]
     y = performer_attention_causal(q.half(), k.half(), v.half(), projection.half())[0]
     per_position = (y.double() - expected).norm(dim=-1) / expected.norm(dim=-1)
-    # what is left (5% at the second position) is the features' own float16 rounding
+    # what is left is the features' own float16 rounding
     assert per_position[0, :8].max() < 0.1
