@@ -206,6 +206,26 @@ def test_chunked_and_recomputed_local_kernel_matches_naive(monkeypatch, causal, 
                                    lavo_attention_naive(q, k, v, basis, **options), [q, k, v, basis, pos_bias])
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_recomputed_float16_weights_give_the_saved_weights_gradients(monkeypatch, causal):
+    """Long sequences recompute the local softmax in backward; in float16 it must repeat the forward's rounding
+    (a log-sum-exp subtracted from float16 scores of about 30 did not), so every gradient is the same bit for bit."""
+    import lavo.ops.local.blocked as local_ops
+
+    monkeypatch.setattr(local_ops, "SCORES_PER_CHUNK", 1)
+    q, k, v, _, pos_bias, mask = random_inputs(40, 8, 16, 4, causal, True, True)
+    inputs = [(t * 3).half().detach().requires_grad_() for t in (q, k, v, pos_bias)]  # scores up to about 30
+
+    def gradients():
+        out = local_attention(*inputs[:3], window=8, causal=causal, pos_bias=inputs[3], padding_mask=mask)
+        return torch.autograd.grad(out.float().square().sum(), inputs)
+
+    saved = gradients()
+    monkeypatch.setattr(local_ops, "SAVED_WEIGHTS_LIMIT", 0)
+    for recomputed, kept in zip(gradients(), saved):
+        assert torch.equal(recomputed, kept)
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_memory_read_backward_matches_autograd(monkeypatch, shared):
     import lavo.ops.lavo.memory as memory_ops

@@ -50,7 +50,9 @@ class _BlockedLocalAttention(torch.autograd.Function):
     """Softmax attention of each block of queries over its neighbouring key blocks, computed a few blocks at a
     time: scores never exist for the whole sequence. Backward recomputes them (as in FlashAttention) unless the
     whole sequence's weights fit in ``SAVED_WEIGHTS_LIMIT`` elements, so long inputs keep only the inputs, the
-    output and one log-sum-exp per query."""
+    output and each query's score maximum and weight sum. With these two (rather than their log-sum-exp) the
+    recomputation repeats the forward's arithmetic, so its weights equal the saved ones in every dtype: in float16,
+    ``score - lse`` rounded the score to float16's spacing first (0.016 at 30)."""
 
     @staticmethod
     @autocast_off
@@ -64,7 +66,7 @@ class _BlockedLocalAttention(torch.autograd.Function):
         keep_weights = n * scores_per_block <= SAVED_WEIGHTS_LIMIT
         # Outputs and gradients are contiguous blocks: matmul into strided slices of a [B, T, H, D] layout copies
         # through a temporary at every chunk, which cost far more than one copy back at the end.
-        out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:-1])
+        out, peaks, totals = q.new_empty(q.shape), q.new_empty(*q.shape[:-1], 1), q.new_empty(*q.shape[:-1], 1)
         saved = q.new_empty(*q.shape[:-1], K) if keep_weights else None
         for c0 in range(0, n, chunk):
             c1 = min(n, c0 + chunk)
@@ -72,11 +74,11 @@ class _BlockedLocalAttention(torch.autograd.Function):
                                            c0, causal)
             total = weights.sum(-1, keepdim=True).clamp_(min=torch.finfo(weights.dtype).tiny)  # 0: no key at all
             weights.div_(total)
-            lse[c0:c1] = (peak + total.log()).squeeze(-1)
+            peaks[c0:c1], totals[c0:c1] = peak, total
             torch.matmul(weights, _neighbours(v, c0, c1, causal), out=out[c0:c1])
             if keep_weights:
                 saved[c0:c1] = weights
-        ctx.save_for_backward(q, k, v, bias, key_valid, out, lse, saved)
+        ctx.save_for_backward(q, k, v, bias, key_valid, out, peaks, totals, saved)
         ctx.causal, ctx.chunk, ctx.masked, ctx.scale = causal, chunk, masked, scale
         return out
 
@@ -85,7 +87,7 @@ class _BlockedLocalAttention(torch.autograd.Function):
                       "lavo.ops.local_attention_naive or lavo_attention_naive")
     @autocast_off
     def backward(ctx, grad_out):
-        q, k, v, bias, key_valid, out, lse, saved = ctx.saved_tensors
+        q, k, v, bias, key_valid, out, peaks, totals, saved = ctx.saved_tensors
         causal, chunk, masked, scale = ctx.causal, ctx.chunk, ctx.masked, ctx.scale
         grad_q, grad_k, grad_v = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
         grad_bias = torch.zeros_like(bias)
@@ -95,7 +97,8 @@ class _BlockedLocalAttention(torch.autograd.Function):
             queries = q[c0:c1] * scale
             keys, values = _neighbours(k, c0, c1, causal), _neighbours(v, c0, c1, causal)
             if saved is None:
-                weights, _ = _block_weights(queries, keys, bias, key_valid, masked, c0, causal, lse[c0:c1, ..., None])
+                weights, _ = _block_weights(queries, keys, bias, key_valid, masked, c0, causal, peaks[c0:c1])
+                weights.div_(totals[c0:c1])
             else:
                 weights = saved[c0:c1]
             grad = grad_out[c0:c1]
