@@ -1,6 +1,7 @@
 """lavo.hf: the native model under transformers' AutoModelForCausalLM, generate(), save/load and pipelines."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, pipeli
 
 import lavo.hf as H  # noqa: E402
 from lavo.cache import LavoCache  # noqa: E402
-from lavo.data import train_bpe  # noqa: E402
+from lavo.data import EOT, train_bpe  # noqa: E402
 from lavo.generate import generate  # noqa: E402
 from lavo.model import build_model  # noqa: E402
 from lavo.registry import available_attentions, attention_class  # noqa: E402
@@ -411,12 +412,19 @@ def test_pipeline_generates_text_offline_from_the_directory(saved, tokenizer):
     assert batched[0][0]["generated_text"] == text
 
 
-def test_the_tokenizer_round_trips_and_a_missing_file_is_an_error(saved, tokenizer):
+def test_the_tokenizer_round_trips_and_a_missing_file_is_an_error(saved, tokenizer, tmp_path):
     directory, _ = saved
     loaded = AutoTokenizer.from_pretrained(directory)
     assert isinstance(loaded, H.LavoTokenizer)
-    text = "miss emma walked to the garden"
-    assert loaded(text)["input_ids"] == tokenizer.encode(text)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    assert config.pop("split_special_tokens") is True
+    older = tmp_path / "older"  # an export from before the setting was written down
+    shutil.copytree(directory, older)
+    (older / "tokenizer_config.json").write_text(json.dumps(config))
+    for text in ("miss emma walked to the garden", f"the sister{EOT}the mother"):  # the token's text stays text
+        for hub in (loaded, AutoTokenizer.from_pretrained(older)):
+            ids = hub(text)["input_ids"]
+            assert ids == tokenizer.encode(text) and hub.decode(ids) == text
     assert loaded.eos_token_id == loaded.pad_token_id == tokenizer.eot_id and loaded.padding_side == "left"
     (directory / "tokenizer.json").rename(directory / "moved.json")
     try:

@@ -11,7 +11,9 @@ from ..run import TOKENIZER
 
 class LavoTokenizer(PreTrainedTokenizerFast):
     """A ``PreTrainedTokenizerFast`` over the run's byte-level BPE (``tokenizer.json``) that will not load
-    without that file: the error says it is missing, instead of the generic one about slow tokenizers."""
+    without that file: the error says it is missing, instead of the generic one about slow tokenizers. A text that
+    says ``<|endoftext|>`` is encoded as text, as the run's tokenizer encoded it in training (``transformers``
+    would otherwise read it as the token), unless ``split_special_tokens=False`` is given."""
 
     @classmethod
     def convert_to_native_format(cls, **kwargs):
@@ -21,6 +23,7 @@ class LavoTokenizer(PreTrainedTokenizerFast):
             # a ValueError: transformers replaces an OSError by a message about corrupted vocabulary files
             raise ValueError(f"{where} has no {TOKENIZER}: a LAVO model's tokenizer is that file; copy the run's "
                              f"{TOKENIZER} there or export the run again with `lavo export`")
+        kwargs.setdefault("split_special_tokens", True)  # exports saved before it was written down leave it out
         return super().convert_to_native_format(**kwargs)
 
 
@@ -28,4 +31,4 @@ def hub_tokenizer(tokenizer: Tokenizer) -> LavoTokenizer:
     """``tokenizer`` for ``transformers``: ``<|endoftext|>`` is its end, start and padding token, and it pads
     on the left, as batched generation needs."""
     return LavoTokenizer(tokenizer_object=tokenizer.inner, bos_token=EOT, eos_token=EOT, pad_token=EOT,
-                         padding_side="left")
+                         padding_side="left", split_special_tokens=True)
