@@ -145,7 +145,15 @@ def cmd_generate(args) -> None:
     for i, sample in enumerate(samples):
         if args.num_samples > 1:
             print(f"--- sample {i} ---")
-        print(args.prompt + tokenizer.decode(sample))
+        print(sample_text(tokenizer, args.prompt, sample))
+
+
+def sample_text(tokenizer, prompt: str, sample: list[int]) -> str:
+    """The prompt and its sampled continuation, without the end-of-text token that may end it (a trained BPE
+    skips it in decoding, but GPT-2's BPE would print its text)."""
+    if sample[-1:] == [tokenizer.eot_id]:
+        sample = sample[:-1]
+    return prompt + tokenizer.decode(sample)
 
 
 def add_generate(commands) -> None:

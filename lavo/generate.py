@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from .layers.base import position_bound
 from .ops.common import launching_on
 from .settings import SEED, at_least, between, check_settings, setting
 
@@ -130,15 +131,48 @@ def graphed_decoder(model, cache) -> StepDecoder | None:
         return None
 
 
-@torch.no_grad()
-def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, stop_id: int | None = None, num_samples: int = 1,
-             device="cpu") -> list[list[int]]:
-    """``num_samples`` continuations of ``prompt`` (token ids), each at most ``max_new_tokens`` long."""
-    if not prompt:
+def check_prompt(model, prompt: list[int] | torch.Tensor, max_new_tokens: int) -> list[int]:
+    """``prompt`` as a list of ids, refused by name when it is empty, holds an id the model has no embedding for,
+    or is too long, with the tokens to come, for the positions the model reads
+    (:func:`~lavo.layers.base.position_bound`)."""
+    ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+    if not ids:
         raise ValueError("the prompt is empty: give at least one token")
+    if not all(isinstance(i, int) for i in ids):
+        raise ValueError("the prompt must be a flat list (or 1-D tensor) of token ids")
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab_size is not None and not all(0 <= i < vocab_size for i in ids):
+        outside = sorted({i for i in ids if not 0 <= i < vocab_size})
+        raise ValueError(f"the prompt holds token ids outside the model's vocabulary of {vocab_size}: {outside[:5]}")
+    bound = position_bound(model)
+    if bound is not None and len(ids) + max_new_tokens - 1 > bound[0]:  # the last token is not fed
+        longest, layer = bound
+        raise ValueError(f"this model reads at most {longest} positions (its {layer}): after a {len(ids)}-token "
+                         f"prompt it can generate at most {max(0, longest - len(ids) + 1)} tokens, not "
+                         f"{max_new_tokens}")
+    return ids
+
+
+@torch.no_grad()
+def generate(model, prompt: list[int] | torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_id: int | None = None,
+             num_samples: int = 1, device: torch.device | str | None = None) -> list[list[int]]:
+    """``num_samples`` continuations of ``prompt`` (token ids), each at most ``max_new_tokens`` long (a sample that
+    reaches ``stop_id`` ends with it). ``device``: where the prompt goes, by default the model's. The model
+    samples in eval mode and is left in the mode it was in."""
+    prompt = check_prompt(model, prompt, max_new_tokens)
     SamplingSettings(max_new_tokens, temperature, top_k, top_p, seed, num_samples)  # built to check the arguments
+    if device is None:
+        device = next(model.parameters()).device
+    training = model.training
     model.eval()
+    try:
+        return _sample(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_id, num_samples, device)
+    finally:
+        model.train(training)
+
+
+def _sample(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_id, num_samples, device):
     generator = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
     use_cache = getattr(model, "supports_decoding", False)

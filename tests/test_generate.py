@@ -1,4 +1,5 @@
 """Sampling: seeded, cached decoding equals recomputing, top-k / top-p filtering."""
+import pytest
 import torch
 from reference_checks import forward_calls
 
@@ -75,3 +76,32 @@ def test_the_prompt_is_fed_once_and_each_new_token_but_the_last():
         calls = forward_calls([m])
         assert len(generate(m, [1, 2, 3], 5, temperature=0)[0]) == 5
         assert calls == [1 + 4]
+
+
+def test_the_model_is_left_in_the_mode_it_was_in_and_a_tensor_prompt_is_a_list():
+    m = model().train()
+    with_list = generate(m, [1, 2, 3], 6, temperature=0)
+    assert m.training
+    assert generate(m.eval(), torch.tensor([1, 2, 3]), 6, temperature=0) == with_list and not m.training
+
+
+def test_prompts_the_model_cannot_read_are_refused_by_name():
+    m = model()
+    with pytest.raises(ValueError, match=r"the prompt holds token ids outside the model's vocabulary of 61: "
+                                         r"\[-1, 61\]"):
+        generate(m, [3, 61, -1], 5)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        generate(m, torch.tensor([], dtype=torch.long), 5)
+
+
+def test_a_model_that_reads_a_bounded_number_of_positions_is_told_how_many_tokens_fit():
+    """cosFormer's causal form reads at most max_length positions: refused before anything is generated, where
+    it used to fail at that position and lose the tokens sampled so far."""
+    torch.manual_seed(0)
+    m = build_model(dict(vocab_size=61, dim=32, depth=2, heads=2, attention="cosformer",
+                         attention_options={"max_length": 12}))
+    assert len(generate(m, [1, 2, 3], 10, temperature=0)[0]) == 10  # positions 0 .. 11: the last fits
+    with pytest.raises(ValueError, match=r"this model reads at most 12 positions \(its CosformerAttention with "
+                                         r"max_positions=12\): after a 3-token prompt it can generate at most 10 "
+                                         r"tokens, not 11"):
+        generate(m, [1, 2, 3], 11)

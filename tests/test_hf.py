@@ -42,7 +42,7 @@ def native(vocab_size=61, **settings):
 
 
 def wrapped(model, **config):
-    return H.LavoLMForCausalLM.from_native(model, **config).eval()
+    return H.LavoLMForCausalLM.from_native(model, **config)  # in the native model's mode: eval
 
 
 def hub_generate(model, prompt, max_new_tokens, **options):
@@ -580,3 +580,17 @@ def test_the_stream_example_scores_a_long_text_with_a_constant_state(saved, toke
         logits, _ = model(torch.tensor([tokens[:-1]]))
     nll = torch.nn.functional.cross_entropy(logits[0], torch.tensor(tokens[1:]))
     assert reports[-1]["ppl"] == pytest.approx(nll.exp().item(), rel=1e-4)
+
+
+def test_from_native_keeps_the_models_mode():
+    """A wrapper in training mode would drop tokens out in generate(): two greedy calls differed."""
+    model = native(dropout=0.2)
+    assert not wrapped(model).training and wrapped(model.train()).training
+
+
+def test_generate_refuses_a_row_without_a_real_token():
+    model = wrapped(native())
+    ids = torch.tensor([[0, 0, 0], [5, 6, 7]])
+    mask = torch.tensor([[0, 0, 0], [1, 1, 1]])
+    with pytest.raises(ValueError, match=r"rows \[0\] of attention_mask have no real token"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)

@@ -75,13 +75,20 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_native(cls, model: LanguageModel, **config) -> LavoLMForCausalLM:
-        """The same model (weights copied) with ``config`` (any other :class:`LavoLMConfig` field) set."""
+        """The same model (weights copied, in its training or eval mode) with ``config`` (any other
+        :class:`LavoLMConfig` field) set."""
         wrapped = cls(LavoLMConfig.from_model_config(model.config, **config))
         wrapped.lavo.load_state_dict(model.state_dict())
         weight = next(model.parameters())
-        return wrapped.to(device=weight.device, dtype=weight.dtype)
+        return wrapped.to(device=weight.device, dtype=weight.dtype).train(model.training)
 
     def generate(self, *args, **kwargs):
+        mask = kwargs.get("attention_mask")
+        empty = [] if mask is None else (mask.sum(-1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"rows {empty} of attention_mask have no real token, so nothing to continue (their "
+                             "logits would be zeros): give each prompt at least one token, e.g. the tokenizer's "
+                             "bos_token as pipeline() does for an empty prompt")
         if not self.lavo.supports_decoding:
             # with use_cache, generate() would feed only the last token, which a model without a cache cannot take
             kwargs["use_cache"] = False

@@ -38,7 +38,7 @@ def real_spans(real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     broken = (span != real).any(1).nonzero().flatten().tolist()
     if broken:
         raise ValueError(f"rows {broken} have padding between real tokens: the attention mask of each row must be "
-                         "ones in one block (left or right padding only)")
+                         "ones in one block (left padding, or for scoring right padding too)")
     return first, count
 
 

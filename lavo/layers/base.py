@@ -105,6 +105,7 @@ class Mechanism(nn.Module):
     # subclass (__init_subclass__), unless the subclass sets it itself
     supports_decoding = False
     has_step_layout = False  # step_cache gives a fixed layout that a one-token step updates in place
+    max_positions: int | None = None  # the most positions a sequence may have (None: any), cached calls together
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -215,6 +216,14 @@ class Mechanism(nn.Module):
             kinds = " or ".join(kind.__name__ for kind in self.cache_types)
             raise ValueError(f"{type(self).__name__} continues a {kinds}, got a {type(cache).__name__}: pass the "
                              "cache this layer's previous call returned")
+
+
+def position_bound(model: nn.Module) -> tuple[int, str] | None:
+    """The fewest :attr:`~Mechanism.max_positions` among ``model``'s layers, with the layer that sets it (its class
+    and bound), or None when no layer bounds the positions."""
+    bounds = [(m.max_positions, f"{type(m).__name__} with max_positions={m.max_positions}") for m in model.modules()
+              if isinstance(m, Mechanism) and m.max_positions is not None]
+    return min(bounds, default=None)
 
 
 def check_returned_cache(layer: Mechanism, cache: Any) -> None:

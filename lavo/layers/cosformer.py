@@ -28,6 +28,10 @@ class CosformerAttention(AttentionLayer):
         check_positive("CosformerAttention", max_length=max_length, chunk=chunk)
         self.max_length, self.chunk = max_length, chunk
 
+    @property
+    def max_positions(self) -> int | None:
+        return self.max_length if self.causal else None  # the non-causal form re-weights by the sequence's length
+
     def attend(self, q, k, v, padding_mask, cache: CosformerCache | None):
         if self.causal:
             return cosformer_attention_causal(q, k, v, self.max_length, padding_mask=padding_mask, cache=cache,
