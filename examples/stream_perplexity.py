@@ -94,17 +94,26 @@ def check_paths(parser: argparse.ArgumentParser, model: str, text: str) -> None:
         parser.error(f"{text} is not a file")
 
 
+def positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {value!r}")
+    return int(value)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a directory written by `lavo export`")
     parser.add_argument("text", help="a UTF-8 text file of any length")
-    parser.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per forward pass (default: 2048)")
-    parser.add_argument("--report-every", type=int, default=100_000, help="tokens between reports")
+    parser.add_argument("--chunk-tokens", type=positive, default=2048, help="tokens per forward pass (default: 2048)")
+    parser.add_argument("--report-every", type=positive, default=100_000, help="tokens between reports")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     check_paths(parser, args.model, args.text)
     logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(args.model).to(args.device).eval()
+    if not model.lavo.supports_decoding:  # every chunk would start from an empty context
+        parser.error(f"{args.model} is a {model.config.attention} model, which has no decoding form, so no state "
+                     "carries the text before a chunk: score it with `lavo eval` at a fixed length instead")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     start, next_report, report = time.perf_counter(), args.report_every, None
     for report in running_perplexity(model, tokenizer, args.text, args.chunk_tokens):

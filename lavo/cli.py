@@ -119,7 +119,8 @@ def add_eval(commands) -> None:
                    help="segments per forward pass (default: 8)")
     p.add_argument("--chunk-size", type=_flag("eval", "chunk_size"), default=512,
                    help="positions per forward pass through the cache; "
-                   "0 scores each segment in one pass (default: 512)")
+                   "0 scores each segment in one pass, as a mechanism without a decoding form (long-short) always "
+                   "does, its memory growing with the length (default: 512)")
     p.add_argument("--max-tokens", type=_flag("eval", "max_tokens"), default=None,
                    help="score at most this many tokens")
     p.add_argument("--spread", action="store_true", help="take the scored tokens as windows spread evenly over the "

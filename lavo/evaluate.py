@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -61,9 +62,12 @@ def shared_length(num_tokens: int, lengths: list[int], max_tokens: int | None = 
         available = min(available, max_tokens)
     n = available // longest * longest
     if n == 0:
-        raise ValueError(f"the evaluation text has {num_tokens} tokens; lengths {lengths} need a multiple of "
-                         f"{longest} scored tokens, so at least {longest + 1} tokens (and --max-tokens >= {longest}): "
-                         "use shorter lengths")
+        limit = (f"--max-tokens {max_tokens} allows fewer" if max_tokens is not None and max_tokens < num_tokens - 1
+                 else f"the evaluation text has {num_tokens} tokens")
+        fix = ("use lengths that divide one another (e.g. powers of two)" if longest > max(lengths) else
+               "use shorter lengths" + (" or a larger --max-tokens" if limit.startswith("--max-tokens") else ""))
+        raise ValueError(f"lengths {lengths} score the same targets at every length, a multiple of their least "
+                         f"common multiple {longest}, so at least {longest + 1} tokens; {limit}: {fix}")
     return n
 
 
@@ -108,6 +112,10 @@ def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch
     lengths = sorted(set(int(length) for length in lengths))
     chunk_size = chunk_size or None
     n = shared_length(len(tokens), lengths, max_tokens)
+    if spread and n == math.lcm(*lengths):
+        warnings.warn(f"spread: only one window of {n} targets (the lengths' least common multiple) is scored, so "
+                      "it is the text's first; allow more tokens (--max-tokens) or shorter lengths to spread them",
+                      stacklevel=2)
     stream = torch.from_numpy(np.asarray(tokens if spread else tokens[:n + 1], dtype=np.int64))
     was_training = model.training
     model.eval()
@@ -131,23 +139,33 @@ def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch
     return results
 
 
-def format_table(results: dict[str, dict[int, dict]], scored: str = "held-out tokens") -> str:
-    """Perplexity table: one row per model, one column per length; ``scored`` says which tokens."""
+def scored_tokens(split: str, text: str | None) -> str:
+    """Which tokens an evaluation scored, as the table and the plot say it."""
+    return f"tokens of {text}" if text else SCORED[split]
+
+
+def format_table(results: dict[str, dict[int, dict]], scored: str = "held-out tokens",
+                 same_text: bool = True) -> str:
+    """Perplexity table: one row per model, one column per length; ``scored`` says which tokens, and
+    ``same_text`` whether every run scored the same ones."""
     lengths = sorted({length for per_model in results.values() for length in per_model})
     rows = [[name] + [f"{per_model[length]['ppl']:.2f}" if length in per_model else "-" for length in lengths]
             for name, per_model in results.items()]
-    tokens = {p["tokens"] for per_model in results.values() for p in per_model.values()}
+    tokens = ", ".join(map(str, sorted({p["tokens"] for per_model in results.values() for p in per_model.values()})))
+    where = (f"the same {tokens} {scored} at every length" if same_text else
+             f"{tokens} {scored}, not the same ones for every run (other documents or tokenizers), but for each run "
+             "the same at every length")
     return (text_table(["model"] + [f"L={length}" for length in lengths], rows) +
-            f"\n(perplexity on the same {', '.join(str(t) for t in sorted(tokens))} {scored} at every "
-            "length; segments scored from an empty context)")
+            f"\n(perplexity on {where}; segments scored from an empty context)")
 
 
 def save_plot(results: dict[str, dict[int, dict]], path: str | os.PathLike,
-              train_length: int | None = None) -> Path | None:
-    """Perplexity against evaluation length, one line per model (log-2 length axis)."""
+              train_length: int | None = None, scored: str = SCORED["valid"]) -> Path | None:
+    """Perplexity against evaluation length, one line per model (log-2 length axis); ``scored`` says which
+    tokens."""
     series = {name: [(length, r["ppl"]) for length, r in per_model.items()] for name, per_model in results.items()}
     return line_plot(series, path, xlabel="evaluation length (tokens)", ylabel="perplexity",
-                     title="held-out perplexity vs length",
+                     title=f"perplexity vs length ({scored})",
                      vline=(train_length, "training length") if train_length else None)
 
 
@@ -168,18 +186,20 @@ def text_tokens(path: str | os.PathLike, tokenizer) -> np.ndarray:
     return encode_documents(tokenizer, documents, token_dtype(tokenizer.vocab_size))[0]
 
 
-def held_out_tokens(config, tokenizer, split: str, data_dir: str | None, parts: list[str] | None = None
-                    ) -> np.ndarray:
+def held_out_tokens(config, tokenizer, split: str, data_dir: str | None, parts: list[str] | None = None,
+                    recorded: dict[str, dict[str, str]] | None = None) -> np.ndarray:
     """The split ``split`` of a run's data (from ``data_dir``, default the run's own), tokenised with
-    ``tokenizer``; ``parts``: only the documents of those parts of a mixed source."""
+    ``tokenizer``; ``parts``: only the documents of those parts of a mixed source. ``recorded``: the run's
+    document digests (:func:`~lavo.run.recorded_documents`), against which the documents read now are checked."""
     from .data import DataError, is_builtin, split_tokens
     data = config.data
     try:
-        return split_tokens(data.source, data_dir or data.data_dir, data.holdout, split, tokenizer, parts)
+        return split_tokens(data.source, data_dir or data.data_dir, data.holdout, split, tokenizer, parts,
+                            None if recorded is None else recorded[split])
     except DataError as error:
         where = ("if the run's data is elsewhere: `lavo eval --data-dir FOLDER`" if is_builtin(data.source) else
-                 "the run read its texts from that folder: put them back there, or score a file or folder with "
-                 "--text, which scores all of it, not only the held-out documents")
+                 "the run read its texts from that folder: put them back as they were, or score a file or folder "
+                 "with --text, which scores all of it, not only the held-out documents")
         raise DataError(f"{error} ({where})") from error
 
 
@@ -202,6 +222,29 @@ def load_models(run_dirs: list[str], device) -> list[LoadedModel]:
     return [LoadedModel(name, run, *load_model_dir(run, device)) for name, run in zip(names, run_dirs)]
 
 
+def check_position_bounds(loaded: list[LoadedModel], longest: int) -> None:
+    """Refuse, before anything is scored, a length some run's layers cannot read (cosFormer's ``max_length``)."""
+    from .layers.base import position_bound
+    for run in loaded:
+        bound = position_bound(run.model)
+        if bound is not None and longest > bound[0]:
+            raise ValueError(f"{run.name} reads at most {bound[0]} positions (its {bound[1]}), fewer than the "
+                             f"length {longest}: evaluate it at lengths up to {bound[0]}, or train it with a larger "
+                             "model.attention_options.max_length")
+
+
+def scored_text(run: LoadedModel, split: str, parts: list[str] | None, text: str | None) -> tuple:
+    """What a run scores, as a key: runs with equal keys score the same tokens (on a given text only the
+    tokenizers matter; on a run's data also the source, its documents and the split)."""
+    from .run import recorded_documents
+    tokenizer = run.tokenizer.inner.to_str()
+    if text is not None:
+        return (tokenizer,)
+    data, recorded = run.config.data, recorded_documents(run.path)
+    return (tokenizer, data.source, json.dumps(data.holdout), json.dumps(parts),
+            json.dumps(recorded and recorded[split], sort_keys=True))
+
+
 def write_results(out_dir: str, loaded: list[LoadedModel], results: dict[str, dict[int, dict]], *, split: str,
                   parts: list[str] | None, text: str | None, spread: bool, dtype: str,
                   train_length: int | None, log=print) -> None:
@@ -213,7 +256,7 @@ def write_results(out_dir: str, loaded: list[LoadedModel], results: dict[str, di
                "runs": {run.name: str(run.path) for run in loaded},
                "results": {name: {str(k): v for k, v in r.items()} for name, r in results.items()}}
     write_json(out / "results.json", payload)
-    plot = save_plot(results, out / "perplexity.png", train_length=train_length)
+    plot = save_plot(results, out / "perplexity.png", train_length=train_length, scored=scored_tokens(split, text))
     log(f"wrote {out / 'results.json'} and {plot}")
 
 
@@ -232,6 +275,7 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     autocast (the losses are still summed in float64)."""
     from .data import DataError
     from .devices import autocast_for, resolve_device
+    from .run import recorded_documents
 
     settings = EvalSettings(multiples=multiples, lengths=lengths, max_tokens=max_tokens, batch_size=batch_size,
                             chunk_size=chunk_size, dtype=dtype)
@@ -244,36 +288,30 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     if missing_config and text is None:
         raise DataError(f"{', '.join(map(str, missing_config))} do not record the data they trained on: score a "
                         "text with --text FILE")
-    if text is None:
-        differ = {(run.config.data.source, run.config.data.tokenizer) for run in loaded}
-    else:  # on a given text only the tokenizers matter
-        differ = {run.tokenizer.inner.to_str() for run in loaded}
-    if len(differ) > 1:
-        log("warning: the runs use different data or tokenizers: perplexities do not compare")
+    scored = {run.name: scored_text(run, split, parts, text) for run in loaded}
+    if len(set(scored.values())) > 1:
+        log("warning: the runs score different texts (other data, held-out documents or tokenizers): "
+            "perplexities do not compare")
     train_length = next((run.config.train.train_length for run in loaded if run.config is not None), None)
     if settings.lengths is None and train_length is None:
         raise ValueError("the models do not record their training length: give --lengths")
     lengths = settings.lengths_for(train_length)
+    check_position_bounds(loaded, max(lengths))
     texts = {}  # runs on the same data with the same tokenizer score the same tokens: tokenise once
     results = {}
     for run in loaded:
-        tokenizer = run.tokenizer
-        if text is None:
-            data = run.config.data
-            key = (data.source, data_dir or data.data_dir, json.dumps(data.holdout), json.dumps(parts),
-                   tokenizer.inner.to_str())
-        else:
-            key = (text, tokenizer.inner.to_str())
+        key = scored[run.name] + (text or data_dir or run.config.data.data_dir,)
         if key not in texts:
-            texts[key] = (text_tokens(text, tokenizer) if text else
-                          held_out_tokens(run.config, tokenizer, split, data_dir, parts))
+            texts[key] = (text_tokens(text, run.tokenizer) if text else
+                          held_out_tokens(run.config, run.tokenizer, split, data_dir, parts,
+                                          recorded_documents(run.path)))
         if progress:
             log(f"scoring {run.name} at lengths {', '.join(map(str, lengths))}")
         with autocast():
             results[run.name] = perplexity_by_length(run.model, texts[key], lengths, batch_size=batch_size,
                                                      chunk_size=chunk_size, max_tokens=max_tokens, device=device,
                                                      progress=progress, spread=spread)
-    log(format_table(results, f"tokens of {text}" if text else SCORED[split]))
+    log(format_table(results, scored_tokens(split, text), same_text=len(set(scored.values())) == 1))
     if out_dir is not None:
         write_results(out_dir, loaded, results, split=split, parts=parts, text=text, spread=spread, dtype=dtype,
                       train_length=train_length, log=log)

@@ -160,8 +160,8 @@ def generate(model, prompt: list[int] | torch.Tensor, max_new_tokens: int, *, te
     """``num_samples`` continuations of ``prompt`` (token ids), each at most ``max_new_tokens`` long (a sample that
     reaches ``stop_id`` ends with it). ``device``: where the prompt goes, by default the model's. The model
     samples in eval mode and is left in the mode it was in."""
-    prompt = check_prompt(model, prompt, max_new_tokens)
     SamplingSettings(max_new_tokens, temperature, top_k, top_p, seed, num_samples)  # built to check the arguments
+    prompt = check_prompt(model, prompt, max_new_tokens)
     if device is None:
         device = next(model.parameters()).device
     training = model.training

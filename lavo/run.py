@@ -4,6 +4,8 @@
                        ModelConfig field (vocab size included), data paths absolute, and no ``train.out_dir``:
                        the run is wherever this directory is
     tokenizer.json     a copy of the tokenizer the run trained with (GPT-2's too)
+    documents.json     the documents of each split, each with a digest of its text: evaluation checks that it
+                       scores those (a folder source may change after training)
     model.safetensors  the weights
     state.pt           optimiser, step, sampler and RNG states, to resume; loads with ``weights_only=True``
     metrics.jsonl      one JSON record per logged step, validation, and end of each training call
@@ -33,6 +35,7 @@ from .registry import UnknownAttention
 
 CONFIG, TOKENIZER, WEIGHTS, STATE, METRICS = (
     "config.json", "tokenizer.json", "model.safetensors", "state.pt", "metrics.jsonl")
+DOCUMENTS = "documents.json"  # the documents the run trained on and held out, each with a digest of its text
 PENDING = ".model.safetensors.next"  # the next checkpoint's weights, until its state.pt commits them
 LOCK = ".lock"
 RUN_FILES = (WEIGHTS, STATE, METRICS)  # what a run directory that has trained holds
@@ -44,21 +47,36 @@ class RunError(RuntimeError):
 
 
 def save_run_config(run_dir: str | os.PathLike, config: RunConfig, model_config: ModelConfig,
-                    tokenizer: Tokenizer, held_out: list[str]) -> None:
-    """``config.json`` and ``tokenizer.json``: what :func:`load_run` needs besides the weights. ``held_out``: the
-    names of the documents the run held out, recorded as ``data.holdout``, so that its evaluation scores those
-    even after the source has changed (a folder's default, its last ~10%, moves when files are added)."""
+                    tokenizer: Tokenizer, documents: dict[str, dict[str, str]]) -> None:
+    """``config.json`` and ``tokenizer.json``: what :func:`load_run` needs besides the weights; and
+    ``documents.json``: ``documents``, the digests of the documents of each split
+    (:func:`lavo.data.document_digests`). The held-out names are also ``data.holdout``, so that the run's
+    evaluation scores those even after the source has changed (a folder's default, its last ~10%, moves when
+    files are added), and refuses them if they were edited."""
     values = config.to_dict()
     values["model"] = model_config.to_dict()
     del values["train"]["out_dir"]
     data = values["data"]
-    data["holdout"] = list(held_out)
+    data["holdout"] = list(documents["valid"])
     # absolute, so that the run finds its data from any working directory (`lavo eval --data-dir` overrides)
     data["data_dir"] = str(Path(data["data_dir"]).resolve())
     if not is_builtin(data["source"]):
         data["source"] = str(Path(data["source"]).resolve())
     write_json(Path(run_dir) / CONFIG, values)
+    write_json(Path(run_dir) / DOCUMENTS, documents)
     tokenizer.save(Path(run_dir) / TOKENIZER)
+
+
+def recorded_documents(run_dir: str | os.PathLike) -> dict[str, dict[str, str]] | None:
+    """The document digests a run recorded (``documents.json``), or None for a run from before they were."""
+    path = Path(run_dir) / DOCUMENTS
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise RunError(f"{path} is not valid JSON ({error}): delete it to score the run's documents as they are "
+                       "now, unchecked") from error
 
 
 def run_config_at(values: dict, run_dir: str | os.PathLike) -> RunConfig:

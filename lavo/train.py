@@ -26,14 +26,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .config import RunConfig
-from .data import Prepared, check_source, prepare
+from .data import SPLITS, Prepared, changed_documents, check_source, prepare
 from .devices import autocast_for, resolve_device
 from .files import make_directory
 from .layers.base import after_optimizer_step
 from .model import LanguageModel, count_parameters
 from .ops.common import make_current
 from .run import (METRICS, MetricsLog, RunError, RunLock, clear_run, has_checkpoint, load_checkpoint,
-                  read_run_config, recover_checkpoint, save_checkpoint, save_run_config, trained_files)
+                  read_run_config, recorded_documents, recover_checkpoint, save_checkpoint, save_run_config,
+                  trained_files)
 
 
 # what a resumed run may change: how long and how it runs, not what it computes (train.steps extends a run)
@@ -295,18 +296,22 @@ class Trainer:
         for key, now, what in (("tokenizer_sha256", data.tokenizer.sha256, "tokenizer"),
                                ("data_fingerprint", data.manifest["fingerprint"], "training data")):
             if state.get(key, now) != now:
+                recorded = recorded_documents(self.run_dir)
+                changes = recorded and "; ".join(
+                    f"{split}: {change}" for split in SPLITS
+                    if (change := changed_documents(recorded[split], data.digests[split])))
+                why = (f"its documents are not those it recorded ({changes})" if changes else
+                       "the texts, the held-out documents or the tokenizer changed since")
                 raise RunError(
                     f"{self.run_dir} was trained with another {what} ({key} {state[key][:12]}) than the one "
-                    f"prepared now in {data.directory} ({now[:12]}): the texts, the held-out documents or the "
-                    "tokenizer changed since. Resume with the data settings of its config.json, or start "
-                    "again with --overwrite")
+                    f"prepared now in {data.directory} ({now[:12]}): {why}. Put the data back as it was, or "
+                    "start again with --overwrite")
 
     def start(self) -> None:
         """Write the run's config and tokenizer, describe the model, and wrap it for data parallelism."""
         config, model = self.model_config, self.model
         if self.env.main:
-            held_out = [doc["name"] for doc in self.data.manifest["splits"]["valid"]["documents"]]
-            save_run_config(self.run_dir, self.config, config, self.data.tokenizer, held_out)
+            save_run_config(self.run_dir, self.config, config, self.data.tokenizer, self.data.digests)
             self.log(f"model: {config.attention} {config.attention_options or ''} position={config.position}, "
                      f"{count_parameters(model) / 1e6:.2f}M parameters "
                      f"({count_parameters(model, exclude_embedding=True) / 1e6:.2f}M without embeddings)")

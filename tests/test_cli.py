@@ -87,8 +87,8 @@ def test_a_run_directory_is_self_contained(tmp_path, monkeypatch, capsys):
     shutil.move("data", tmp_path / "data-moved")  # the prepared cache and its tokenizer go too
     (tmp_path / "other").mkdir()
     monkeypatch.chdir(tmp_path / "other")
-    assert sorted(p.name for p in moved.iterdir()) == ["config.json", "metrics.jsonl", "model.safetensors",
-                                                       "state.pt", "tokenizer.json"]
+    assert sorted(p.name for p in moved.iterdir()) == ["config.json", "documents.json", "metrics.jsonl",
+                                                       "model.safetensors", "state.pt", "tokenizer.json"]
     capsys.readouterr()
     assert main(["generate", str(moved), *generate]) == 0
     assert capsys.readouterr().out == text and text.startswith("the sister")
@@ -139,7 +139,7 @@ def test_misused_run_folders_and_outputs_are_refused_with_what_to_do(tmp_path, c
 
     shutil.move(corpus, tmp_path / "moved")  # the folder the run read its texts from
     assert main(evaluate) == 2
-    assert "the run read its texts from that folder: put them back there" in capsys.readouterr().err
+    assert "the run read its texts from that folder: put them back as they were" in capsys.readouterr().err
     config = tmp_path / "run" / "config.json"
     config.write_text("{not json")
     assert main(["generate", run, "--prompt", "the"]) == 2

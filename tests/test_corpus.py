@@ -149,7 +149,7 @@ def test_a_run_on_a_mix_records_the_mix_not_a_path(mix_data, tmp_path):
                                   "train": {"out_dir": str(tmp_path / "run")}})
     prepared = D.prepare("austen+python", "bpe300", mix_data, log=quiet)
     (tmp_path / "run").mkdir()
-    held_out = [doc["name"] for doc in prepared.manifest["splits"]["valid"]["documents"]]
-    save_run_config(tmp_path / "run", config, model_config("tiny", vocab_size=300), prepared.tokenizer, held_out)
+    save_run_config(tmp_path / "run", config, model_config("tiny", vocab_size=300), prepared.tokenizer,
+                    prepared.digests)
     recorded = read_run_config(tmp_path / "run").data
     assert recorded.source == "austen+python" and recorded.holdout == D.default_holdout("austen+python")

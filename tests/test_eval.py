@@ -136,3 +136,54 @@ def test_every_length_scores_the_same_targets_first_or_spread_over_the_text(spre
         assert targets[12][0] == 1 and targets[12][-1] == num_tokens - 1
     else:
         assert targets[12] == list(range(1, n + 1))
+
+
+def test_a_runs_documents_are_checked_and_runs_that_score_different_texts_are_told_apart(tmp_path):
+    """A folder source may change after training: evaluation refuses documents that are no longer those the run
+    recorded, and a table of runs that held out different documents says so instead of 'the same N tokens'."""
+    from lavo.config import RunConfig
+    from lavo.data import DataError
+    from lavo.evaluate import evaluate_runs
+    from lavo.train import train
+    from lm_corpus import tiny_run, write_corpus
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
+    for name, holdout in (("a", ["doc3"]), ("b", ["doc2"])):
+        values = tiny_run(corpus, tmp_path / "data", tmp_path / name, steps=2)
+        values["data"]["holdout"] = holdout
+        train(RunConfig.from_dict(values), log=lambda *_: None)
+    lines = []
+    evaluate_runs([str(tmp_path / "a"), str(tmp_path / "b")], lengths=[16, 32], progress=False, log=lines.append)
+    assert lines[0].startswith("warning: the runs score different texts")
+    assert "held-out tokens, not the same ones for every run (other documents or tokenizers)" in lines[1]
+
+    with open(corpus / "doc3.txt", "a") as file:
+        file.write("one more line\n")
+    (corpus / "doc9.txt").write_text("a new document\n")
+    with pytest.raises(DataError, match="the valid documents of .* are not those the run recorded: edited doc3"):
+        evaluate_runs([str(tmp_path / "a")], lengths=[16], progress=False, log=lines.append)
+    with pytest.raises(DataError, match="the train documents of .* are not those the run recorded: added doc9"):
+        evaluate_runs([str(tmp_path / "b")], lengths=[16], split="train", progress=False, log=lines.append)
+    evaluate_runs([str(tmp_path / "b")], lengths=[16], progress=False, log=lines.append)  # doc2 is as it was
+
+
+def test_what_keeps_lengths_from_being_scored_is_named():
+    with pytest.raises(ValueError, match=r"least common multiple 128000, .* the evaluation text has 9885 tokens: use "
+                                         "lengths that divide one another"):
+        shared_length(9885, [32, 1000, 1024])
+    with pytest.raises(ValueError, match="--max-tokens 200 allows fewer: use shorter lengths or a larger --max-tokens"):
+        shared_length(9885, [32, 256], max_tokens=200)
+    tokens = np.random.default_rng(0).integers(0, 50, 1000).astype(np.uint16)
+    with pytest.warns(UserWarning, match="spread: only one window of 64 targets"):
+        perplexity_by_length(Bigram(50), tokens, [32, 64], spread=True, max_tokens=100)
+
+
+def test_a_length_past_a_layers_position_bound_is_refused_before_scoring():
+    from lavo.evaluate import LoadedModel, check_position_bounds
+    torch.manual_seed(0)
+    model = build_model(dict(vocab_size=70, dim=32, depth=2, heads=2, attention="cosformer",
+                             attention_options={"max_length": 256}))
+    check_position_bounds([LoadedModel("cos", "runs/cos", model, None, None)], 256)
+    with pytest.raises(ValueError, match=r"cos reads at most 256 positions \(its CosformerAttention with "
+                                         r"max_positions=256\), fewer than the length 512: evaluate it at lengths "
+                                         "up to 256"):
+        check_position_bounds([LoadedModel("cos", "runs/cos", model, None, None)], 512)

@@ -554,9 +554,13 @@ def test_the_stream_example_names_a_run_directory_and_a_missing_text(trained, tm
     example = load_script("stream_perplexity", "examples/stream_perplexity.py")
     run, exported, text = trained / "run", trained / "exported", trained / "corpus" / "doc3.txt"
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')  # another model's folder, not a run
+    no_state = tmp_path / "longshort"
+    wrapped(native(attention="longshort", attention_options={"window": 4})).save_pretrained(no_state)
     for argv, message in [((run, text), f"{run} is a training run: export it first (`lavo export {run} OUT_DIR`)"),
                           ((tmp_path, text), f"{tmp_path} is not a directory written by `lavo export`"),
-                          ((exported, tmp_path / "missing.txt"), f"{tmp_path / 'missing.txt'} is not a file")]:
+                          ((exported, tmp_path / "missing.txt"), f"{tmp_path / 'missing.txt'} is not a file"),
+                          ((exported, text, "--chunk-tokens", "0"), "must be an integer >= 1; got '0'"),
+                          ((no_state, text), "is a longshort model, which has no decoding form, so no state")]:
         with pytest.raises(SystemExit) as stopped:
             example.main([str(path) for path in argv])
         assert stopped.value.code == 2 and message in capsys.readouterr().err
@@ -594,3 +598,15 @@ def test_generate_refuses_a_row_without_a_real_token():
     mask = torch.tensor([[0, 0, 0], [1, 1, 1]])
     with pytest.raises(ValueError, match=r"rows \[0\] of attention_mask have no real token"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+
+
+def test_an_export_saved_in_bfloat16_loads_as_float32_for_scoring(tokenizer, tmp_path):
+    """lavo eval records --dtype float32: the model it scores must compute in float32, whatever dtype was saved."""
+    model = native(tokenizer.vocab_size)
+    wrapped(model.to(torch.bfloat16)).save_pretrained(tmp_path)
+    H.hub_tokenizer(tokenizer).save_pretrained(tmp_path)
+    loaded, _, _ = H.load_exported(tmp_path)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    ids = torch.tensor([tokenizer.encode("the sister said")])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids)[0], model.float()(ids)[0], rtol=0, atol=0)

@@ -82,8 +82,8 @@ def test_a_run_resumed_with_activation_checkpointing_ends_exactly_like_one_witho
 def test_checkpoint_files(corpus, tmp_path):
     summary = train(run(corpus, tmp_path, "r", steps=3), log=quiet)
     out = tmp_path / "r"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.jsonl", "model.safetensors", "state.pt",
-                                                     "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "documents.json", "metrics.jsonl",
+                                                     "model.safetensors", "state.pt", "tokenizer.json"]
     weights = load_file(str(out / "model.safetensors"))
     assert "embed.weight" in weights and not any(k.startswith("head") for k in weights)
     # every file as open() makes it (safetensors alone makes its files 0600: unreadable to a group sharing runs)

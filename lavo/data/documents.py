@@ -73,6 +73,26 @@ def split_documents(documents: list[Document], holdout: list[str] | None = None
     return splits
 
 
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def document_digests(splits: dict[str, list[Document]]) -> dict[str, dict[str, str]]:
+    """``{split: {document name: digest of its text}}``: what a run records of the documents it trained on and
+    held out, so that later reads of its source can tell whether they are still those."""
+    return {split: {doc.name: text_digest(doc.text) for doc in documents} for split, documents in splits.items()}
+
+
+def changed_documents(recorded: dict[str, str], now: dict[str, str]) -> str:
+    """How the documents ``now`` differ from ``recorded`` (both ``{name: digest}``), e.g. ``"added a; edited b"``;
+    empty when they are the same."""
+    changes = [(what, names) for what, names in (
+        ("added", [name for name in now if name not in recorded]),
+        ("removed", [name for name in recorded if name not in now]),
+        ("edited", [name for name in now if name in recorded and now[name] != recorded[name]])) if names]
+    return "; ".join(f"{what} {listing(names, 8)}" for what, names in changes)
+
+
 def check_no_leak(splits: dict[str, list[Document]]) -> None:
     """Refuse a held-out document whose text is also a training document's (a copy, or a link to the file)."""
     training = {hashlib.sha256(d.text.encode()).digest(): d.name for d in splits["train"]}

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..files import atomic_write, remove_orphans, staging_folder, write_json
-from .documents import SPLITS, DataError, Document, listing
+from .documents import SPLITS, DataError, Document, changed_documents, document_digests, listing
 from .sources import is_builtin, mix_parts, only_parts, part_of, provenance, source_splits
 from .tokenizer import Tokenizer, check_word_lengths, gpt2_tokenizer, load_tokenizer_file, parse_tokenizer, train_bpe
 
@@ -40,6 +40,7 @@ class Prepared:
     tokenizer: Tokenizer
     directory: Path
     manifest: dict
+    digests: dict[str, dict[str, str]]  # {split: {document name: digest of its text}} (document_digests)
 
     def split(self, name: str) -> TokenData:
         if name not in SPLITS:
@@ -93,13 +94,18 @@ def _load_split(directory: Path, manifest: dict, split: str, fix: str) -> TokenD
 
 
 def split_tokens(source: str, data_dir: str | os.PathLike, holdout: list[str] | None, split: str,
-                 tokenizer: Tokenizer, parts: list[str] | None = None) -> np.ndarray:
+                 tokenizer: Tokenizer, parts: list[str] | None = None,
+                 recorded: dict[str, str] | None = None) -> np.ndarray:
     """One split of ``source`` tokenised with ``tokenizer``: the same tokens :func:`prepare` caches, without the
     cache (evaluation reads a run's held-out text with the run's own tokenizer). ``parts`` keeps only the
-    documents of those parts of a mix (e.g. the held-out code of ``"austen+python"``)."""
+    documents of those parts of a mix (e.g. the held-out code of ``"austen+python"``). ``recorded``: the split's
+    document digests as a run recorded them (:func:`document_digests`); documents that differ are refused."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
     documents = source_splits(source, data_dir, holdout, fetch=False)[0][split]
+    changes = recorded is not None and changed_documents(recorded, document_digests({split: documents})[split])
+    if changes:
+        raise DataError(f"the {split} documents of {source} are not those the run recorded: {changes}")
     if parts is not None:
         documents = only_parts(documents, source, parts)
     return encode_documents(tokenizer, documents, token_dtype(tokenizer.vocab_size))[0]
@@ -135,7 +141,8 @@ def prepare(source: str = "austen", tokenizer: str = "bpe4096", data_dir: str | 
         raise DataError(f"{manifest_path} is corrupt ({error}): {fix}") from error
     tok = gpt2_tokenizer() if vocab_size is None else load_tokenizer_file(directory / "tokenizer.json", tokenizer,
                                                                           fix)
-    return Prepared(*(_load_split(directory, manifest, s, fix) for s in SPLITS), tok, directory, manifest)
+    return Prepared(*(_load_split(directory, manifest, s, fix) for s in SPLITS), tok, directory, manifest,
+                    document_digests(splits))
 
 
 def build_cache(directory: Path, folders: dict[str, Path], splits: dict[str, list[Document]], source: str,

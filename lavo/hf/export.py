@@ -60,8 +60,9 @@ def no_progress_bars() -> Iterator[None]:
 
 def load_exported(directory: str | os.PathLike, device: str | torch.device = "cpu"
                   ) -> tuple[LanguageModel, RunConfig | None, Tokenizer]:
-    """The native model (eval mode, on ``device``), the recorded run config (or None) and the tokenizer of a
-    directory written by :func:`export_run`."""
+    """The native model (eval mode, on ``device``, float32 as a run's model is: ``lavo eval --dtype`` and
+    autocast choose what it computes in), the recorded run config (or None) and the tokenizer of a directory
+    written by :func:`export_run`, or by ``save_pretrained`` in another dtype."""
     directory = Path(directory)
     if not (directory / TOKENIZER).is_file():
         raise FileNotFoundError(f"{directory} has no {TOKENIZER}: export the run again (`lavo export RUN_DIR "
@@ -71,4 +72,4 @@ def load_exported(directory: str | os.PathLike, device: str | torch.device = "cp
     run = wrapped.config.lavo_run
     config = None if run is None else run_config_at(run, directory)
     tokenizer = load_tokenizer_file(directory / TOKENIZER, "exported" if run is None else run["data"]["tokenizer"])
-    return wrapped.lavo.to(device).eval(), config, tokenizer
+    return wrapped.lavo.to(device=device, dtype=torch.float32).eval(), config, tokenizer
