@@ -18,6 +18,7 @@ one, never a mixture. While a process trains into the directory it holds ``.lock
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import os
 import uuid
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save as save_weights
 
 from .config import RunConfig, deep_merge
 from .data import Tokenizer, is_builtin, load_tokenizer_file
@@ -204,10 +205,14 @@ def save_checkpoint(run_dir: str | os.PathLike, model: LanguageModel, state: dic
     run_dir = Path(run_dir)
     ident = uuid.uuid4().hex
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    # Serialised in memory and written from Python, so that a full disk raises OSError: the writers of
+    # safetensors and torch.save raise errors of their own, which name no disk.
+    weights = save_weights(weights, metadata={"step": str(state["step"]), "checkpoint": ident})
+    buffer = io.BytesIO()
+    torch.save({**state, "checkpoint": ident}, buffer)
     try:
-        atomic_write(run_dir / PENDING, lambda tmp: save_file(
-            weights, str(tmp), metadata={"step": str(state["step"]), "checkpoint": ident}))
-        atomic_write(run_dir / STATE, lambda tmp: torch.save({**state, "checkpoint": ident}, tmp))
+        atomic_write(run_dir / PENDING, lambda tmp: tmp.write_bytes(weights))
+        atomic_write(run_dir / STATE, lambda tmp: tmp.write_bytes(buffer.getbuffer()))
     except OSError as error:
         (run_dir / PENDING).unlink(missing_ok=True)
         raise RunError(f"could not write the checkpoint of step {state['step']} to {run_dir} ({error}); the "

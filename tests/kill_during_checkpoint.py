@@ -31,17 +31,20 @@ def truncate_and_die(path) -> None:
 
 
 def patch(point: str) -> None:
-    save_file, torch_save, replace = run.save_file, torch.save, os.replace
+    atomic_write, replace = run.atomic_write, os.replace
 
-    def weights(tensors, path, metadata=None):
-        save_file(tensors, path, metadata=metadata)
-        if point == "weights" and metadata["step"] == str(STEP):
-            truncate_and_die(path)
+    def reached(path: Path, tmp: Path) -> bool:
+        """Whether ``tmp``, the temporary file of ``path``, holds step 20's weights or state, as ``point`` asks."""
+        if point == "weights" and path.name == run.PENDING:
+            return run.checkpoint_id(tmp)[0] == str(STEP)
+        return point == "state" and path.name == run.STATE and torch.load(tmp, weights_only=True)["step"] == STEP
 
-    def state(value, path, *args, **kwargs):
-        torch_save(value, path, *args, **kwargs)
-        if point == "state" and value["step"] == STEP:
-            truncate_and_die(path)
+    def write_then_die(path, write):
+        def written(tmp):
+            write(tmp)
+            if reached(Path(path), Path(tmp)):
+                truncate_and_die(tmp)
+        return atomic_write(path, written)
 
     def move(source, target):
         if point == "commit" and Path(source).name == run.PENDING and Path(target).name == run.WEIGHTS:
@@ -49,7 +52,7 @@ def patch(point: str) -> None:
                 die()
         replace(source, target)
 
-    run.save_file, torch.save, os.replace = weights, state, move
+    run.atomic_write, os.replace = write_then_die, move
 
 
 if __name__ == "__main__":

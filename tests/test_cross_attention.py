@@ -112,6 +112,8 @@ def test_padded_source_positions_change_nothing(name):
     real = torch.tensor([1, 2, 4, 5, 7, 9, 10, 11])
     padded[:, real], mask[:, real] = source, True
     torch.testing.assert_close(layer(y, padded, mask), expected)
+    padded[:, 0] = torch.nan  # a missing value beside its mask
+    torch.testing.assert_close(layer(y, padded, mask), expected)
 
 
 @pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))

@@ -2,6 +2,8 @@
 import io
 import json
 import os
+import resource
+import signal
 import tarfile
 
 import numpy as np
@@ -100,6 +102,24 @@ def test_split_tokens_are_the_prepared_tokens(corpus, tmp_path):
         np.testing.assert_array_equal(tokens, prepared.split(split).tokens)
     with pytest.raises(D.DataError, match="unknown split"):
         D.split_tokens(str(corpus), tmp_path, ["doc1"], "test", prepared.tokenizer)
+
+
+@pytest.mark.parametrize("limit", [100, 10_000])  # the tokenizer's file fails, or the training tokens'
+def test_a_failed_write_leaves_no_half_prepared_data(corpus, tmp_path, limit):
+    """Files may not grow past ``limit`` bytes, as on a full disk: one clear error, and no staging folder left
+    (the tokenizers library raised a bare Exception, and numpy's short write did not name the disk)."""
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of a signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limits[1]))
+    try:
+        with pytest.raises(D.DataError, match=r"could not write the prepared data to .*\): free "
+                                              "some space there"):
+            D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)  # and with room, it prepares
 
 
 def test_token_dtype_by_vocab_size():

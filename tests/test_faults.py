@@ -8,6 +8,7 @@ a chosen point of a checkpoint write); the resumptions run in this process.
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -180,22 +181,34 @@ def test_kill_9_during_a_checkpoint_write(setup, tmp_path, point, resumed_at):
     assert f"resumed {tmp_path / 'run'} at step {resumed_at}" in lines
 
 
-def test_a_full_disk_leaves_the_previous_checkpoint(setup, tmp_path, monkeypatch):
+@pytest.mark.parametrize("failing", [R.PENDING, R.STATE])
+def test_a_failed_write_leaves_the_previous_checkpoint(setup, tmp_path, monkeypatch, failing):
+    """A real write failure, not a stand-in writer: files may not grow past 100 bytes while step 20's weights
+    (or its state) are written, as on a full disk (the writers of safetensors and torch.save raised errors of
+    their own there, which got past the handler as tracebacks)."""
     config = config_for(setup, tmp_path)
-    real = R.save_file
+    real = R.atomic_write
 
-    def disk_fills_at_step_20(tensors, path, metadata=None):
-        if metadata["step"] == "20":
-            Path(path).write_bytes(b"\0" * 100)
-            raise OSError(28, "No space left on device")
-        real(tensors, path, metadata=metadata)
+    def write_fails_at_step_20(path, write):
+        metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if Path(path).name != failing or json.loads(metrics[-1]).get("step") != 20:
+            return real(path, write)
+        limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100, limits[1]))
+        try:
+            return real(path, write)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+            signal.signal(signal.SIGXFSZ, handler)
 
-    monkeypatch.setattr(R, "save_file", disk_fills_at_step_20)
-    with pytest.raises(RunError, match=r"could not write the checkpoint of step 20 to .* No space left on device"
+    monkeypatch.setattr(R, "atomic_write", write_fails_at_step_20)
+    with pytest.raises(RunError, match=r"could not write the checkpoint of step 20 to .* File too large"
                                        r".*previous checkpoint there is intact"):
         train(RunConfig.from_dict(config), log=quiet)
-    monkeypatch.setattr(R, "save_file", real)
+    monkeypatch.setattr(R, "atomic_write", real)
     assert torch.load(tmp_path / "run" / "state.pt", weights_only=True)["step"] == 10
+    assert not [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".") and p.name != ".lock"]
     lines = resume_and_compare(setup, config)
     assert f"resumed {tmp_path / 'run'} at step 10" in lines
 

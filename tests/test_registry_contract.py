@@ -216,3 +216,33 @@ def test_a_second_derivative_is_refused_by_name_where_the_backward_is_not_differ
         torch.autograd.functional.hvp(lambda x: layer(x)[0].square().sum(), x, torch.ones_like(x))
     (grad,) = torch.autograd.grad(layer(x)[0].square().sum(), x)  # a first derivative alone runs as before
     assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("name", available_attentions())
+def test_a_non_causal_rows_outputs_do_not_depend_on_the_padding_around_it(name):
+    """An encoder's batch is padded to its longest row, on either side: a row's real outputs must be those of
+    the row alone, however much padding leads or follows it."""
+    layer = _build(name, causal=False)
+    x = torch.randn(1, 13, DIM, dtype=torch.float64)
+    alone, _ = layer(x)
+    for before, after in ((1, 0), (3, 0), (6, 2), (0, 5)):
+        padded = torch.cat([torch.randn(1, before, DIM, dtype=torch.float64), x,
+                            torch.randn(1, after, DIM, dtype=torch.float64)], 1)
+        mask = torch.zeros(1, padded.shape[1], dtype=torch.bool)
+        mask[:, before:before + 13] = True
+        y, _ = layer(padded, padding_mask=mask)
+        torch.testing.assert_close(y[:, before:before + 13], alone, msg=f"{name}: {before} before, {after} after")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", available_attentions())
+def test_a_nan_at_a_padded_position_reaches_no_real_one(name, causal):
+    """Missing values are often NaN beside a mask: masked weights times NaN would still be NaN."""
+    layer = _build(name, causal)
+    x = torch.randn(2, T, DIM, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[0, :4], mask[1, 10:12], mask[1, -3:] = False, False, False
+    y, _ = layer(torch.where(mask[..., None], x, torch.nan), padding_mask=mask)
+    assert torch.isfinite(y).all()
+    y.square().sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.all(x.grad[~mask] == 0)

@@ -145,12 +145,10 @@ def prepare(source: str = "austen", tokenizer: str = "bpe4096", data_dir: str | 
                     document_digests(splits))
 
 
-def build_cache(directory: Path, folders: dict[str, Path], splits: dict[str, list[Document]], source: str,
-                tokenizer: str, fingerprint: str, log, replace: bool = False) -> None:
-    """Tokenise the splits into a staging folder beside ``directory``, then move it into place whole; an existing
-    folder is replaced only when ``replace`` (``--rebuild``), else the first one published stays."""
+def write_cache(staging: Path, folders: dict[str, Path], splits: dict[str, list[Document]], source: str,
+                tokenizer: str, fingerprint: str, log) -> None:
+    """The tokenizer (a trained BPE), both splits' tokens and the manifest, into ``staging``."""
     vocab_size = parse_tokenizer(tokenizer)
-    staging = staging_folder(directory)
     if vocab_size is None:
         tok = gpt2_tokenizer()
     else:
@@ -170,6 +168,19 @@ def build_cache(directory: Path, folders: dict[str, Path], splits: dict[str, lis
         atomic_write(staging / file, tokens.tofile)
         manifest["splits"][split] = {"file": file, "num_tokens": len(tokens), "documents": bounds}
     write_json(staging / "manifest.json", manifest)
+
+
+def build_cache(directory: Path, folders: dict[str, Path], splits: dict[str, list[Document]], source: str,
+                tokenizer: str, fingerprint: str, log, replace: bool = False) -> None:
+    """Tokenise the splits into a staging folder beside ``directory``, then move it into place whole; an existing
+    folder is replaced only when ``replace`` (``--rebuild``), else the first one published stays."""
+    staging = staging_folder(directory)
+    try:
+        write_cache(staging, folders, splits, source, tokenizer, fingerprint, log)
+    except OSError as error:  # a full disk: nothing half written stays behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise DataError(f"could not write the prepared data to {directory.parent} ({error}): free some space "
+                        "there (or choose another --data-dir) and run it again") from error
     # --rebuild: the old folder goes only once the new one is complete. Without it, a folder that exists now was
     # published by another process meanwhile, which may be reading it: it stays (retiring it failed such a reader).
     if replace and directory.exists():

@@ -41,7 +41,9 @@ class Tokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """The whole tokenizer as one ``tokenizer.json`` (read back with :func:`load_tokenizer_file`)."""
-        atomic_write(path, lambda tmp: self.inner.save(str(tmp)))
+        # written from Python, so that a full disk raises OSError (the tokenizers library raises a bare Exception)
+        text = self.inner.to_str(pretty=True)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def _tokenizers():

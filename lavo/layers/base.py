@@ -37,6 +37,20 @@ def zero_padded(y: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Ten
     return y if padding_mask is None else y.masked_fill(~padding_mask[..., None], 0)
 
 
+def leading_padding(padding_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]``: how many padded positions come before each row's first real token (``T`` for a row of padding
+    only)."""
+    return (padding_mask.cumsum(1) == 0).sum(1)
+
+
+def roll_rows(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``x [B, T, ...]`` with each row ``b`` rolled back along the time axis by ``shift[b]``: position ``t`` takes
+    what was at ``(t + shift[b]) mod T``."""
+    B, T = x.shape[:2]
+    index = (torch.arange(T, device=x.device) + shift[:, None]) % T
+    return x.gather(1, index.view(B, T, *[1] * (x.dim() - 2)).expand_as(x))
+
+
 def first_parameter(module: nn.Module) -> nn.Parameter | None:
     """The module's first parameter, for its device and dtype; None in a replica made by ``nn.DataParallel``,
     which holds none."""
@@ -89,8 +103,9 @@ class Mechanism(nn.Module):
     r"""Base of every registered layer: ``forward(x, padding_mask=None, cache=None) -> (y, cache)``.
 
     ``x`` is ``[B, T, dim]``; ``padding_mask`` ``[B, T]`` bool (True = real token; padded positions output
-    zeros and never change the real ones); ``cache`` is whatever the previous call returned (None to start a
-    sequence). A layer decodes when its class declares :attr:`cache_types`, the :class:`~lavo.cache.Cache`
+    zeros, and their content never changes the real ones, nor, in a non-causal call, how many lead or follow
+    them; in a causal call leading padding shifts the real tokens: docs/DESIGN.md, decision 4); ``cache`` is
+    whatever the previous call returned (None to start a sequence). A layer decodes when its class declares :attr:`cache_types`, the :class:`~lavo.cache.Cache`
     kinds its causal calls return and continue, and implements :meth:`_new_cache` and :meth:`cache_nbytes`; a
     layer without a decoding form returns None as the cache. Asking a layer for something its flags deny raises
     an error naming it.
@@ -105,6 +120,9 @@ class Mechanism(nn.Module):
     # subclass (__init_subclass__), unless the subclass sets it itself
     supports_decoding = False
     has_step_layout = False  # step_cache gives a fixed layout that a one-token step updates in place
+    # Whether outputs depend on where the sequence starts (windows counted from position 0, cosFormer's
+    # re-weighting): an AttentionLayer's non-causal calls then move each row's leading padding to its end first.
+    absolute_positions = False
     max_positions: int | None = None  # the most positions a sequence may have (None: any), cached calls together
 
     def __init_subclass__(cls, **kwargs):
@@ -283,9 +301,18 @@ class AttentionLayer(Mechanism):
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 cache: Any = None) -> tuple[torch.Tensor, Any]:
         self.check_call(x, padding_mask, cache)
+        # Non-causal outputs must not depend on how much padding leads a row (so on its batch-mates): such a row
+        # is attended as if its real tokens started at position 0. A causal call keeps its positions, which the
+        # cache continues (docs/DESIGN.md, decision 4).
+        shift = None
+        if self.absolute_positions and not self.causal and padding_mask is not None:
+            shift = leading_padding(padding_mask)
+            x, padding_mask = roll_rows(x, shift), roll_rows(padding_mask, shift)
+        x = zero_padded(x, padding_mask)  # a NaN or inf at a padded position would reach every real one
         q, k, v = rearrange(self.to_qkv(x), "b t (three h d) -> three b t h d", three=3, h=self.heads)
         out, cache = self.attend(q, k, v, padding_mask, cache)
-        return zero_padded(self.to_out(rearrange(out, "b t h d -> b t (h d)")), padding_mask), cache
+        y = zero_padded(self.to_out(rearrange(out, "b t h d -> b t (h d)")), padding_mask)
+        return (y if shift is None else roll_rows(y, -shift)), cache
 
     def key_value_nbytes(self, batch_size: int, positions: int, dtype: torch.dtype) -> int:
         """Bytes of ``positions`` cached keys and values of ``dtype`` plus their bool mask."""
@@ -336,6 +363,7 @@ class CrossAttentionLayer(nn.Module):
         check_input_dtype(self, y, "y")
         check_input_dtype(self, source, "source")
         q = rearrange(self.to_q(y), "b t (h d) -> b t h d", h=self.heads)
+        source = zero_padded(source, source_padding_mask)  # a NaN at a padded position would reach every query
         source_heads = rearrange(self.to_source(source), "b s (n h d) -> n b s h d", n=self.source_projections,
                                  h=self.heads)
         out = self.attend(q, *source_heads, source_padding_mask=source_padding_mask)

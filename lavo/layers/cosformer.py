@@ -22,6 +22,7 @@ class CosformerAttention(AttentionLayer):
     """
 
     cache_types = (CosformerCache,)
+    absolute_positions = True
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True, max_length: int = 4096, chunk: int = 64):
         super().__init__(dim, heads, causal=causal)

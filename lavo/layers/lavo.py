@@ -54,6 +54,7 @@ class LavoAttention(AttentionLayer):
     """
 
     cache_types = (LavoCache, LavoStepCache)
+    absolute_positions = True
 
     def __init__(self, dim: int, heads: int, *, rank: int | None = None, window: int = 64, causal: bool = True,
                  basis: str = "fixed", position_bias: bool = True, dissection: bool = True, write: str = "mean",

@@ -30,6 +30,7 @@ class LocalAttention(AttentionLayer):
     """
 
     cache_types = (KVCache,)
+    absolute_positions = True
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True, window: int = 64, position_bias: bool = True,
                  backend: str = "auto"):

@@ -30,6 +30,7 @@ class LongShortAttention(AttentionLayer):
     """
 
     supports_decoding = False
+    absolute_positions = True
     time_complexity = "quadratic"
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True, window: int = 64,
