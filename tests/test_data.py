@@ -314,6 +314,35 @@ def test_files_that_are_no_document_are_named(tmp_path, name, message):
         D.prepare(str(source), "bpe300", tmp_path / "data", holdout=["blank"], log=quiet)
 
 
+def test_text_files_of_other_encodings_are_read_or_named(tmp_path):
+    """A byte-order mark is not text (and hid a copy of a training document); UTF-16 and NUL bytes are named
+    rather than read as something else."""
+    source = write_corpus(tmp_path / "c", documents=3, words=80)
+    (source / "copy.txt").write_bytes(b"\xef\xbb\xbf" + (source / "doc1.txt").read_bytes())  # as Notepad saves
+    with pytest.raises(D.DataError, match="held-out document 'copy' has the same text as training document 'doc1'"):
+        D.prepare(str(source), "bpe300", tmp_path / "data", holdout=["copy"], log=quiet)
+    assert D.read_documents(source)[0].text == (source / "copy.txt").read_text(encoding="utf-8-sig")
+    (source / "copy.txt").write_text("a letter from home", encoding="utf-16")
+    with pytest.raises(D.DataError, match=r"copy.txt is UTF-16 text: convert it to UTF-8, e.g. `iconv -f utf-16"):
+        D.read_documents(source)
+    (source / "copy.txt").write_bytes("a letter".encode("utf-16-le"))  # UTF-16 without its mark
+    with pytest.raises(D.DataError, match=r"copy.txt holds NUL characters, which no text has: is it UTF-16"):
+        D.read_documents(source)
+
+
+def test_files_left_out_of_a_folder_are_reported_and_names_match_in_either_unicode_form(tmp_path):
+    source = write_corpus(tmp_path / "c", documents=3, words=80)
+    (source / "more").mkdir()
+    (source / "more" / "inner.txt").write_text("words in a subfolder")
+    (source / "LOUD.TXT").write_text("words in capitals")
+    (source / "Cafe\u0301.txt").write_text("the name spelt as macOS spells it")  # decomposed
+    lines = []
+    splits, _ = sources.source_splits(str(source), tmp_path / "data", ["Caf\u00e9"], log=lines.append)
+    assert lines == [f"note: the documents are the .txt files directly in {source}; not read: LOUD.TXT, "
+                     "more/inner.txt"]
+    assert [doc.name for doc in splits["valid"]] == ["Cafe\u0301"]
+
+
 def test_a_missing_folder_with_a_plus_in_its_path_is_not_taken_for_a_mix(tmp_path):
     with pytest.raises(D.DataError, match=r"data source '.*my\+corpus' is neither a built-in corpus"):
         D.prepare(str(tmp_path / "my+corpus"), "bpe300", tmp_path / "data", log=quiet)

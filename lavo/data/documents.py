@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,29 +28,47 @@ class Document:
     text: str
 
 
-def read_documents(directory: str | os.PathLike) -> list[Document]:
-    """One document per ``.txt`` file of ``directory``, sorted by name."""
+def read_documents(directory: str | os.PathLike, log=None) -> list[Document]:
+    """One document per ``.txt`` file of ``directory``, sorted by name; ``log`` is told of the files it leaves
+    out (in subfolders, or named ``.TXT``)."""
     directory = Path(directory)
     files = sorted(directory.glob("*.txt"))
     if not files:
         raise DataError(f"no .txt files in {directory}: put one document per .txt file there "
                         "(or use --source austen / --source shakespeare)")
+    left_out = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                      if p.suffix.lower() == ".txt" and (p.parent != directory or p.suffix != ".txt") and p.is_file())
+    if left_out and log is not None:
+        log(f"note: the documents are the .txt files directly in {directory}; not read: {listing(left_out, 5)}")
     documents = []
     for file in files:
         try:
             file.stem.encode("utf-8")
         except UnicodeEncodeError:
             raise DataError(f"the file name {file.name!r} in {directory} is not valid UTF-8: rename it") from None
-        try:
-            text = file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            raise DataError(f"{file} is not UTF-8 text ({error}): convert it, e.g. "
-                            f"`iconv -f latin1 -t utf-8 {file} -o {file}.new && mv {file}.new {file}`") from error
-        if text.strip():
-            documents.append(Document(file.stem, text))
+        documents.append(Document(file.stem, read_text(file)))
+    documents = [doc for doc in documents if doc.text.strip()]
     if not documents:
         raise DataError(f"every .txt file in {directory} is empty")
     return documents
+
+
+def read_text(file: Path) -> str:
+    """A UTF-8 text file's text, without the byte-order mark some editors write first (it would be a character of
+    the first word, and would hide a copy of a training document from :func:`check_no_leak`)."""
+    raw = file.read_bytes()
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise DataError(f"{file} is UTF-16 text: convert it to UTF-8, e.g. "
+                        f"`iconv -f utf-16 -t utf-8 {file} -o {file}.new && mv {file}.new {file}`")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{file} is not UTF-8 text ({error}): convert it, e.g. "
+                        f"`iconv -f latin1 -t utf-8 {file} -o {file}.new && mv {file}.new {file}`") from error
+    if "\0" in text:
+        raise DataError(f"{file} holds NUL characters, which no text has: is it UTF-16 (convert it with "
+                        "`iconv -f utf-16 -t utf-8`) or not text at all?")
+    return text
 
 
 def split_documents(documents: list[Document], holdout: list[str] | None = None
@@ -61,14 +80,17 @@ def split_documents(documents: list[Document], holdout: list[str] | None = None
     names = [d.name for d in documents]
     if holdout is None:
         holdout = names[-max(1, round(0.1 * len(names))):]
-    missing = [h for h in holdout if h not in names]
+    # in one Unicode form: a file named on macOS spells "é" as two code points, a name typed as one
+    known = {unicodedata.normalize("NFC", name) for name in names}
+    held = {unicodedata.normalize("NFC", name) for name in holdout}
+    missing = [h for h in holdout if unicodedata.normalize("NFC", h) not in known]
     if missing:
         raise DataError(f"held-out documents {missing} are not in the source ({SKIPPED}); documents: "
-                        f"{listing(names, 20)}")
-    if len(set(holdout)) >= len(names):
+                        f"{listing([repr(name) for name in names], 20)}")
+    if len(held) >= len(names):
         raise DataError("every document is held out: leave at least one for training")
-    splits = {"train": [d for d in documents if d.name not in holdout],
-              "valid": [d for d in documents if d.name in holdout]}
+    splits = {"train": [d for d in documents if unicodedata.normalize("NFC", d.name) not in held],
+              "valid": [d for d in documents if unicodedata.normalize("NFC", d.name) in held]}
     check_no_leak(splits)
     return splits
 

@@ -76,7 +76,7 @@ def source_splits(source: str, data_dir: str | os.PathLike, holdout: list[str] |
     parts = mix_parts(source)
     if parts is None:
         texts = source_texts(source, data_dir, fetch=fetch, log=log)
-        documents, folders = read_documents(texts), {source: texts}
+        documents, folders = read_documents(texts, None if is_builtin(source) else log), {source: texts}
     else:
         folders = {part: source_texts(part, data_dir, fetch=fetch, log=log) for part in parts}
         documents = [Document(f"{part}/{doc.name}", doc.text)
