@@ -84,6 +84,8 @@ class ListOpsRun:
     def __post_init__(self):
         check_settings(self, "listops")
         check_at_most(self, "listops", "min_lr", "lr")
+        if self.dim % self.heads:  # named as these settings, before the model's check names its own
+            raise SettingsError(f"listops.dim ({self.dim}) must be divisible by listops.heads ({self.heads})")
 
     @classmethod
     def from_dict(cls, values: dict) -> "ListOpsRun":

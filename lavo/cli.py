@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -236,6 +237,8 @@ def cmd_listops(args) -> None:
     from .config import apply_overrides, deep_merge, read_config_file
     values = asdict(ListOpsRun())
     if args.config:
+        if not Path(args.config).is_file():  # the bundled configs are language models', not ListOps'
+            raise FileNotFoundError(f"--config {args.config}: no such file (a JSON file of ListOpsRun settings)")
         values = deep_merge(values, read_config_file(args.config))
     flags = [f"{name}={value}" for name, value in (("attention", args.attention), ("seed", args.seed))
              if value is not None]
@@ -305,10 +308,10 @@ def add_forecast(commands) -> None:
                    help="steps to forecast, e.g. 96 or 96,192,336,720")
     p.add_argument("--input", type=flag_type(Grid, "input"), default=[96], help="input steps (default: 96)")
     cross = available_cross_attentions()
-    p.add_argument("--cross", type=names(cross), default=[],
-                   help=f"cross attentions, comma-separated: {', '.join(cross)}")
-    p.add_argument("--baseline", type=names(BASELINES), default=[],
-                   help=f"baselines, comma-separated: {', '.join(BASELINES)}")
+    p.add_argument("--cross", type=names(cross), default=[], action="extend",
+                   help=f"cross attentions, comma-separated or repeated: {', '.join(cross)}")
+    p.add_argument("--baseline", type=names(BASELINES), default=[], action="extend",
+                   help=f"baselines, comma-separated or repeated: {', '.join(BASELINES)}")
     p.add_argument("--seed", type=flag_type(Grid, "seed"), default=[0], help="seeds, comma-separated (default: 0)")
     p.add_argument("--max-steps", type=flag_type(Settings, "max_steps"), default=Settings.max_steps,
                    help=f"training steps at most (default: {Settings.max_steps})")

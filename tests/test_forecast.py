@@ -290,6 +290,10 @@ def test_cli_forecast_prints_the_scores(monkeypatch, capsys):
                  "repeat_last", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "elecdemand|L24|H12|repeat_last|seed0" in out and "MSE" in out
+    assert main(["forecast", "--data", "elecdemand", "--horizon", "12", "--input", "24", "--baseline",
+                 "repeat_last", "--baseline", "seasonal_naive", "--quiet"]) == 0  # a repeated flag adds to the list
+    out = capsys.readouterr().out
+    assert "H12|repeat_last|seed0" in out and "H12|seasonal_naive|seed0" in out
     with pytest.raises(SystemExit):
         main(["forecast", "--data", "elecdemand", "--horizon", "12", "--cross", "nope"])
     assert "unknown nope; choose from abc, cosformer, lavo, performer, softmax" in capsys.readouterr().err

@@ -275,6 +275,7 @@ def test_a_finished_run_is_reused_only_for_the_settings_it_was_made_with(tmp_pat
     ("spec.foo=1", "unknown listops.spec settings ['foo']; known: max_args, max_depth, max_length, min_length"),
     ("spec=5", "listops.spec must be a table; got 5"),
     ("spec.max_depth=0", "listops.spec.max_depth must be an integer >= 1; got 0"),
+    ("dim=15", "listops.dim (15) must be divisible by listops.heads (4)"),
 ])
 def test_listops_settings_are_checked_before_any_work(setting, message, tmp_path, monkeypatch, capsys):
     import lavo.classify
@@ -282,6 +283,13 @@ def test_listops_settings_are_checked_before_any_work(setting, message, tmp_path
     monkeypatch.setattr(lavo.classify, "make_splits", None)  # not called: calling it would raise TypeError
     assert main(["listops", "--out", str(tmp_path), "--quiet", "--set", setting]) == 2
     assert capsys.readouterr().err == f"lavo listops: error: {message}\n"
+
+
+def test_a_missing_config_file_is_named_as_listops_settings(tmp_path, capsys):
+    from lavo.cli import main
+    assert main(["listops", "--out", str(tmp_path), "--config", str(tmp_path / "missing.json")]) == 2
+    assert capsys.readouterr().err == (f"lavo listops: error: --config {tmp_path / 'missing.json'}: no such file (a "
+                                       "JSON file of ListOpsRun settings)\n")
 
 
 def test_a_bad_mechanism_setting_fails_before_the_data_is_drawn(tmp_path, monkeypatch):

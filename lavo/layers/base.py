@@ -75,7 +75,8 @@ def add_initialised(module: nn.Module, name: str, make: Callable[[], torch.Tenso
     """Give ``module.<name>`` the tensor ``make()`` makes, as a parameter (or a buffer), and keep ``make`` so that
     :func:`reset_initialised` makes it again: what a module owns beyond its submodules is initialised in one place,
     for construction and for a model built on the meta device and then materialised with ``to_empty()``. ``make``
-    is a ``functools.partial`` of a module-level function, so that the module still pickles."""
+    is a ``functools.partial`` of a module-level function, so that the module still pickles (unless torch's
+    parametrizations, which do not pickle, are on it: LAVO's learned basis)."""
     value = make()
     if buffer:
         module.register_buffer(name, value)
