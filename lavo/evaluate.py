@@ -8,6 +8,7 @@ through the model's cache in chunks, so LAVO's memory stays constant and softmax
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -169,33 +170,39 @@ def save_plot(results: dict[str, dict[int, dict]], path: str | os.PathLike,
                      vline=(train_length, "training length") if train_length else None)
 
 
-def text_tokens(path: str | os.PathLike, tokenizer) -> np.ndarray:
-    """A plain-text file, or every ``.txt`` file of a folder (sorted by name), tokenised with ``tokenizer``;
-    each document is followed by ``<|endoftext|>``, as in prepared data."""
-    from .data import DataError, Document, encode_documents, read_documents, token_dtype
+def text_documents(path: str | os.PathLike) -> list:
+    """A plain-text file, or every ``.txt`` file of a folder (sorted by name), as documents."""
+    from .data import DataError, Document, read_documents
+    from .data.documents import read_text
     path = Path(path)
     if path.is_dir():
-        documents = read_documents(path)
-    elif path.is_file():
-        try:
-            documents = [Document(path.stem, path.read_text(encoding="utf-8"))]
-        except UnicodeDecodeError as error:
-            raise DataError(f"{path} is not UTF-8 text ({error})") from error
-    else:
-        raise DataError(f"--text {path}: no such file or folder")
+        return read_documents(path)
+    if path.is_file():
+        return [Document(path.stem, read_text(path))]
+    raise DataError(f"--text {path}: no such file or folder")
+
+
+def text_tokens(path: str | os.PathLike, tokenizer) -> np.ndarray:
+    """:func:`text_documents` tokenised with ``tokenizer``, each document followed by ``<|endoftext|>``, as in
+    prepared data."""
+    return tokens_of(text_documents(path), tokenizer)
+
+
+def tokens_of(documents: list, tokenizer) -> np.ndarray:
+    from .data import encode_documents, token_dtype
     return encode_documents(tokenizer, documents, token_dtype(tokenizer.vocab_size))[0]
 
 
-def held_out_tokens(config, tokenizer, split: str, data_dir: str | None, parts: list[str] | None = None,
-                    recorded: dict[str, dict[str, str]] | None = None) -> np.ndarray:
-    """The split ``split`` of a run's data (from ``data_dir``, default the run's own), tokenised with
-    ``tokenizer``; ``parts``: only the documents of those parts of a mixed source. ``recorded``: the run's
-    document digests (:func:`~lavo.run.recorded_documents`), against which the documents read now are checked."""
-    from .data import DataError, is_builtin, split_tokens
+def held_out_documents(config, split: str, data_dir: str | None, parts: list[str] | None = None,
+                       recorded: dict[str, dict[str, str]] | None = None) -> list:
+    """The split ``split`` of a run's data (from ``data_dir``, default the run's own); ``parts``: only the
+    documents of those parts of a mixed source. ``recorded``: the run's document digests
+    (:func:`~lavo.run.recorded_documents`), against which the documents read now are checked."""
+    from .data import DataError, is_builtin, read_split
     data = config.data
     try:
-        return split_tokens(data.source, data_dir or data.data_dir, data.holdout, split, tokenizer, parts,
-                            None if recorded is None else recorded[split])
+        return read_split(data.source, data_dir or data.data_dir, data.holdout, split, parts,
+                          None if recorded is None else recorded[split])
     except DataError as error:
         where = ("if the run's data is elsewhere: `lavo eval --data-dir FOLDER`" if is_builtin(data.source) else
                  "the run read its texts from that folder: put them back as they were, or score a file or folder "
@@ -233,18 +240,6 @@ def check_position_bounds(loaded: list[LoadedModel], longest: int) -> None:
                              "model.attention_options.max_length")
 
 
-def scored_text(run: LoadedModel, split: str, parts: list[str] | None, text: str | None) -> tuple:
-    """What a run scores, as a key: runs with equal keys score the same tokens (on a given text only the
-    tokenizers matter; on a run's data also the source, its documents and the split)."""
-    from .run import recorded_documents
-    tokenizer = run.tokenizer.inner.to_str()
-    if text is not None:
-        return (tokenizer,)
-    data, recorded = run.config.data, recorded_documents(run.path)
-    return (tokenizer, data.source, json.dumps(data.holdout), json.dumps(parts),
-            json.dumps(recorded and recorded[split], sort_keys=True))
-
-
 def write_results(out_dir: str, loaded: list[LoadedModel], results: dict[str, dict[int, dict]], *, split: str,
                   parts: list[str] | None, text: str | None, spread: bool, dtype: str,
                   train_length: int | None, log=print) -> None:
@@ -274,6 +269,7 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     first ``max_tokens`` (:func:`segment_starts`). ``dtype``: ``"bfloat16"`` or ``"float16"`` scores under
     autocast (the losses are still summed in float64)."""
     from .data import DataError
+    from .data.documents import text_digest
     from .devices import autocast_for, resolve_device
     from .run import recorded_documents
 
@@ -288,8 +284,16 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     if missing_config and text is None:
         raise DataError(f"{', '.join(map(str, missing_config))} do not record the data they trained on: score a "
                         "text with --text FILE")
-    scored = {run.name: scored_text(run, split, parts, text) for run in loaded}
-    if len(set(scored.values())) > 1:
+    texts, tokens = {}, {}  # runs that read the same documents with the same tokenizer: tokenised once
+    for run in loaded:
+        documents = (text_documents(text) if text else
+                     held_out_documents(run.config, split, data_dir, parts, recorded_documents(run.path)))
+        key = (run.tokenizer.inner.to_str(), tuple((doc.name, text_digest(doc.text)) for doc in documents))
+        if key not in texts:
+            texts[key] = tokens_of(documents, run.tokenizer)
+        tokens[run.name] = texts[key]
+    same_text = len({hashlib.sha256(t.tobytes()).digest() for t in tokens.values()}) == 1
+    if not same_text:
         log("warning: the runs score different texts (other data, held-out documents or tokenizers): "
             "perplexities do not compare")
     train_length = next((run.config.train.train_length for run in loaded if run.config is not None), None)
@@ -297,21 +301,15 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
         raise ValueError("the models do not record their training length: give --lengths")
     lengths = settings.lengths_for(train_length)
     check_position_bounds(loaded, max(lengths))
-    texts = {}  # runs on the same data with the same tokenizer score the same tokens: tokenise once
     results = {}
     for run in loaded:
-        key = scored[run.name] + (text or data_dir or run.config.data.data_dir,)
-        if key not in texts:
-            texts[key] = (text_tokens(text, run.tokenizer) if text else
-                          held_out_tokens(run.config, run.tokenizer, split, data_dir, parts,
-                                          recorded_documents(run.path)))
         if progress:
             log(f"scoring {run.name} at lengths {', '.join(map(str, lengths))}")
         with autocast():
-            results[run.name] = perplexity_by_length(run.model, texts[key], lengths, batch_size=batch_size,
+            results[run.name] = perplexity_by_length(run.model, tokens[run.name], lengths, batch_size=batch_size,
                                                      chunk_size=chunk_size, max_tokens=max_tokens, device=device,
                                                      progress=progress, spread=spread)
-    log(format_table(results, scored_tokens(split, text), same_text=len(set(scored.values())) == 1))
+    log(format_table(results, scored_tokens(split, text), same_text=same_text))
     if out_dir is not None:
         write_results(out_dir, loaded, results, split=split, parts=parts, text=text, spread=spread, dtype=dtype,
                       train_length=train_length, log=log)

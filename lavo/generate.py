@@ -4,6 +4,7 @@ layout (:meth:`~lavo.model.LanguageModel.step_cache`), the one-token step is cap
 replayed for every token (:class:`StepDecoder`)."""
 from __future__ import annotations
 
+import operator
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -135,11 +136,12 @@ def check_prompt(model, prompt: list[int] | torch.Tensor, max_new_tokens: int) -
     """``prompt`` as a list of ids, refused by name when it is empty, holds an id the model has no embedding for,
     or is too long, with the tokens to come, for the positions the model reads
     (:func:`~lavo.layers.base.position_bound`)."""
-    ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+    try:
+        ids = [operator.index(i) for i in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+    except TypeError:
+        raise ValueError("the prompt must be a flat list (or 1-D tensor) of token ids") from None
     if not ids:
         raise ValueError("the prompt is empty: give at least one token")
-    if not all(isinstance(i, int) for i in ids):
-        raise ValueError("the prompt must be a flat list (or 1-D tensor) of token ids")
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab_size is not None and not all(0 <= i < vocab_size for i in ids):
         outside = sorted({i for i in ids if not 0 <= i < vocab_size})

@@ -205,8 +205,9 @@ def save_checkpoint(run_dir: str | os.PathLike, model: LanguageModel, state: dic
     run_dir = Path(run_dir)
     ident = uuid.uuid4().hex
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    # Serialised in memory and written from Python, so that a full disk raises OSError: the writers of
-    # safetensors and torch.save raise errors of their own, which name no disk.
+    # Serialised in memory, then written from Python, so that a full disk raises OSError: safetensors' writer and
+    # torch.save's (even into a file object) raise errors of their own there, which name no disk. Both together
+    # take about three times the parameters' bytes (the weights, and the state with AdamW's two moments).
     weights = save_weights(weights, metadata={"step": str(state["step"]), "checkpoint": ident})
     buffer = io.BytesIO()
     torch.save({**state, "checkpoint": ident}, buffer)

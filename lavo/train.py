@@ -296,16 +296,24 @@ class Trainer:
         for key, now, what in (("tokenizer_sha256", data.tokenizer.sha256, "tokenizer"),
                                ("data_fingerprint", data.manifest["fingerprint"], "training data")):
             if state.get(key, now) != now:
-                recorded = recorded_documents(self.run_dir)
-                changes = recorded and "; ".join(
-                    f"{split}: {change}" for split in SPLITS
-                    if (change := changed_documents(recorded[split], data.digests[split])))
-                why = (f"its documents are not those it recorded ({changes})" if changes else
-                       "the texts, the held-out documents or the tokenizer changed since")
                 raise RunError(
                     f"{self.run_dir} was trained with another {what} ({key} {state[key][:12]}) than the one "
-                    f"prepared now in {data.directory} ({now[:12]}): {why}. Put the data back as it was, or "
-                    "start again with --overwrite")
+                    f"prepared now in {data.directory} ({now[:12]}): {self.data_change()}, or start again with "
+                    "--overwrite")
+
+    def data_change(self) -> str:
+        """What differs between the documents the run recorded and those prepared now, and what to do about it."""
+        recorded, now = recorded_documents(self.run_dir), self.data.digests
+        if recorded is None:
+            return ("the texts, the held-out documents or the tokenizer changed since. Resume with the data "
+                    "settings of its config.json")
+        if {n: d for split in SPLITS for n, d in recorded[split].items()} == \
+                {n: d for split in SPLITS for n, d in now[split].items()}:
+            return (f"the same documents, other ones held out ({', '.join(now['valid'])}; the run's: "
+                    f"{', '.join(recorded['valid'])}). Resume with the data settings of its config.json")
+        changes = "; ".join(f"{split}: {change}" for split in SPLITS
+                            if (change := changed_documents(recorded[split], now[split])))
+        return f"its documents are not those it recorded ({changes}). Put them back as they were"
 
     def start(self) -> None:
         """Write the run's config and tokenizer, describe the model, and wrap it for data parallelism."""

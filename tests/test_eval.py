@@ -108,6 +108,7 @@ def test_a_run_scores_the_documents_it_held_out_after_files_are_added_to_its_fol
     file added later (sorting after them) does not move a training document into the evaluation."""
     from lavo.config import RunConfig
     from lavo.evaluate import evaluate_runs
+    from lavo.hf import export_run
     from lavo.train import train
     from lm_corpus import tiny_run, write_corpus
     corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
@@ -144,6 +145,7 @@ def test_a_runs_documents_are_checked_and_runs_that_score_different_texts_are_to
     from lavo.config import RunConfig
     from lavo.data import DataError
     from lavo.evaluate import evaluate_runs
+    from lavo.hf import export_run
     from lavo.train import train
     from lm_corpus import tiny_run, write_corpus
     corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
@@ -155,12 +157,18 @@ def test_a_runs_documents_are_checked_and_runs_that_score_different_texts_are_to
     evaluate_runs([str(tmp_path / "a"), str(tmp_path / "b")], lengths=[16, 32], progress=False, log=lines.append)
     assert lines[0].startswith("warning: the runs score different texts")
     assert "held-out tokens, not the same ones for every run (other documents or tokenizers)" in lines[1]
+    export_run(tmp_path / "a", tmp_path / "a-exported")
+    lines.clear()
+    same = evaluate_runs([str(tmp_path / "a"), str(tmp_path / "a-exported")], lengths=[16], progress=False,
+                         log=lines.append)
+    assert "the same 3712 held-out tokens" in lines[0] and same["a"] == same["a-exported"]
 
     with open(corpus / "doc3.txt", "a") as file:
         file.write("one more line\n")
     (corpus / "doc9.txt").write_text("a new document\n")
-    with pytest.raises(DataError, match="the valid documents of .* are not those the run recorded: edited doc3"):
-        evaluate_runs([str(tmp_path / "a")], lengths=[16], progress=False, log=lines.append)
+    for run in ("a", "a-exported"):
+        with pytest.raises(DataError, match="the valid documents of .* are not those the run recorded: edited doc3"):
+            evaluate_runs([str(tmp_path / run)], lengths=[16], progress=False, log=lines.append)
     with pytest.raises(DataError, match="the train documents of .* are not those the run recorded: added doc9"):
         evaluate_runs([str(tmp_path / "b")], lengths=[16], split="train", progress=False, log=lines.append)
     evaluate_runs([str(tmp_path / "b")], lengths=[16], progress=False, log=lines.append)  # doc2 is as it was

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -249,13 +250,20 @@ def test_overwrite_starts_the_metrics_again_and_a_finished_run_has_nothing_to_do
     assert (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() == [json.dumps(r) for r in records]
 
 
-def test_resume_refuses_another_tokenizer(setup, tmp_path):
+def test_resume_refuses_another_tokenizer_and_says_what_changed(setup, tmp_path):
     values = config_for(setup, tmp_path, steps=4)
+    values["data"]["source"] = str(shutil.copytree(setup["corpus"], tmp_path / "corpus"))  # edited below
     train(RunConfig.from_dict(values), stop_after=2, log=quiet)
     values["data"]["holdout"] = ["doc2"]  # another training split: another BPE
     with pytest.raises(RunError, match=r"was trained with another tokenizer \(tokenizer_sha256 [0-9a-f]{12}\) "
-                                       r"than the one prepared now in .*: its documents are not those it recorded "
-                                       r"\(train: added doc3; removed doc2; valid: added doc2; removed doc3\)"):
+                                       r"than the one prepared now in .*: the same documents, other ones held out "
+                                       r"\(doc2; the run's: doc3\). Resume with the data settings of its config.json"):
+        train(RunConfig.from_dict(values), resume=True, log=quiet)
+    values["data"]["holdout"] = ["doc3"]
+    with open(tmp_path / "corpus" / "doc0.txt", "a") as file:
+        file.write("one more line\n")
+    with pytest.raises(RunError, match=r"its documents are not those it recorded \(train: edited doc0\). Put them "
+                                       r"back as they were, or start again with --overwrite"):
         train(RunConfig.from_dict(values), resume=True, log=quiet)
 
 

@@ -1,4 +1,5 @@
 """Sampling: seeded, cached decoding equals recomputing, top-k / top-p filtering."""
+import numpy as np
 import pytest
 import torch
 from reference_checks import forward_calls
@@ -83,6 +84,8 @@ def test_the_model_is_left_in_the_mode_it_was_in_and_a_tensor_prompt_is_a_list()
     with_list = generate(m, [1, 2, 3], 6, temperature=0)
     assert m.training
     assert generate(m.eval(), torch.tensor([1, 2, 3]), 6, temperature=0) == with_list and not m.training
+    prepared = np.array([1, 2, 3], dtype=np.uint16)  # ids as a prepared split holds them
+    assert generate(m, list(prepared), 6, temperature=0) == with_list
 
 
 def test_prompts_the_model_cannot_read_are_refused_by_name():

@@ -492,7 +492,7 @@ def test_export_writes_a_directory_pipelines_and_the_cli_read(trained, tmp_path,
     from lavo.run import is_exported, load_run
     run, exported = trained / "run", trained / "exported"
     assert is_exported(exported) and not is_exported(run)
-    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "generation_config.json",
+    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "documents.json", "generation_config.json",
                                                           "model.safetensors", "tokenizer.json",
                                                           "tokenizer_config.json"]
     # every file as open() makes it (safetensors alone makes its files 0600: unreadable to a group sharing models)

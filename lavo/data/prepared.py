@@ -93,21 +93,25 @@ def _load_split(directory: Path, manifest: dict, split: str, fix: str) -> TokenD
     return TokenData(tokens, info["documents"], split, manifest)
 
 
-def split_tokens(source: str, data_dir: str | os.PathLike, holdout: list[str] | None, split: str,
-                 tokenizer: Tokenizer, parts: list[str] | None = None,
-                 recorded: dict[str, str] | None = None) -> np.ndarray:
-    """One split of ``source`` tokenised with ``tokenizer``: the same tokens :func:`prepare` caches, without the
-    cache (evaluation reads a run's held-out text with the run's own tokenizer). ``parts`` keeps only the
-    documents of those parts of a mix (e.g. the held-out code of ``"austen+python"``). ``recorded``: the split's
-    document digests as a run recorded them (:func:`document_digests`); documents that differ are refused."""
+def read_split(source: str, data_dir: str | os.PathLike, holdout: list[str] | None, split: str,
+               parts: list[str] | None = None, recorded: dict[str, str] | None = None) -> list[Document]:
+    """The documents of one split of ``source`` as they are now. ``parts`` keeps only the documents of those parts
+    of a mix (e.g. the held-out code of ``"austen+python"``). ``recorded``: the split's document digests as a run
+    recorded them (:func:`document_digests`); documents that differ from them are refused."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
     documents = source_splits(source, data_dir, holdout, fetch=False)[0][split]
     changes = recorded is not None and changed_documents(recorded, document_digests({split: documents})[split])
     if changes:
         raise DataError(f"the {split} documents of {source} are not those the run recorded: {changes}")
-    if parts is not None:
-        documents = only_parts(documents, source, parts)
+    return documents if parts is None else only_parts(documents, source, parts)
+
+
+def split_tokens(source: str, data_dir: str | os.PathLike, holdout: list[str] | None, split: str,
+                 tokenizer: Tokenizer, parts: list[str] | None = None) -> np.ndarray:
+    """One split of ``source`` tokenised with ``tokenizer`` (:func:`read_split`): the same tokens :func:`prepare`
+    caches, without the cache."""
+    documents = read_split(source, data_dir, holdout, split, parts)
     return encode_documents(tokenizer, documents, token_dtype(tokenizer.vocab_size))[0]
 
 

@@ -3,7 +3,7 @@
 ``lavo export RUN_DIR OUT_DIR`` writes ``config.json`` (:class:`~lavo.hf.configuration.LavoLMConfig`, with the
 run config under ``lavo_run``), ``model.safetensors``, ``generation_config.json``, and the run's tokenizer as a
 ``PreTrainedTokenizerFast`` (``tokenizer.json``, ``tokenizer_config.json``): what ``AutoModelForCausalLM`` and
-``pipeline("text-generation")`` read, offline.
+``pipeline("text-generation")`` read, offline; and the run's ``documents.json``.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from transformers.utils import logging as hf_logging
 
 from ..config import RunConfig
 from ..data import Tokenizer, load_tokenizer_file
-from ..files import give_default_mode, make_directory
+from ..files import give_default_mode, make_directory, write_json
 from ..model import LanguageModel
-from ..run import TOKENIZER, is_exported, load_run, run_config_at
+from ..run import DOCUMENTS, TOKENIZER, is_exported, load_run, recorded_documents, run_config_at
 from .modeling import LavoLMForCausalLM
 from .tokenization import hub_tokenizer
 
@@ -43,6 +43,9 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite
     for weights in out.glob("*.safetensors"):
         give_default_mode(weights)
     hub_tokenizer(tokenizer).save_pretrained(out)
+    documents = recorded_documents(run_dir)
+    if documents is not None:  # so that lavo eval checks an export's held-out documents as it checks the run's
+        write_json(out / DOCUMENTS, documents)
     return out
 
 

@@ -88,7 +88,7 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         if empty:
             raise ValueError(f"rows {empty} of attention_mask have no real token, so nothing to continue (their "
                              "logits would be zeros): give each prompt at least one token, e.g. the tokenizer's "
-                             "bos_token as pipeline() does for an empty prompt")
+                             "bos_token_id first, as pipeline() does for an empty prompt")
         if not self.lavo.supports_decoding:
             # with use_cache, generate() would feed only the last token, which a model without a cache cannot take
             kwargs["use_cache"] = False

@@ -106,10 +106,10 @@ class Mechanism(nn.Module):
     ``x`` is ``[B, T, dim]``; ``padding_mask`` ``[B, T]`` bool (True = real token; padded positions output
     zeros, and their content never changes the real ones, nor, in a non-causal call, how many lead or follow
     them; in a causal call leading padding shifts the real tokens: docs/DESIGN.md, decision 4); ``cache`` is
-    whatever the previous call returned (None to start a sequence). A layer decodes when its class declares :attr:`cache_types`, the :class:`~lavo.cache.Cache`
-    kinds its causal calls return and continue, and implements :meth:`_new_cache` and :meth:`cache_nbytes`; a
-    layer without a decoding form returns None as the cache. Asking a layer for something its flags deny raises
-    an error naming it.
+    whatever the previous call returned (None to start a sequence). A layer decodes when its class declares
+    :attr:`cache_types`, the :class:`~lavo.cache.Cache` kinds its causal calls return and continue, and
+    implements :meth:`_new_cache` and :meth:`cache_nbytes`; a layer without a decoding form returns None as the
+    cache. Asking a layer for something its flags deny raises an error naming it.
     """
 
     supports_causal = True
@@ -306,7 +306,8 @@ class AttentionLayer(Mechanism):
         # is attended as if its real tokens started at position 0. A causal call keeps its positions, which the
         # cache continues (docs/DESIGN.md, decision 4).
         shift = None
-        if self.absolute_positions and not self.causal and padding_mask is not None:
+        if self.absolute_positions and not self.causal and padding_mask is not None and (
+                torch.compiler.is_compiling() or not bool(padding_mask[:, 0].all())):  # eager: only if some row has it
             shift = leading_padding(padding_mask)
             x, padding_mask = roll_rows(x, shift), roll_rows(padding_mask, shift)
         x = zero_padded(x, padding_mask)  # a NaN or inf at a padded position would reach every real one

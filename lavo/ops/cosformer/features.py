@@ -96,8 +96,9 @@ def cosformer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     end = start + q.shape[1]
     if end > max_length:
         raise ValueError(f"cosFormer reached position {end - 1} but was built with max_length={max_length}: the "
-                         f"cos re-weighting turns negative beyond it; build the layer with a larger max_length (a model's "
-                         "model.attention_options.max_length: a trained model reads at most that many positions)")
+                         "cos re-weighting turns negative beyond it; build the layer with a larger max_length (a "
+                         "model's model.attention_options.max_length: a trained model reads at most that many "
+                         "positions)")
     positions = torch.arange(start, end, device=q.device)
     out, (kv, k_sum) = causal_feature_attention(
         cosformer_features(q, positions, max_length), cosformer_features(k, positions, max_length, padding_mask),
