@@ -9,7 +9,6 @@ through the model's cache in chunks, so LAVO's memory stays constant and softmax
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import warnings
@@ -21,8 +20,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .data import DataError, Document, is_builtin, read_documents, read_split, read_text, text_digest, tokenize
+from .devices import autocast_for, resolve_device
 from .files import write_json
+from .layers.base import position_bound
 from .report import line_plot, text_table
+from .run import load_model_dir, recorded_documents
 from .settings import above, at_least, check_settings, one_of, setting
 
 
@@ -145,7 +148,7 @@ def scored_tokens(split: str, text: str | None) -> str:
     return f"tokens of {text}" if text else SCORED[split]
 
 
-def format_table(results: dict[str, dict[int, dict]], scored: str = "held-out tokens",
+def format_table(results: dict[str, dict[int, dict]], scored: str = SCORED["valid"],
                  same_text: bool = True) -> str:
     """Perplexity table: one row per model, one column per length; ``scored`` says which tokens, and
     ``same_text`` whether every run scored the same ones."""
@@ -170,10 +173,8 @@ def save_plot(results: dict[str, dict[int, dict]], path: str | os.PathLike,
                      vline=(train_length, "training length") if train_length else None)
 
 
-def text_documents(path: str | os.PathLike) -> list:
+def text_documents(path: str | os.PathLike) -> list[Document]:
     """A plain-text file, or every ``.txt`` file of a folder (sorted by name), as documents."""
-    from .data import DataError, Document, read_documents
-    from .data.documents import read_text
     path = Path(path)
     if path.is_dir():
         return read_documents(path)
@@ -182,23 +183,11 @@ def text_documents(path: str | os.PathLike) -> list:
     raise DataError(f"--text {path}: no such file or folder")
 
 
-def text_tokens(path: str | os.PathLike, tokenizer) -> np.ndarray:
-    """:func:`text_documents` tokenised with ``tokenizer``, each document followed by ``<|endoftext|>``, as in
-    prepared data."""
-    return tokens_of(text_documents(path), tokenizer)
-
-
-def tokens_of(documents: list, tokenizer) -> np.ndarray:
-    from .data import encode_documents, token_dtype
-    return encode_documents(tokenizer, documents, token_dtype(tokenizer.vocab_size))[0]
-
-
-def held_out_documents(config, split: str, data_dir: str | None, parts: list[str] | None = None,
-                       recorded: dict[str, dict[str, str]] | None = None) -> list:
+def run_documents(config, split: str, data_dir: str | None, parts: list[str] | None = None,
+                  recorded: dict[str, dict[str, str]] | None = None) -> list[Document]:
     """The split ``split`` of a run's data (from ``data_dir``, default the run's own); ``parts``: only the
     documents of those parts of a mixed source. ``recorded``: the run's document digests
     (:func:`~lavo.run.recorded_documents`), against which the documents read now are checked."""
-    from .data import DataError, is_builtin, read_split
     data = config.data
     try:
         return read_split(data.source, data_dir or data.data_dir, data.holdout, split, parts,
@@ -222,22 +211,36 @@ class LoadedModel(NamedTuple):
 
 def load_models(run_dirs: list[str], device) -> list[LoadedModel]:
     """Each directory's model, named by its folder, or by its path when two folders share a name."""
-    from .run import load_model_dir
     names = [Path(run).name for run in run_dirs]
     if len(set(names)) < len(names):
         names = [str(run) for run in run_dirs]
     return [LoadedModel(name, run, *load_model_dir(run, device)) for name, run in zip(names, run_dirs)]
 
 
+def tokens_per_run(loaded: list[LoadedModel], text: str | None, split: str, data_dir: str | None,
+                   parts: list[str] | None) -> dict[str, np.ndarray]:
+    """What each run scores: the file or folder ``text``, else the split ``split`` of its own data (checked against
+    the documents it recorded), tokenised with its tokenizer (once for runs that share both)."""
+    given = text_documents(text) if text else None
+    cache: dict[tuple, np.ndarray] = {}
+    tokens = {}
+    for run in loaded:
+        documents = given or run_documents(run.config, split, data_dir, parts, recorded_documents(run.path))
+        key = (run.tokenizer.sha256, tuple((doc.name, text_digest(doc.text)) for doc in documents))
+        if key not in cache:
+            cache[key] = tokenize(documents, run.tokenizer)
+        tokens[run.name] = cache[key]
+    return tokens
+
+
 def check_position_bounds(loaded: list[LoadedModel], longest: int) -> None:
     """Refuse, before anything is scored, a length some run's layers cannot read (cosFormer's ``max_length``)."""
-    from .layers.base import position_bound
     for run in loaded:
         bound = position_bound(run.model)
-        if bound is not None and longest > bound[0]:
-            raise ValueError(f"{run.name} reads at most {bound[0]} positions (its {bound[1]}), fewer than the "
-                             f"length {longest}: evaluate it at lengths up to {bound[0]}, or train it with a larger "
-                             "model.attention_options.max_length")
+        if bound is not None and longest > bound.limit:
+            raise ValueError(f"{run.name} reads at most {bound.limit} positions (its {bound.layer}), fewer than the "
+                             f"length {longest}: evaluate it at lengths up to {bound.limit}, or train it with a "
+                             "larger model.attention_options.max_length")
 
 
 def write_results(out_dir: str, loaded: list[LoadedModel], results: dict[str, dict[int, dict]], *, split: str,
@@ -268,10 +271,6 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     ``perplexity.png``. ``spread``: the scored targets are windows spread over the whole text rather than its
     first ``max_tokens`` (:func:`segment_starts`). ``dtype``: ``"bfloat16"`` or ``"float16"`` scores under
     autocast (the losses are still summed in float64)."""
-    from .data import DataError
-    from .data.documents import text_digest
-    from .devices import autocast_for, resolve_device
-    from .run import recorded_documents
 
     settings = EvalSettings(multiples=multiples, lengths=lengths, max_tokens=max_tokens, batch_size=batch_size,
                             chunk_size=chunk_size, dtype=dtype)
@@ -284,14 +283,7 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     if missing_config and text is None:
         raise DataError(f"{', '.join(map(str, missing_config))} do not record the data they trained on: score a "
                         "text with --text FILE")
-    texts, tokens = {}, {}  # runs that read the same documents with the same tokenizer: tokenised once
-    for run in loaded:
-        documents = (text_documents(text) if text else
-                     held_out_documents(run.config, split, data_dir, parts, recorded_documents(run.path)))
-        key = (run.tokenizer.inner.to_str(), tuple((doc.name, text_digest(doc.text)) for doc in documents))
-        if key not in texts:
-            texts[key] = tokens_of(documents, run.tokenizer)
-        tokens[run.name] = texts[key]
+    tokens = tokens_per_run(loaded, text, split, data_dir, parts)
     same_text = len({hashlib.sha256(t.tobytes()).digest() for t in tokens.values()}) == 1
     if not same_text:
         log("warning: the runs score different texts (other data, held-out documents or tokenizers): "

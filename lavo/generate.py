@@ -147,11 +147,10 @@ def check_prompt(model, prompt: list[int] | torch.Tensor, max_new_tokens: int) -
         outside = sorted({i for i in ids if not 0 <= i < vocab_size})
         raise ValueError(f"the prompt holds token ids outside the model's vocabulary of {vocab_size}: {outside[:5]}")
     bound = position_bound(model)
-    if bound is not None and len(ids) + max_new_tokens - 1 > bound[0]:  # the last token is not fed
-        longest, layer = bound
-        raise ValueError(f"this model reads at most {longest} positions (its {layer}): after a {len(ids)}-token "
-                         f"prompt it can generate at most {max(0, longest - len(ids) + 1)} tokens, not "
-                         f"{max_new_tokens}")
+    if bound is not None and len(ids) + max_new_tokens - 1 > bound.limit:  # the last token is not fed
+        raise ValueError(f"this model reads at most {bound.limit} positions (its {bound.layer}): after a "
+                         f"{len(ids)}-token prompt it can generate at most {max(0, bound.limit - len(ids) + 1)} "
+                         f"tokens, not {max_new_tokens}")
     return ids
 
 
@@ -162,33 +161,33 @@ def generate(model, prompt: list[int] | torch.Tensor, max_new_tokens: int, *, te
     """``num_samples`` continuations of ``prompt`` (token ids), each at most ``max_new_tokens`` long (a sample that
     reaches ``stop_id`` ends with it). ``device``: where the prompt goes, by default the model's. The model
     samples in eval mode and is left in the mode it was in."""
-    SamplingSettings(max_new_tokens, temperature, top_k, top_p, seed, num_samples)  # built to check the arguments
+    settings = SamplingSettings(max_new_tokens, temperature, top_k, top_p, seed, num_samples)  # checks them
     prompt = check_prompt(model, prompt, max_new_tokens)
     if device is None:
         device = next(model.parameters()).device
     training = model.training
     model.eval()
     try:
-        return _sample(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_id, num_samples, device)
+        return _sample(model, prompt, settings, stop_id, device)
     finally:
         model.train(training)
 
 
-def _sample(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_id, num_samples, device):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
+def _sample(model, prompt: list[int], s: SamplingSettings, stop_id: int | None, device) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(s.seed)
+    ids = torch.tensor([prompt] * s.num_samples, dtype=torch.long, device=device)
     use_cache = getattr(model, "supports_decoding", False)
     logits, cache = model(ids)
     decoder = graphed_decoder(model, cache) if use_cache else None
-    out = [[] for _ in range(num_samples)]
-    done = torch.zeros(num_samples, dtype=torch.bool)
-    for step in range(max_new_tokens):
-        next_ids = sample_next(logits[:, -1], generator, temperature, top_k, top_p)
+    out = [[] for _ in range(s.num_samples)]
+    done = torch.zeros(s.num_samples, dtype=torch.bool)
+    for step in range(s.max_new_tokens):
+        next_ids = sample_next(logits[:, -1], generator, s.temperature, s.top_k, s.top_p)
         for i, token in enumerate(next_ids.tolist()):
             if not done[i]:
                 out[i].append(token)
                 done[i] = stop_id is not None and token == stop_id
-        if done.all() or step == max_new_tokens - 1:  # the last token is not fed: nothing reads its logits
+        if done.all() or step == s.max_new_tokens - 1:  # the last token is not fed: nothing reads its logits
             break
         if decoder is not None:
             logits = decoder.step(next_ids[:, None])

@@ -34,9 +34,8 @@ from .files import atomic_write, fsync_path, remove_orphans, write_json, write_t
 from .model import LanguageModel, ModelConfig
 from .registry import UnknownAttention
 
-CONFIG, TOKENIZER, WEIGHTS, STATE, METRICS = (
-    "config.json", "tokenizer.json", "model.safetensors", "state.pt", "metrics.jsonl")
-DOCUMENTS = "documents.json"  # the documents the run trained on and held out, each with a digest of its text
+CONFIG, TOKENIZER, DOCUMENTS, WEIGHTS, STATE, METRICS = (
+    "config.json", "tokenizer.json", "documents.json", "model.safetensors", "state.pt", "metrics.jsonl")
 PENDING = ".model.safetensors.next"  # the next checkpoint's weights, until its state.pt commits them
 LOCK = ".lock"
 RUN_FILES = (WEIGHTS, STATE, METRICS)  # what a run directory that has trained holds
@@ -48,23 +47,22 @@ class RunError(RuntimeError):
 
 
 def save_run_config(run_dir: str | os.PathLike, config: RunConfig, model_config: ModelConfig,
-                    tokenizer: Tokenizer, documents: dict[str, dict[str, str]]) -> None:
+                    tokenizer: Tokenizer, digests: dict[str, dict[str, str]]) -> None:
     """``config.json`` and ``tokenizer.json``: what :func:`load_run` needs besides the weights; and
-    ``documents.json``: ``documents``, the digests of the documents of each split
-    (:func:`lavo.data.document_digests`). The held-out names are also ``data.holdout``, so that the run's
+    ``documents.json``: ``digests``, those of the documents of each split (:func:`lavo.data.document_digests`). The held-out names are also ``data.holdout``, so that the run's
     evaluation scores those even after the source has changed (a folder's default, its last ~10%, moves when
     files are added), and refuses them if they were edited."""
     values = config.to_dict()
     values["model"] = model_config.to_dict()
     del values["train"]["out_dir"]
     data = values["data"]
-    data["holdout"] = list(documents["valid"])
+    data["holdout"] = list(digests["valid"])
     # absolute, so that the run finds its data from any working directory (`lavo eval --data-dir` overrides)
     data["data_dir"] = str(Path(data["data_dir"]).resolve())
     if not is_builtin(data["source"]):
         data["source"] = str(Path(data["source"]).resolve())
     write_json(Path(run_dir) / CONFIG, values)
-    write_json(Path(run_dir) / DOCUMENTS, documents)
+    write_json(Path(run_dir) / DOCUMENTS, digests)
     tokenizer.save(Path(run_dir) / TOKENIZER)
 
 
@@ -204,16 +202,16 @@ def save_checkpoint(run_dir: str | os.PathLike, model: LanguageModel, state: dic
     """
     run_dir = Path(run_dir)
     ident = uuid.uuid4().hex
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     # Serialised in memory, then written from Python, so that a full disk raises OSError: safetensors' writer and
     # torch.save's (even into a file object) raise errors of their own there, which name no disk. Both together
     # take about three times the parameters' bytes (the weights, and the state with AdamW's two moments).
-    weights = save_weights(weights, metadata={"step": str(state["step"]), "checkpoint": ident})
-    buffer = io.BytesIO()
-    torch.save({**state, "checkpoint": ident}, buffer)
+    weight_bytes = save_weights({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+                                metadata={"step": str(state["step"]), "checkpoint": ident})
+    state_bytes = io.BytesIO()
+    torch.save({**state, "checkpoint": ident}, state_bytes)
     try:
-        atomic_write(run_dir / PENDING, lambda tmp: tmp.write_bytes(weights))
-        atomic_write(run_dir / STATE, lambda tmp: tmp.write_bytes(buffer.getbuffer()))
+        atomic_write(run_dir / PENDING, lambda tmp: tmp.write_bytes(weight_bytes))
+        atomic_write(run_dir / STATE, lambda tmp: tmp.write_bytes(state_bytes.getbuffer()))
     except OSError as error:
         (run_dir / PENDING).unlink(missing_ok=True)
         raise RunError(f"could not write the checkpoint of step {state['step']} to {run_dir} ({error}); the "

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .config import RunConfig
-from .data import SPLITS, Prepared, changed_documents, check_source, prepare
+from .data import SPLITS, Prepared, check_source, describe_changes, prepare
 from .devices import autocast_for, resolve_device
 from .files import make_directory
 from .layers.base import after_optimizer_step
@@ -173,6 +173,11 @@ def agree(env: Distributed, *flags: bool) -> list[bool]:
     return [bool(flag) for flag in raised]
 
 
+def every_document(digests: dict[str, dict[str, str]]) -> dict[str, str]:
+    """``{name: digest}`` of the documents of every split together."""
+    return {name: digest for split in SPLITS for name, digest in digests[split].items()}
+
+
 def prepare_run(config: RunConfig, env: Distributed, log) -> Prepared:
     """Rank 0 prepares (and caches) the data; the others then map it."""
     data = config.data
@@ -298,21 +303,20 @@ class Trainer:
             if state.get(key, now) != now:
                 raise RunError(
                     f"{self.run_dir} was trained with another {what} ({key} {state[key][:12]}) than the one "
-                    f"prepared now in {data.directory} ({now[:12]}): {self.data_change()}, or start again with "
+                    f"prepared now in {data.directory} ({now[:12]}): {self.describe_data_change()}, or start again with "
                     "--overwrite")
 
-    def data_change(self) -> str:
+    def describe_data_change(self) -> str:
         """What differs between the documents the run recorded and those prepared now, and what to do about it."""
         recorded, now = recorded_documents(self.run_dir), self.data.digests
-        if recorded is None:
+        if recorded is None or recorded == now:  # a run from before documents.json, or only the tokenizer changed
             return ("the texts, the held-out documents or the tokenizer changed since. Resume with the data "
                     "settings of its config.json")
-        if {n: d for split in SPLITS for n, d in recorded[split].items()} == \
-                {n: d for split in SPLITS for n, d in now[split].items()}:
+        if every_document(recorded) == every_document(now):
             return (f"the same documents, other ones held out ({', '.join(now['valid'])}; the run's: "
                     f"{', '.join(recorded['valid'])}). Resume with the data settings of its config.json")
         changes = "; ".join(f"{split}: {change}" for split in SPLITS
-                            if (change := changed_documents(recorded[split], now[split])))
+                            if (change := describe_changes(recorded[split], now[split])))
         return f"its documents are not those it recorded ({changes}). Put them back as they were"
 
     def start(self) -> None:

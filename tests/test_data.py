@@ -2,8 +2,6 @@
 import io
 import json
 import os
-import resource
-import signal
 import tarfile
 
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 from lavo import data as D
 from lavo.data import corpora, prepared, sources, tokenizer
 from lavo.files import staging_folder
+from file_limits import file_size_limit
 from lm_corpus import write_corpus
 
 
@@ -108,16 +107,9 @@ def test_split_tokens_are_the_prepared_tokens(corpus, tmp_path):
 def test_a_failed_write_leaves_no_half_prepared_data(corpus, tmp_path, limit):
     """Files may not grow past ``limit`` bytes, as on a full disk: one clear error, and no staging folder left
     (the tokenizers library raised a bare Exception, and numpy's short write did not name the disk)."""
-    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of a signal
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limits[1]))
-    try:
-        with pytest.raises(D.DataError, match=r"could not write the prepared data to .*\): free "
-                                              "some space there"):
-            D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-        signal.signal(signal.SIGXFSZ, handler)
+    with file_size_limit(limit), pytest.raises(D.DataError, match=r"could not write the prepared data to .*\): "
+                                                                  "free some space there"):
+        D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
     D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)  # and with room, it prepares
 

@@ -76,7 +76,8 @@ def test_table_and_plot(tmp_path):
 def test_any_text_is_scored_with_the_runs_tokenizer(tmp_path, capsys):
     from lavo.cli import main
     from lavo.config import RunConfig
-    from lavo.evaluate import text_tokens
+    from lavo.data import tokenize
+    from lavo.evaluate import text_documents
     from lavo.run import load_run
     from lavo.train import train
     from lm_corpus import tiny_run, write_corpus
@@ -85,8 +86,8 @@ def test_any_text_is_scored_with_the_runs_tokenizer(tmp_path, capsys):
     model, _, tokenizer = load_run(tmp_path / "run")
     texts = write_corpus(tmp_path / "texts", documents=2, words=400, seed=5)
 
-    folder = text_tokens(texts, tokenizer)
-    one = text_tokens(texts / "doc1.txt", tokenizer)
+    folder = tokenize(text_documents(texts), tokenizer)
+    one = tokenize(text_documents(texts / "doc1.txt"), tokenizer)
     first = tokenizer.encode((texts / "doc0.txt").read_text()) + [tokenizer.eot_id]
     assert folder.tolist() == first + one.tolist()
     assert one[-1] == tokenizer.eot_id
@@ -108,7 +109,6 @@ def test_a_run_scores_the_documents_it_held_out_after_files_are_added_to_its_fol
     file added later (sorting after them) does not move a training document into the evaluation."""
     from lavo.config import RunConfig
     from lavo.evaluate import evaluate_runs
-    from lavo.hf import export_run
     from lavo.train import train
     from lm_corpus import tiny_run, write_corpus
     corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)

@@ -8,7 +8,6 @@ a chosen point of a checkpoint write); the resumptions run in this process.
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from lavo.config import RunConfig
 from lavo.data import prepare
 from lavo.run import RunError, RunLock, load_run
 from lavo.train import train, weights_digest
+from file_limits import file_size_limit
 from lm_corpus import tiny_run, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,14 +194,8 @@ def test_a_failed_write_leaves_the_previous_checkpoint(setup, tmp_path, monkeypa
         metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
         if Path(path).name != failing or json.loads(metrics[-1]).get("step") != 20:
             return real(path, write)
-        limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of a signal
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100, limits[1]))
-        try:
+        with file_size_limit(100):
             return real(path, write)
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-            signal.signal(signal.SIGXFSZ, handler)
 
     monkeypatch.setattr(R, "atomic_write", write_fails_at_step_20)
     with pytest.raises(RunError, match=r"could not write the checkpoint of step 20 to .* File too large"

@@ -13,15 +13,16 @@ Modules: ``documents`` (reading and splitting documents), ``corpora`` (fetching 
 ``sources`` (what a source names), ``tokenizer`` (BPE tokenizers), ``prepared`` (the cache).
 """
 from .corpora import BUILTIN_SOURCES, python_modules
-from .documents import (SPLITS, DataError, Document, changed_documents, document_digests, read_documents,
-                        split_documents)
-from .prepared import (DEFAULT_DATA_DIR, Prepared, TokenData, describe, encode_documents, prepare, read_split,
-                       split_tokens, token_dtype, tokens_by_part)
-from .sources import check_source, default_holdout, is_builtin, mix_parts, source_texts
+from .documents import (SPLITS, DataError, Document, describe_changes, digests_of, document_digests, read_documents,
+                        read_text, split_documents, text_digest)
+from .prepared import (DEFAULT_DATA_DIR, Prepared, TokenData, describe, encode_documents, prepare, split_tokens,
+                       token_dtype, tokenize, tokens_by_part)
+from .sources import check_source, default_holdout, is_builtin, mix_parts, read_split, source_texts
 from .tokenizer import EOT, Tokenizer, gpt2_tokenizer, load_tokenizer_file, train_bpe
 
 __all__ = ["BUILTIN_SOURCES", "DEFAULT_DATA_DIR", "EOT", "SPLITS", "DataError", "Document", "Prepared",
-           "TokenData", "Tokenizer", "changed_documents", "check_source", "default_holdout", "describe",
-           "document_digests", "encode_documents", "gpt2_tokenizer", "is_builtin", "load_tokenizer_file",
-           "mix_parts", "prepare", "python_modules", "read_documents", "read_split", "source_texts",
-           "split_documents", "split_tokens", "token_dtype", "tokens_by_part", "train_bpe"]
+           "TokenData", "Tokenizer", "check_source", "default_holdout", "describe", "describe_changes",
+           "digests_of", "document_digests", "encode_documents", "gpt2_tokenizer", "is_builtin",
+           "load_tokenizer_file", "mix_parts", "prepare", "python_modules", "read_documents", "read_split",
+           "read_text", "source_texts", "split_documents", "split_tokens", "text_digest", "token_dtype", "tokenize",
+           "tokens_by_part", "train_bpe"]

@@ -36,8 +36,9 @@ def read_documents(directory: str | os.PathLike, log=None) -> list[Document]:
     if not files:
         raise DataError(f"no .txt files in {directory}: put one document per .txt file there "
                         "(or use --source austen / --source shakespeare)")
+    read = set(files)
     left_out = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
-                      if p.suffix.lower() == ".txt" and (p.parent != directory or p.suffix != ".txt") and p.is_file())
+                      if p.suffix.lower() == ".txt" and p not in read and p.is_file())
     if left_out and log is not None:
         log(f"note: the documents are the .txt files directly in {directory}; not read: {listing(left_out, 5)}")
     documents = []
@@ -71,6 +72,12 @@ def read_text(file: Path) -> str:
     return text
 
 
+def same_form(name: str) -> str:
+    """``name`` in one Unicode form (NFC), to compare names: a file named on macOS spells "é" as two code points,
+    a name typed on the command line as one."""
+    return unicodedata.normalize("NFC", name)
+
+
 def split_documents(documents: list[Document], holdout: list[str] | None = None
                     ) -> dict[str, list[Document]]:
     """Split by whole documents: ``holdout`` names go to ``valid``; by default the last ~10% (at least one)."""
@@ -80,17 +87,15 @@ def split_documents(documents: list[Document], holdout: list[str] | None = None
     names = [d.name for d in documents]
     if holdout is None:
         holdout = names[-max(1, round(0.1 * len(names))):]
-    # in one Unicode form: a file named on macOS spells "é" as two code points, a name typed as one
-    known = {unicodedata.normalize("NFC", name) for name in names}
-    held = {unicodedata.normalize("NFC", name) for name in holdout}
-    missing = [h for h in holdout if unicodedata.normalize("NFC", h) not in known]
+    known, held = {same_form(name) for name in names}, {same_form(name) for name in holdout}
+    missing = [h for h in holdout if same_form(h) not in known]
     if missing:
         raise DataError(f"held-out documents {missing} are not in the source ({SKIPPED}); documents: "
                         f"{listing([repr(name) for name in names], 20)}")
     if len(held) >= len(names):
         raise DataError("every document is held out: leave at least one for training")
-    splits = {"train": [d for d in documents if unicodedata.normalize("NFC", d.name) not in held],
-              "valid": [d for d in documents if unicodedata.normalize("NFC", d.name) in held]}
+    splits = {"train": [d for d in documents if same_form(d.name) not in held],
+              "valid": [d for d in documents if same_form(d.name) in held]}
     check_no_leak(splits)
     return splits
 
@@ -99,13 +104,18 @@ def text_digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def digests_of(documents: list[Document]) -> dict[str, str]:
+    """``{document name: digest of its text}``."""
+    return {doc.name: text_digest(doc.text) for doc in documents}
+
+
 def document_digests(splits: dict[str, list[Document]]) -> dict[str, dict[str, str]]:
     """``{split: {document name: digest of its text}}``: what a run records of the documents it trained on and
     held out, so that later reads of its source can tell whether they are still those."""
-    return {split: {doc.name: text_digest(doc.text) for doc in documents} for split, documents in splits.items()}
+    return {split: digests_of(documents) for split, documents in splits.items()}
 
 
-def changed_documents(recorded: dict[str, str], now: dict[str, str]) -> str:
+def describe_changes(recorded: dict[str, str], now: dict[str, str]) -> str:
     """How the documents ``now`` differ from ``recorded`` (both ``{name: digest}``), e.g. ``"added a; edited b"``;
     empty when they are the same."""
     changes = [(what, names) for what, names in (
@@ -117,9 +127,9 @@ def changed_documents(recorded: dict[str, str], now: dict[str, str]) -> str:
 
 def check_no_leak(splits: dict[str, list[Document]]) -> None:
     """Refuse a held-out document whose text is also a training document's (a copy, or a link to the file)."""
-    training = {hashlib.sha256(d.text.encode()).digest(): d.name for d in splits["train"]}
+    training = {text_digest(d.text): d.name for d in splits["train"]}
     for doc in splits["valid"]:
-        twin = training.get(hashlib.sha256(doc.text.encode()).digest())
+        twin = training.get(text_digest(doc.text))
         if twin is not None:
             raise DataError(f"held-out document {doc.name!r} has the same text as training document {twin!r} (a "
                             "copy, or a link to the same file): remove one, or the model trains on what it is "

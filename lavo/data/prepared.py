@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from ..files import atomic_write, remove_orphans, staging_folder, write_json
-from .documents import SPLITS, DataError, Document, changed_documents, document_digests, listing
-from .sources import is_builtin, mix_parts, only_parts, part_of, provenance, source_splits
+from .documents import SPLITS, DataError, Document, document_digests, listing
+from .sources import is_builtin, mix_parts, part_of, provenance, read_split, source_splits
 from .tokenizer import Tokenizer, check_word_lengths, gpt2_tokenizer, load_tokenizer_file, parse_tokenizer, train_bpe
 
 DEFAULT_DATA_DIR = "data"
@@ -93,25 +93,16 @@ def _load_split(directory: Path, manifest: dict, split: str, fix: str) -> TokenD
     return TokenData(tokens, info["documents"], split, manifest)
 
 
-def read_split(source: str, data_dir: str | os.PathLike, holdout: list[str] | None, split: str,
-               parts: list[str] | None = None, recorded: dict[str, str] | None = None) -> list[Document]:
-    """The documents of one split of ``source`` as they are now. ``parts`` keeps only the documents of those parts
-    of a mix (e.g. the held-out code of ``"austen+python"``). ``recorded``: the split's document digests as a run
-    recorded them (:func:`document_digests`); documents that differ from them are refused."""
-    if split not in SPLITS:
-        raise DataError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
-    documents = source_splits(source, data_dir, holdout, fetch=False)[0][split]
-    changes = recorded is not None and changed_documents(recorded, document_digests({split: documents})[split])
-    if changes:
-        raise DataError(f"the {split} documents of {source} are not those the run recorded: {changes}")
-    return documents if parts is None else only_parts(documents, source, parts)
-
-
 def split_tokens(source: str, data_dir: str | os.PathLike, holdout: list[str] | None, split: str,
                  tokenizer: Tokenizer, parts: list[str] | None = None) -> np.ndarray:
-    """One split of ``source`` tokenised with ``tokenizer`` (:func:`read_split`): the same tokens :func:`prepare`
-    caches, without the cache."""
-    documents = read_split(source, data_dir, holdout, split, parts)
+    """One split of ``source`` tokenised with ``tokenizer`` (:func:`~lavo.data.sources.read_split`): the same
+    tokens :func:`prepare` caches, without the cache."""
+    return tokenize(read_split(source, data_dir, holdout, split, parts), tokenizer)
+
+
+def tokenize(documents: list[Document], tokenizer: Tokenizer) -> np.ndarray:
+    """The documents' tokens in one array, each document followed by ``<|endoftext|>``, as prepared data holds
+    them."""
     return encode_documents(tokenizer, documents, token_dtype(tokenizer.vocab_size))[0]
 
 

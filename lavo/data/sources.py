@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from .corpora import BUILTIN_SOURCES, PROVENANCE
-from .documents import DataError, Document, read_documents, split_documents
+from .documents import SPLITS, DataError, Document, describe_changes, digests_of, read_documents, split_documents
 
 MIX = "+"  # joins the built-in sources of a mix: "austen+shakespeare+python"
 
@@ -76,12 +76,28 @@ def source_splits(source: str, data_dir: str | os.PathLike, holdout: list[str] |
     parts = mix_parts(source)
     if parts is None:
         texts = source_texts(source, data_dir, fetch=fetch, log=log)
+        # a folder of the user's own is told of the files it leaves out; the built-in corpora leave none by chance
         documents, folders = read_documents(texts, None if is_builtin(source) else log), {source: texts}
     else:
         folders = {part: source_texts(part, data_dir, fetch=fetch, log=log) for part in parts}
         documents = [Document(f"{part}/{doc.name}", doc.text)
                      for part in parts for doc in read_documents(folders[part])]
     return split_documents(documents, default_holdout(source) if holdout is None else holdout), folders
+
+
+def read_split(source: str, data_dir: str | os.PathLike, holdout: list[str] | None, split: str,
+               parts: list[str] | None = None, recorded: dict[str, str] | None = None) -> list[Document]:
+    """The documents of one split of ``source`` as they are now. ``parts`` keeps only the documents of those parts
+    of a mix (e.g. the held-out code of ``"austen+python"``). ``recorded``: the split's document digests as a run
+    recorded them (:func:`~lavo.data.documents.document_digests`); documents that differ from them are refused."""
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
+    documents = source_splits(source, data_dir, holdout, fetch=False)[0][split]
+    if recorded is not None:
+        changes = describe_changes(recorded, digests_of(documents))
+        if changes:
+            raise DataError(f"the {split} documents of {source} are not those the run recorded: {changes}")
+    return documents if parts is None else only_parts(documents, source, parts)
 
 
 def part_of(name: str) -> str | None:

@@ -23,7 +23,8 @@ class LavoTokenizer(PreTrainedTokenizerFast):
             # a ValueError: transformers replaces an OSError by a message about corrupted vocabulary files
             raise ValueError(f"{where} has no {TOKENIZER}: a LAVO model's tokenizer is that file; copy the run's "
                              f"{TOKENIZER} there or export the run again with `lavo export`")
-        kwargs.setdefault("split_special_tokens", True)  # exports saved before it was written down leave it out
+        # exports saved before split_special_tokens was written into tokenizer_config.json leave it out
+        kwargs.setdefault("split_special_tokens", True)
         return super().convert_to_native_format(**kwargs)
 
 

@@ -11,7 +11,7 @@ head split.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from einops import rearrange
@@ -124,7 +124,7 @@ class Mechanism(nn.Module):
     # Whether outputs depend on where the sequence starts (windows counted from position 0, cosFormer's
     # re-weighting): an AttentionLayer's non-causal calls then move each row's leading padding to its end first.
     absolute_positions = False
-    max_positions: int | None = None  # the most positions a sequence may have (None: any), cached calls together
+    max_positions: int | None = None  # the most positions one sequence may reach over all its calls (None: any)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -237,11 +237,16 @@ class Mechanism(nn.Module):
                              "cache this layer's previous call returned")
 
 
-def position_bound(model: nn.Module) -> tuple[int, str] | None:
-    """The fewest :attr:`~Mechanism.max_positions` among ``model``'s layers, with the layer that sets it (its class
-    and bound), or None when no layer bounds the positions."""
-    bounds = [(m.max_positions, f"{type(m).__name__} with max_positions={m.max_positions}") for m in model.modules()
-              if isinstance(m, Mechanism) and m.max_positions is not None]
+class PositionBound(NamedTuple):
+    limit: int  # the most positions a sequence may reach
+    layer: str  # the layer that sets it, as a message names it
+
+
+def position_bound(model: nn.Module) -> PositionBound | None:
+    """The fewest :attr:`~Mechanism.max_positions` among ``model``'s layers, with the layer that sets it, or None
+    when no layer bounds the positions."""
+    bounds = [PositionBound(m.max_positions, f"{type(m).__name__} with max_positions={m.max_positions}")
+              for m in model.modules() if isinstance(m, Mechanism) and m.max_positions is not None]
     return min(bounds, default=None)
 
 
@@ -302,19 +307,24 @@ class AttentionLayer(Mechanism):
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 cache: Any = None) -> tuple[torch.Tensor, Any]:
         self.check_call(x, padding_mask, cache)
-        # Non-causal outputs must not depend on how much padding leads a row (so on its batch-mates): such a row
-        # is attended as if its real tokens started at position 0. A causal call keeps its positions, which the
-        # cache continues (docs/DESIGN.md, decision 4).
-        shift = None
-        if self.absolute_positions and not self.causal and padding_mask is not None and (
-                torch.compiler.is_compiling() or not bool(padding_mask[:, 0].all())):  # eager: only if some row has it
-            shift = leading_padding(padding_mask)
+        shift = self.leading_shift(padding_mask)
+        if shift is not None:
             x, padding_mask = roll_rows(x, shift), roll_rows(padding_mask, shift)
         x = zero_padded(x, padding_mask)  # a NaN or inf at a padded position would reach every real one
         q, k, v = rearrange(self.to_qkv(x), "b t (three h d) -> three b t h d", three=3, h=self.heads)
         out, cache = self.attend(q, k, v, padding_mask, cache)
         y = zero_padded(self.to_out(rearrange(out, "b t h d -> b t (h d)")), padding_mask)
         return (y if shift is None else roll_rows(y, -shift)), cache
+
+    def leading_shift(self, padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B]``: how far a call moves each row so that its real tokens start at position 0, or None where it
+        moves none. Non-causal outputs must not depend on how much padding leads a row (so on its batch-mates);
+        a causal call keeps its positions, which its cache continues (docs/DESIGN.md, decision 4)."""
+        if not self.absolute_positions or self.causal or padding_mask is None:
+            return None
+        if not torch.compiler.is_compiling() and bool(padding_mask[:, 0].all()):  # no row starts padded: no gathers
+            return None
+        return leading_padding(padding_mask)
 
     def key_value_nbytes(self, batch_size: int, positions: int, dtype: torch.dtype) -> int:
         """Bytes of ``positions`` cached keys and values of ``dtype`` plus their bool mask."""
