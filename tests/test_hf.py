@@ -351,6 +351,23 @@ def test_a_loss_over_num_items_in_batch_is_the_summed_loss_over_that_count():
     torch.testing.assert_close(over_count, mean * 13 / 40)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_changes_no_rows_loss(side):
+    """The loss of a padded batch is the loss of its rows alone: a padded position's zero logits once 'predicted'
+    the first real token of a left-padded row, at log(vocab) each."""
+    hub = wrapped(native())
+    rows = [torch.randint(0, 61, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 5, 7)]
+    ids = torch.zeros(3, 9, dtype=torch.long)
+    mask = torch.zeros(3, 9, dtype=torch.long)
+    for i, row in enumerate(rows):
+        columns = slice(9 - len(row), 9) if side == "left" else slice(0, len(row))
+        ids[i, columns], mask[i, columns] = row, 1
+    with torch.no_grad():
+        batch = hub(ids, attention_mask=mask, labels=ids, num_items_in_batch=8 + 4 + 6).loss
+        alone = sum(hub(row[None], labels=row[None], num_items_in_batch=1).loss for row in rows) / 18
+    torch.testing.assert_close(batch, alone)
+
+
 def test_a_bfloat16_native_model_wraps_as_bfloat16():
     model = native().to(torch.bfloat16)
     hub = wrapped(model)
@@ -610,3 +627,37 @@ def test_an_export_saved_in_bfloat16_loads_as_float32_for_scoring(tokenizer, tmp
     ids = torch.tensor([tokenizer.encode("the sister said")])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids)[0], model.float()(ids)[0], rtol=0, atol=0)
+
+
+def test_trainer_helpers_batch_optimise_and_step_as_lavo_train_does():
+    """Trainer's collator ignores every end-of-text label (the pad token), its AdamW decays S4D's system and
+    ignores its learning-rate cap, and it never tells Performer of an optimizer step: the helpers do as lavo
+    train does."""
+    from transformers import TrainerControl, TrainerState
+
+    batch = H.LanguageModelingCollator(pad_id=0, pad_to_multiple_of=4)([{"input_ids": [5, 0, 7]},
+                                                                         {"input_ids": [9, 8, 7, 6, 0]}])
+    assert batch["input_ids"].tolist() == [[5, 0, 7, 0, 0, 0, 0, 0], [9, 8, 7, 6, 0, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[5, 0, 7, -100, -100, -100, -100, -100], [9, 8, 7, 6, 0, -100, -100, -100]]
+
+    s4d = wrapped(native(attention="s4d", attention_options={}))
+    optimizer = H.lavo_optimizer(s4d, lr=3e-3, weight_decay=0.1)
+    system = {id(p) for block in s4d.lavo.blocks for p in block.attention.system_parameters()}
+    for group in optimizer.param_groups:
+        if any(id(p) in system for p in group["params"]):
+            assert group["weight_decay"] == 0 and group["lr"] == 1e-3
+    assert any(group["weight_decay"] == 0.1 for group in optimizer.param_groups)
+
+    performer = wrapped(native(attention="performer", attention_options={"redraw_interval": 1}))
+    before = performer.lavo.blocks[0].attention.projection.clone()
+    H.MechanismCallback().on_optimizer_step(None, TrainerState(), TrainerControl(), model=performer)
+    assert not torch.equal(performer.lavo.blocks[0].attention.projection, before)
+
+
+def test_resizing_the_embeddings_resizes_the_native_model_too():
+    hub = wrapped(native())
+    hub.resize_token_embeddings(64)
+    assert hub.lavo.config.vocab_size == 64 == hub.config.vocab_size
+    assert len(generate(hub.lavo, [62, 63], 3, temperature=0)[0]) == 3
+    assert H.LavoLMForCausalLM.from_native(hub.lavo).lavo.embed.num_embeddings == 64

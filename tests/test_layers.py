@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lavo import LavoAttention, LavoCache, LavoCrossAttention
+from lavo import LavoAttention, LavoCache, LavoCrossAttention, build_attention
 from lavo.layers.orthonormal import register_orthonormal
 from lavo.ops import lavo_attention, orthogonal_basis
 
@@ -158,6 +158,25 @@ def test_learned_basis_stays_orthonormal_in_half_precision(rank, dtype):
     assert layer.basis.dtype == dtype
     torch.testing.assert_close(basis @ basis.mT, torch.eye(rank).expand(4, -1, -1), atol=2e-2, rtol=0)
     assert torch.isfinite(x.grad).all() and torch.isfinite(layer.parametrizations.basis.original.grad).all()
+
+
+@pytest.mark.parametrize("name, options", [("lavo", dict(basis="learned", rank=4)), ("lavo", dict(basis="learned")),
+                                           ("performer", {})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_layer_built_under_a_half_precision_default_dtype_works(name, options, dtype):
+    """As transformers' from_config(config, dtype=torch.bfloat16) builds a model: a learned basis of rank below the
+    head dimension was NaN (torch's QR in half precision), and Performer's features failed to draw (no QR there)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        layer = build_attention(name, 32, 4, **options)
+        y, _ = layer(torch.randn(2, 9, 32))
+    finally:
+        torch.set_default_dtype(default)
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    if name == "lavo":
+        basis = layer.basis.float()
+        torch.testing.assert_close(basis @ basis.mT, torch.eye(basis.shape[1]).expand(4, -1, -1), atol=2e-2, rtol=0)
 
 
 def test_fixed_basis_is_a_buffer():

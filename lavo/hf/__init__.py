@@ -16,10 +16,11 @@ from .export import export_run, load_exported
 from .modeling import LavoLMForCausalLM
 from .state import LavoState
 from .tokenization import LavoTokenizer, hub_tokenizer
+from .training import LanguageModelingCollator, MechanismCallback, lavo_optimizer
 
 AutoConfig.register(MODEL_TYPE, LavoLMConfig, exist_ok=True)
 AutoModelForCausalLM.register(LavoLMConfig, LavoLMForCausalLM, exist_ok=True)
 AutoTokenizer.register(LavoLMConfig, tokenizer_class=LavoTokenizer, exist_ok=True)
 
-__all__ = ["LavoLMConfig", "LavoLMForCausalLM", "LavoState", "LavoTokenizer", "export_run", "hub_tokenizer",
-           "load_exported"]
+__all__ = ["LanguageModelingCollator", "LavoLMConfig", "LavoLMForCausalLM", "LavoState", "LavoTokenizer",
+           "MechanismCallback", "export_run", "hub_tokenizer", "lavo_optimizer", "load_exported"]

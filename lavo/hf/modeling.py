@@ -6,6 +6,8 @@ native cache.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
@@ -72,6 +74,8 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     def set_input_embeddings(self, embedding: torch.nn.Embedding) -> None:
         self.lavo.embed = embedding
+        # resize_token_embeddings updates this model's config; the native model's must follow
+        self.lavo.config = dataclasses.replace(self.lavo.config, vocab_size=embedding.num_embeddings)
 
     @classmethod
     def from_native(cls, model: LanguageModel, **config) -> LavoLMForCausalLM:
@@ -100,9 +104,9 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
                 use_cache: bool | None = None, num_items_in_batch: int | torch.Tensor | None = None,
                 **kwargs) -> CausalLMOutputWithPast:
         r"""``input_ids [B, T]`` -> ``logits [B, T, vocab]`` (zero at padding), the state to continue with (when
-        ``use_cache``), and the next-token loss when ``labels [B, T]`` are given (-100 is ignored): the mean, or
-        the sum over ``num_items_in_batch`` when given (``Trainer`` does, to weigh every token of an accumulated
-        batch alike).
+        ``use_cache``), and the next-token loss when ``labels [B, T]`` are given (-100 is ignored, and so is a
+        label at or just after padding): the mean, or the sum over ``num_items_in_batch`` when given (``Trainer``
+        does, to weigh every token of an accumulated batch alike).
 
         ``attention_mask [B, past + T]`` (1 for real tokens) is the mask of the whole sequence so far, as
         ``generate()`` passes it; each row's real tokens must be consecutive. Padding is never fed to the model.
@@ -124,7 +128,7 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
                                  "of the whole sequence and only the new input_ids")
             real = attention_mask[:, -input_ids.shape[1]:].bool()
         logits = state.feed(self.lavo, input_ids, real)
-        loss = None if labels is None else next_token_loss(logits, labels, num_items_in_batch)
+        loss = None if labels is None else next_token_loss(logits, labels, num_items_in_batch, real)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=state if use_cache else None)
 
 
@@ -158,11 +162,16 @@ def refuse_unsupported(input_ids: torch.Tensor | None, kwargs: dict) -> None:
             raise ValueError(f"LavoLMForCausalLM does not return {what}: call it without {flag}=True")
 
 
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor,
-                    num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
+                    real: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of ``logits [B, T, V]`` at position ``t`` against ``labels [B, T]`` at ``t + 1`` (-100
-    ignored): the mean over the counted labels, or their sum divided by ``num_items_in_batch``."""
-    logits, labels = logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device)
+    ignored): the mean over the counted labels, or their sum divided by ``num_items_in_batch``. Where ``real
+    [B, T]`` (True for real tokens) says position ``t`` or ``t + 1`` is padding, the label is ignored too: padding
+    predicts nothing (its logits are zeros), and a padded position is no target."""
+    labels = labels[:, 1:].to(logits.device)
+    if real is not None:
+        labels = labels.masked_fill(~(real[:, :-1] & real[:, 1:]).to(labels.device), -100)
+    logits, labels = logits[:, :-1].flatten(0, 1).float(), labels.flatten()
     if num_items_in_batch is None:
         return F.cross_entropy(logits, labels, ignore_index=-100)
     total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")

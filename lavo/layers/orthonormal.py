@@ -30,7 +30,11 @@ class Float32Orthogonal(_Orthogonal):
     def right_inverse(self, Q: torch.Tensor) -> torch.Tensor:
         if Q.is_meta:  # shapes only: loading fills the original and the base (torch's checks fail on meta)
             return torch.empty_like(Q)
-        return super().right_inverse(Q)
+        # in float32 too (a layer built under a 16-bit default dtype): torch's QR there gave a NaN base
+        dtype = Q.dtype
+        original = super().right_inverse(Q.to(accumulation_dtype(dtype)))
+        self.base = self.base.to(dtype)
+        return original.to(dtype)
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         dtype = X.dtype

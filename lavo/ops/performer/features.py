@@ -43,13 +43,14 @@ class PerformerCache(Cache):
 
 
 def orthogonal_random_features(features: int, head_dim: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``[F, D]``: blocks of ``D`` orthogonal directions (the last block partial), each row with the length of a
-    ``D``-dimensional Gaussian vector."""
+    """``[F, D]`` in the default dtype: blocks of ``D`` orthogonal directions (the last block partial), each row
+    with the length of a ``D``-dimensional Gaussian vector. Drawn in float32 at least, where the QR is defined."""
+    dtype = torch.promote_types(torch.get_default_dtype(), torch.float32)
     blocks = -(-features // head_dim)
-    gaussian = torch.randn(blocks, head_dim, head_dim, generator=generator)
+    gaussian = torch.randn(blocks, head_dim, head_dim, generator=generator, dtype=dtype)
     directions = torch.linalg.qr(gaussian).Q.transpose(1, 2).reshape(-1, head_dim)[:features]
-    lengths = torch.randn(features, head_dim, generator=generator).norm(dim=1)
-    return directions * lengths[:, None]
+    lengths = torch.randn(features, head_dim, generator=generator, dtype=dtype).norm(dim=1)
+    return (directions * lengths[:, None]).to(torch.get_default_dtype())
 
 
 def favor_exponents(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
