@@ -661,3 +661,22 @@ def test_resizing_the_embeddings_resizes_the_native_model_too():
     assert hub.lavo.config.vocab_size == 64 == hub.config.vocab_size
     assert len(generate(hub.lavo, [62, 63], 3, temperature=0)[0]) == 3
     assert H.LavoLMForCausalLM.from_native(hub.lavo).lavo.embed.num_embeddings == 64
+
+
+@pytest.mark.parametrize("name", available_attentions())
+def test_a_right_padded_batch_without_a_state_is_one_native_call_with_the_rows_logits(name):
+    """Training needs no state: a right-padded batch then runs once, not once per row length, and each row's
+    logits are those of the row alone."""
+    from reference_checks import forward_calls
+    hub = wrapped(native(attention=name, attention_options={}))
+    rows = [torch.randint(0, 61, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 4, 7)]
+    ids, mask = torch.zeros(3, 9, dtype=torch.long), torch.zeros(3, 9, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    calls = forward_calls([hub.lavo])
+    with torch.no_grad():
+        out = hub(ids, attention_mask=mask, use_cache=False)
+        assert calls == [1] and out.cache is None
+        for i, row in enumerate(rows):
+            torch.testing.assert_close(out.logits[i, :len(row)], hub(row[None]).logits[0], atol=1e-5, rtol=1e-5)
+        assert torch.all(out.logits[mask == 0] == 0)

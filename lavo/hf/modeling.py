@@ -17,7 +17,7 @@ from transformers.utils.generic import can_return_tuple
 
 from ..model import Block, LanguageModel
 from .configuration import LavoLMConfig
-from .state import LavoState
+from .state import LavoState, real_spans
 
 
 def check_buffers_persist(model: torch.nn.Module) -> None:
@@ -127,7 +127,13 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
                                  f"consumed {state.columns} and input_ids adds {input_ids.shape[1]}: pass the mask "
                                  "of the whole sequence and only the new input_ids")
             real = attention_mask[:, -input_ids.shape[1]:].bool()
-        logits = state.feed(self.lavo, input_ids, real)
+        if cache is None and real is not None and not use_cache and bool(real[:, 0].all()):
+            # right padding and nothing to continue (training): one call over the batch, whose real tokens start at
+            # position 0 as alone, instead of one per row length
+            real_spans(real)  # refuses padding between real tokens
+            logits = self.lavo(input_ids, padding_mask=real)[0].masked_fill(~real[..., None], 0)
+        else:
+            logits = state.feed(self.lavo, input_ids, real)
         loss = None if labels is None else next_token_loss(logits, labels, num_items_in_batch, real)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=state if use_cache else None)
 
