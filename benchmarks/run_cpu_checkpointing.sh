@@ -2,8 +2,6 @@
 # What activation checkpointing saves and costs on the CPU: training steps of the `small` model with LAVO and with
 # softmax+RoPE at 1K and 4K tokens, each with and without checkpointing, in one run (fp32, two threads), into
 # benchmarks/results/cpu_fp32_checkpointing.{json,md}.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-out=benchmarks/results/cpu_fp32_checkpointing
-.venv/bin/python -m lavo.bench --sections model --model-attentions lavo,softmax --model-lengths 1K,4K \
-    --model-checkpointing --threads 2 --no-progress --json "$out.json" | tee "$out.md"
+source "$(dirname "$0")/common.sh"
+bench_into benchmarks/results/cpu_fp32_checkpointing --sections model --model-attentions lavo,softmax \
+    --model-lengths 1K,4K --model-checkpointing --threads 2 --no-progress

@@ -2,11 +2,8 @@
 # The reduced CPU run committed as benchmarks/results/cpu_fp32_{decode,attention}*: the decoding table at 1K to
 # 64K, and the attention table (fwd+bwd) at 1K to 16K, fp32, one thread. It is what a shared 2-core machine
 # finishes in well under an hour; run_cpu.sh is the full run. See benchmarks/RESULTS.md for how to read it.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-python="${PYTHON:-.venv/bin/python}"
-out=benchmarks/results
-"$python" -m lavo.bench --sections decode --threads 1 --decode-lengths 1K,4K,16K,64K --repeats 3 \
-    --no-progress --json "$out/cpu_fp32_decode.json" | tee "$out/cpu_fp32_decode.md"
-"$python" -m lavo.bench --sections attention --passes fwd+bwd --threads 1 --lengths 1K,4K,16K --repeats 2 \
-    --time-limit 60 --no-progress --json "$out/cpu_fp32_attention.json" | tee "$out/cpu_fp32_attention.md"
+source "$(dirname "$0")/common.sh"
+bench_into benchmarks/results/cpu_fp32_decode --sections decode --threads 1 --decode-lengths 1K,4K,16K,64K \
+    --repeats 3 --no-progress
+bench_into benchmarks/results/cpu_fp32_attention --sections attention --passes fwd+bwd --threads 1 \
+    --lengths 1K,4K,16K --repeats 2 --time-limit 60 --no-progress

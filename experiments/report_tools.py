@@ -162,17 +162,26 @@ def delta_table(result: dict) -> str:
     return markdown_table(header, rows)
 
 
-def filled(text: str, tables: dict[str, str]) -> str:
-    """``text`` with each table between its ``<!-- BEGIN name -->`` and ``<!-- END name -->`` markers."""
+def filled(text: str, tables: dict[str, str]) -> tuple[str, list[str]]:
+    """``text`` with each table between its ``<!-- BEGIN name -->`` and ``<!-- END name -->`` markers, and the
+    names of the tables it has no markers for."""
+    missing = []
     for name, table in tables.items():
         pattern = re.compile(rf"(<!-- BEGIN {re.escape(name)} -->\n).*?(<!-- END {re.escape(name)} -->)", re.S)
-        text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
-    return text
+        text, found = pattern.subn(lambda m: m.group(1) + table + "\n" + m.group(2), text)
+        if not found:
+            missing.append(name)
+    return text, missing
 
 
 def fill(report: Path, tables: dict[str, str]) -> None:
+    """Fill ``report``'s tables, and say which tables it shows none of (a renamed marker keeps an old table)."""
     if report.exists():
-        write_text(report, filled(report.read_text(), tables))
+        text, missing = filled(report.read_text(), tables)
+        write_text(report, text)
+        if missing:
+            print(f"note: {report} has no markers for the tables {', '.join(missing)}, which it leaves out",
+                  file=sys.stderr)
 
 
 def make_tables(result: dict, experiment: str) -> dict[str, str]:

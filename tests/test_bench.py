@@ -118,10 +118,22 @@ def test_unknown_mechanism_is_an_error(capsys):
 
 @pytest.mark.parametrize("flag, value, allowed", [
     ("--threads", "0", "an integer >= 1"), ("--repeats", "0", "an integer >= 1"), ("--warmup", "-1", "an integer >= 0"),
-    ("--time-limit", "-1", "a number >= 0"), ("--device", "gpu", "cpu, cuda or cuda:N")])
+    ("--time-limit", "0", "a number > 0"), ("--device", "gpu", "cpu, cuda or cuda:N")])
 def test_numbers_and_the_device_are_checked_when_parsed(flag, value, allowed, capsys):
     assert bench_error(capsys, flag, value) == (
         f"python -m lavo.bench: error: argument {flag}: must be {allowed}; got '{value}'")
+
+
+@pytest.mark.parametrize("flag", ["--lengths", "--passes", "--sections"])
+def test_a_list_that_would_measure_nothing_is_refused_when_parsed(flag, capsys):
+    assert bench_error(capsys, f"{flag}=") == (
+        f"python -m lavo.bench: error: argument {flag}: must be a non-empty comma-separated list; got ''")
+
+
+def test_a_rank_above_the_head_dimension_is_refused_before_any_measurement(capsys):
+    assert bench_error(capsys, "--rank", "32") == (  # --quick's head dimension: 16
+        "python -m lavo.bench: error: --rank 32 is more than --head-dim 16: LAVO's memory has at most one slot per "
+        "dimension of a head")
 
 
 @pytest.mark.parametrize("flag", ["--lengths", "--decode-lengths", "--model-lengths"])
@@ -183,7 +195,7 @@ def test_declared_time_complexity_decides_the_lengths_run_and_the_skips_predicte
 
 
 
-def test_a_run_stopped_midway_has_written_what_it_measured(monkeypatch, tmp_path):
+def test_a_run_stopped_midway_has_written_and_prints_what_it_measured(monkeypatch, tmp_path, capsys):
     calls = []
 
     def measure_until_stopped(self, fn, repeats=None):
@@ -195,11 +207,16 @@ def test_a_run_stopped_midway_has_written_what_it_measured(monkeypatch, tmp_path
     monkeypatch.setattr(Runner, "measure", measure_until_stopped)
     s = quick_settings("--sections", "attention", "--attentions", "", "--ops", "sdpa", "--passes", "fwd",
                        "--lengths", "128,256,512", "--max-quadratic-length", "512")
-    with pytest.raises(KeyboardInterrupt):
-        cli.run(s, progress=False, json_path=tmp_path / "bench.json")
+    records, info = cli.run(s, progress=False, json_path=tmp_path / "bench.json")
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert [(r["length"], r["ms"]) for r in saved["records"]] == [(128, 1.0), (256, 2.0)]
     assert saved["settings"]["lengths"] == [128, 256, 512] and "torch" in saved["machine"]
+    assert info["interrupted"] and len(records) == 2
+    calls.clear()  # and from the command line: the tables of what was measured, and the exit code of Ctrl-C
+    assert cli.main(["--quick", "--no-progress", "--sections", "attention", "--attentions", "", "--ops", "sdpa",
+                     "--passes", "fwd", "--lengths", "128,256,512", "--max-quadratic-length", "512"]) == 130
+    out, err = capsys.readouterr()
+    assert "| sdpa" in out and "interrupted: the tables hold the 2 measurements made before it" in err
 
 def test_the_first_quadratic_mechanism_is_the_reference_of_decode_and_model(monkeypatch):
     monkeypatch.setitem(ATTENTIONS, "quadratic_local", QuadraticLocal)
@@ -253,9 +270,11 @@ def test_model_checkpointing_measures_each_model_also_checkpointed_beside_the_on
     s = quick_settings("--model-attentions", "lavo,softmax", "--model-lengths", "32,64", "--model-checkpointing")
     runner = Runner(s, None)
     model.run(runner)
+    # a checkpointed step against the checkpointed reference, the others against the reference
     assert [(r["mechanism"], r["length"], r["ratio_to"]) for r in runner.records] == [
-        (name, n, "softmax+rope") for name in ("softmax+rope", "softmax+rope, checkpointed", "lavo",
-                                               "lavo, checkpointed") for n in (32, 64)]
+        (name, n, reference) for name, reference in (
+            ("softmax+rope", "softmax+rope"), ("softmax+rope, checkpointed", "softmax+rope, checkpointed"),
+            ("lavo", "softmax+rope"), ("lavo, checkpointed", "softmax+rope, checkpointed")) for n in (32, 64)]
     assert checkpointed == [(name, enable) for name in ("softmax", "lavo") for enable in (False, True)
                             for _ in range(2)]
     assert [r["checkpointed"] for r in runner.records] == [False, False, True, True] * 2
@@ -320,7 +339,7 @@ def test_lavo_op_row_runs_lavo_attention_with_the_run_shapes(monkeypatch, which)
 def test_slow_and_failing_measurements_are_skipped_with_a_note(capsys, tmp_path):
     out = tmp_path / "bench.json"
     cli.main(["--quick", "--no-progress", "--sections", "attention", "--attentions", "local", "--ops", "sdpa",
-                "--passes", "fwd", "--time-limit", "0", "--json", str(out)])
+                "--passes", "fwd", "--time-limit", "1e-9", "--json", str(out)])
     records = json.loads(out.read_text())["records"]
     assert [r["status"] for r in records] == ["skipped"] * len(records)
     assert "--time-limit" in records[0]["note"] and "skipped" in records[-1]["note"]
@@ -661,3 +680,22 @@ def test_attention_runs_length_by_length_with_sdpa_first():
     s = quick_settings("--lengths", "128,256", "--ops", "lavo_attention,sdpa", "--attentions", "", "--passes", "fwd")
     assert [(name, length) for name, _, length in attention.plan(s)] == [
         ("sdpa (op)", 128), ("lavo_attention (op)", 128), ("sdpa (op)", 256), ("lavo_attention (op)", 256)]
+
+
+def test_the_benchmark_scripts_replace_their_results_only_when_a_run_finishes(tmp_path):
+    """benchmarks/run_cpu*.sh write into the committed files: a run that stops leaves them as they were."""
+    out = tmp_path / "cpu"
+    for name in ("cpu.json", "cpu.md"):
+        (tmp_path / name).write_text("committed")
+    quick = "--quick --no-progress --sections attention --attentions '' --ops sdpa --passes fwd --lengths 128"
+
+    def bench_into(flags: str) -> int:
+        script = f"source benchmarks/common.sh && bench_into {out} {flags}"
+        return subprocess.run(["bash", "-c", script], env={**os.environ, "PYTHON": sys.executable},
+                              capture_output=True, text=True).returncode
+
+    assert bench_into(quick + " --repeats 0") != 0  # stopped (here by a bad flag) before it finished
+    assert (tmp_path / "cpu.json").read_text() == (tmp_path / "cpu.md").read_text() == "committed"
+    assert bench_into(quick) == 0
+    assert json.loads((tmp_path / "cpu.json").read_text())["records"] and "| sdpa" in (tmp_path / "cpu.md").read_text()
+    assert not list(tmp_path.glob("*.partial.*"))

@@ -32,9 +32,13 @@ EPILOG = ("Lengths accept a K suffix (1K = 1024). Defaults in brackets are the f
           "for any setting not given.")
 
 
-def _list(kind):
+def _list(kind, may_be_empty: bool = False):
+    """A comma-separated list of ``kind``; empty only where that means "none of these" (mechanisms, ops)."""
     def parse(text: str) -> list:
-        return [kind(item.strip()) for item in text.split(",") if item.strip()]
+        items = [kind(item.strip()) for item in text.split(",") if item.strip()]
+        if not items and not may_be_empty:
+            raise argparse.ArgumentTypeError(f"must be a non-empty comma-separated list; got {text!r}")
+        return items
     return parse
 
 
@@ -65,9 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--sections", type=_list(str), default=list(DEFAULT_SECTIONS),
       help=f"comma-separated sections to run, of {','.join(SECTIONS)} [{','.join(DEFAULT_SECTIONS)}]")
     a("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run of every section in seconds")
-    a("--attentions", type=_list(str), default=None,
+    a("--attentions", type=_list(str, may_be_empty=True), default=None,
       help="attention section: registered mechanisms to measure as layers ('' for none) [all registered]")
-    a("--ops", type=_list(str), default=list(attention.DEFAULT_OPS),
+    a("--ops", type=_list(str, may_be_empty=True), default=list(attention.DEFAULT_OPS),
       help=f"raw ops to measure, of {','.join(attention.OPS)} (the fla ones need its package and a GPU) "
            f"[{','.join(attention.DEFAULT_OPS)}]")
     a("--passes", type=_list(str), default=list(PASSES), help="fwd, fwd+bwd or both [both]")
@@ -92,13 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--warmup", type=_flag("warmup"), default=None, help="untimed calls before each measurement [1]")
     a("--time-limit", type=_flag("time_limit"), default=None,
       help="seconds one call may take; slower measurements and the longer lengths after them are skipped [60]")
-    a("--decode-attentions", type=_list(str), default=["lavo", "softmax", "local"],
+    a("--decode-attentions", type=_list(str, may_be_empty=True), default=["lavo", "softmax", "local"],
       help="decode section: mechanisms (need a decoding form) [lavo,softmax,local]")
     a("--decode-lengths", type=_list(_length_value), default=None, help="context lengths [1K,...,64K]")
     a("--decode-steps", type=_flag("decode_steps"), default=None,
       help="timed single-token steps per context length [32]")
     a("--model-preset", default=None, help="model section: preset of lavo.model.PRESETS [small]")
-    a("--model-attentions", type=_list(str), default=None,
+    a("--model-attentions", type=_list(str, may_be_empty=True), default=None,
       help=f"model section: attentions (those taking rotary positions, {','.join(rotary)}, run with rope; '' for "
            f"none) [all registered]")
     a("--model-lengths", type=_list(_length_value), default=None, help="training sequence lengths [1K,4K]")
@@ -167,6 +171,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if values["model_preset"] not in PRESETS:
         raise SettingsError(f"--model-preset: unknown {values['model_preset']!r}; choose from {', '.join(PRESETS)}")
     check_attention_options(args.attention_options, registered)
+    if values["rank"] > values["head_dim"]:  # LAVO's basis has at most head-dim orthonormal rows
+        raise SettingsError(f"--rank {values['rank']} is more than --head-dim {values['head_dim']}: LAVO's memory "
+                            "has at most one slot per dimension of a head")
+    if args.json is not None:  # a folder that cannot be made is found before measuring, not after
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SettingsError(f"--json {args.json}: cannot make its folder ({error})") from error
     if args.device != "cpu" and (torch.device(args.device).index or 0) >= torch.cuda.device_count():
         raise SettingsError(f"--device {args.device}: no such CUDA device on this machine (it has "
                             f"{torch.cuda.device_count()}); use --device cpu")
@@ -206,6 +218,8 @@ def run(settings: Settings, *, progress: bool = True, json_path: Path | None = N
     try:
         for section in sections:
             section.run(runner)
+    except KeyboardInterrupt:  # what was measured is kept: its tables are printed and its JSON written
+        info["interrupted"] = True
     finally:
         if bar is not None:
             bar.close()
@@ -224,6 +238,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.plots is not None:
         for path in plots(records, args.plots, settings):
             print(f"plot: {path}", file=sys.stderr)
+    if info.get("interrupted"):
+        print(f"interrupted: the tables hold the {len(records)} measurements made before it", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,5 +1,5 @@
-"""One measurement: ``--warmup`` untimed calls, one untimed call whose peak memory is measured, then ``--repeats``
-timed calls; the median is reported.
+"""One measurement: ``--warmup`` untimed calls, ``--repeats`` timed calls (the median is reported), then one
+untimed call whose peak memory is measured.
 
 Peak memory on CPU is the growth of the process's resident set during the call (``/proc/self/clear_refs`` resets
 the high-water mark ``VmHWM``; ``None`` where that is not possible); on CUDA it is ``max_memory_allocated`` above

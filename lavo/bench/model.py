@@ -76,7 +76,10 @@ def train_step(name: str, length: int, runner: Runner, checkpointed: bool = Fals
 def run(runner: Runner) -> None:
     s = runner.settings
     steps = plan(s)
-    ratios = Ratios(label(steps[0][0]) if steps and full_attention(steps[0][0]) else None)
+    reference = steps[0][0] if steps and full_attention(steps[0][0]) else None
+    # a checkpointed step against the reference's checkpointed step, so that a ratio compares attentions only
+    ratios = {checkpointed: Ratios(None if reference is None else label(reference, checkpointed))
+              for checkpointed in (False, True)}
     for name, checkpointed, length in steps:
         entry = record("model", "model", label(name, checkpointed), "train_step", length, s, batch=s.model_batch,
                        compiled=s.model_compile, checkpointed=checkpointed, preset=s.model_preset,
@@ -88,4 +91,4 @@ def run(runner: Runner) -> None:
             entry["tokens_per_s"] = s.model_batch * length / (entry["ms"] / 1e3)
 
         runner.run(entry, ("model", name, checkpointed), attention_class(name).time_complexity, work)
-        ratios.add(entry, length)
+        ratios[checkpointed].add(entry, length)

@@ -77,8 +77,9 @@ def markdown(records: list[dict], info: dict, settings: Settings) -> str:
         reference = next((r["ratio_to"] for r in model if r["ratio_to"]), "—")
         shape = f" with {', '.join(f'{k}={v}' for k, v in s.model_overrides.items())}" if s.model_overrides else ""
         compiled = ", compiled" if s.model_compile else ""
+        also = ", a checkpointed one × its checkpointed step" if s.model_checkpointing else ""
         out += [f"## Model `{s.model_preset}`{shape}, training step{compiled}, batch {s.model_batch}: tokens/s "
-                f"(step time × {reference}) / peak MiB", "",
+                f"(step time × {reference}'s{also}) / peak MiB", "",
                 wide_table(model, _mechanism,
                            lambda r: f"{number(r['tokens_per_s'])}{_ratio(r)} / {number(r['peak_mib'])}",
                            "attention"), ""] + _capped(s, s.model_lengths)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..registry import attention_class
-from ..settings import SEED, at_least, matches, setting
+from ..settings import SEED, above, at_least, matches, setting
 
 DEFAULT_SECTIONS = ("attention", "decode", "model", "flops")
 SECTIONS = DEFAULT_SECTIONS + ("profile",)  # the profile runs when asked for
@@ -42,7 +42,7 @@ class Settings:
     dtype: str
     repeats: int = setting(allowed=at_least(1))
     warmup: int = setting(allowed=at_least(0))
-    time_limit: float = setting(allowed=at_least(0))
+    time_limit: float = setting(allowed=above(0))
     decode_attentions: list
     decode_lengths: list
     decode_steps: int = setting(allowed=at_least(1))
