@@ -4,8 +4,10 @@ import gc
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -699,3 +701,22 @@ def test_the_benchmark_scripts_replace_their_results_only_when_a_run_finishes(tm
     assert bench_into(quick) == 0
     assert json.loads((tmp_path / "cpu.json").read_text())["records"] and "| sdpa" in (tmp_path / "cpu.md").read_text()
     assert not list(tmp_path.glob("*.partial.*"))
+
+
+def test_ctrl_c_on_a_benchmark_script_keeps_its_tables_in_the_partial_files(tmp_path):
+    """Ctrl-C reaches every process of the terminal's group: tee must not stop before the bench has printed."""
+    out = tmp_path / "cpu"
+    script = (f"source benchmarks/common.sh && bench_into {out} --quick --no-progress --sections attention "
+              "--attentions '' --ops sdpa --passes fwd --lengths 128,4K,8K,16K,32K --max-quadratic-length 32K "
+              "--repeats 50")
+    shell = subprocess.Popen(["bash", "-c", script], env={**os.environ, "PYTHON": sys.executable},
+                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial = tmp_path / "cpu.partial.json"
+    deadline = time.monotonic() + 120
+    while not (partial.exists() and json.loads(partial.read_text() or "{}").get("records")):
+        assert time.monotonic() < deadline and shell.poll() is None, "the bench measured nothing in time"
+        time.sleep(0.2)
+    os.killpg(shell.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the whole foreground group
+    assert shell.wait(timeout=60) != 0 and not (tmp_path / "cpu.json").exists()
+    assert json.loads(partial.read_text())["machine"]["interrupted"]
+    assert "| sdpa" in (tmp_path / "cpu.partial.md").read_text()

@@ -109,7 +109,8 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         does, to weigh every token of an accumulated batch alike).
 
         ``attention_mask [B, past + T]`` (1 for real tokens) is the mask of the whole sequence so far, as
-        ``generate()`` passes it; each row's real tokens must be consecutive. Padding is never fed to the model.
+        ``generate()`` passes it; each row's real tokens must be consecutive. Padding is not fed to the model, except that a right-padded batch
+        that starts no state (``use_cache=False``) is one call with the padding mask, as exact.
         ``past_key_values`` is taken as another name for ``cache``. Other keyword arguments of the
         ``transformers`` interface (``position_ids``, ...) are accepted and unused: the model counts positions
         itself. Embeddings in place of ids, hidden states and attention weights are refused.
@@ -128,7 +129,7 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
                                  "of the whole sequence and only the new input_ids")
             real = attention_mask[:, -input_ids.shape[1]:].bool()
         if cache is None and real is not None and not use_cache and bool(real[:, 0].all()):
-            # right padding and nothing to continue (training): one call over the batch, whose real tokens start at
+            # right padding and no state wanted (use_cache=False): one call over the batch, whose real tokens start at
             # position 0 as alone, instead of one per row length
             real_spans(real)  # refuses padding between real tokens
             logits = self.lavo(input_ids, padding_mask=real)[0].masked_fill(~real[..., None], 0)

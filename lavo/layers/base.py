@@ -105,7 +105,8 @@ class Mechanism(nn.Module):
 
     ``x`` is ``[B, T, dim]``; ``padding_mask`` ``[B, T]`` bool (True = real token; padded positions output
     zeros, and their content never changes the real ones, nor, in a non-causal call, how many lead or follow
-    them; in a causal call leading padding shifts the real tokens: docs/DESIGN.md, decision 4); ``cache`` is
+    them; in a causal call leading padding shifts the real tokens: docs/DESIGN.md, "Decisions the paper leaves
+    open", 4); ``cache`` is
     whatever the previous call returned (None to start a sequence). A layer decodes when its class declares
     :attr:`cache_types`, the :class:`~lavo.cache.Cache` kinds its causal calls return and continue, and
     implements :meth:`_new_cache` and :meth:`cache_nbytes`; a layer without a decoding form returns None as the
@@ -319,7 +320,8 @@ class AttentionLayer(Mechanism):
     def leading_shift(self, padding_mask: torch.Tensor | None) -> torch.Tensor | None:
         """``[B]``: how far a call moves each row so that its real tokens start at position 0, or None where it
         moves none. Non-causal outputs must not depend on how much padding leads a row (so on its batch-mates);
-        a causal call keeps its positions, which its cache continues (docs/DESIGN.md, decision 4)."""
+        a causal call keeps its positions, which its cache continues (docs/DESIGN.md, "Decisions the paper leaves
+        open", 4)."""
         if not self.absolute_positions or self.causal or padding_mask is None:
             return None
         if not torch.compiler.is_compiling() and bool(padding_mask[:, 0].all()):  # no row starts padded: no gathers
