@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .cache import Cache
-from .layers.base import Mechanism, check_returned_cache
+from .layers.base import Mechanism, check_returned_cache, reset_initialised
 from .registry import attention_class, available_attentions, build_attention, check_options
 from .settings import above, at_least, between, check_known, check_settings, one_of, setting
 
@@ -193,9 +193,7 @@ class LanguageModel(nn.Module):
     def reset_parameters(self) -> None:
         """Initialise every weight and buffer again as construction does, with fresh draws: for a model built on
         the meta device (``with torch.device("meta")``), after ``to_empty(device=...)``."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        reset_initialised(self)  # every submodule once, the mechanisms whole
         initialise(self, self.blocks, self.config)
 
     @property

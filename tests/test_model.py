@@ -122,20 +122,20 @@ def test_a_model_built_on_the_meta_device_is_initialised_by_reset_parameters(att
         torch.testing.assert_close(basis @ basis.mT, torch.eye(basis.shape[1]).expand_as(basis @ basis.mT))
 
 
-def test_reset_parameters_draws_the_mechanisms_own_tensors_as_construction_does():
-    """What construction gives a mechanism's own tensors is what reset_parameters gives them: one initialiser
-    each, kept (deterministic ones equal, random ones drawn alike after the same RNG state)."""
-    from lavo import build_attention
-    for name, options in OWN_TENSORS:
+def test_a_layer_reset_draws_every_tensor_as_construction_does():
+    """A layer built on the meta device, materialised and reset, equals one built eagerly from the same seed: its
+    linear layers and its own tensors are drawn again, in the order construction drew them (a lone layer's
+    projections were left as uninitialised memory)."""
+    from lavo import build_attention, build_cross_attention
+    builders = [(build_attention, name, options) for name, options in OWN_TENSORS] + [
+        (build_cross_attention, name, {}) for name in ("lavo", "performer", "softmax")]
+    for build, name, options in builders:
         torch.manual_seed(0)
-        layer = build_attention(name, 16, 2, **options)
-        own = {key: value.clone() for key, value in layer.state_dict().items() if "to_" not in key
-               and "norm" not in key}
-        # replay the RNG up to the first of the layer's own draws: the linear layers draw first (S4D's after)
+        eager = build(name, 16, 2, **options)
+        with torch.device("meta"):
+            deferred = build(name, 16, 2, **options)
+        deferred.to_empty(device="cpu")
         torch.manual_seed(0)
-        if name != "s4d":
-            for module in (layer.to_qkv, layer.to_out):
-                module.reset_parameters()
-        layer.reset_parameters()
-        for key, value in own.items():
-            assert torch.equal(layer.state_dict()[key], value), (name, key)
+        deferred.reset_parameters()
+        for key, value in eager.state_dict().items():
+            assert torch.equal(deferred.state_dict()[key], value), (name, key)

@@ -84,20 +84,34 @@ def add_initialised(module: nn.Module, name: str, make: Callable[[], torch.Tenso
         setattr(module, name, nn.Parameter(value))
     if "_initialisers" not in module.__dict__:
         module._initialisers = {}
-    module._initialisers[name] = make
+    # and how many submodules were made before it, so that a reset draws in the order construction did
+    module._initialisers[name] = (make, len(module._modules))
 
 
 def reset_initialised(module: nn.Module) -> None:
-    """Make every tensor :func:`add_initialised` gave ``module`` again, in the order it was added (fresh draws
-    from the global RNG for the random ones), in place: on its device, in its dtype."""
+    """Make every tensor of ``module`` again as construction made it, in the same order (fresh draws from the
+    global RNG for the random ones), in place, on its device and in its dtype: each submodule through its own
+    ``reset_parameters`` (or, without one, its submodules'), and what :func:`add_initialised` gave ``module``
+    between them, where it was made."""
+    own = module.__dict__.get("_initialisers", {})
+    children = list(module.children())
+    for position in range(len(children) + 1):
+        for name, (make, made_after) in own.items():
+            if made_after == position:
+                _make_again(module, name, make)
+        if position < len(children):
+            child = children[position]
+            child.reset_parameters() if hasattr(child, "reset_parameters") else reset_initialised(child)
+
+
+def _make_again(module: nn.Module, name: str, make: Callable[[], torch.Tensor]) -> None:
     with torch.no_grad():
-        for name, make in module.__dict__.get("_initialisers", {}).items():
-            current = getattr(module, name)
-            value = make().to(device=current.device, dtype=current.dtype)
-            if parametrize.is_parametrized(module, name):  # set through the parametrization's right inverse
-                setattr(module, name, value)
-            else:
-                current.copy_(value)
+        current = getattr(module, name)
+        value = make().to(device=current.device, dtype=current.dtype)
+        if parametrize.is_parametrized(module, name):  # set through the parametrization's right inverse
+            setattr(module, name, value)
+        else:
+            current.copy_(value)
 
 
 class Mechanism(nn.Module):
@@ -156,8 +170,8 @@ class Mechanism(nn.Module):
         return list(cls.option_defaults())
 
     def reset_parameters(self) -> None:
-        """Initialise again what the layer owns beyond its submodules (which have their own ``reset_parameters``),
-        as construction does: after ``to_empty()`` of a layer built on the meta device."""
+        """Initialise every weight and buffer of the layer again as construction does, in the same order: after
+        ``to_empty()`` of a layer built on the meta device."""
         reset_initialised(self)
 
     def no_weight_decay(self) -> list[nn.Parameter]:

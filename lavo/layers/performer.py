@@ -41,7 +41,8 @@ class PerformerAttention(AttentionLayer):
 
     def redraw_features(self) -> None:
         """A new projection from the global RNG (a new tensor: what autograd saved of the old one stays valid)."""
-        self.projection = self._initialisers["projection"]().to(self.projection)
+        make, _ = self._initialisers["projection"]
+        self.projection = make().to(self.projection)
 
     def after_optimizer_step(self) -> None:
         if self.redraw_interval is None:
