@@ -145,7 +145,8 @@ def run_demo(name: str | None = None, overrides: list[str] = (), log=print) -> d
         log(f"measuring the step time of {', '.join(configs)} (a few seconds each)")
         timing = {n: seconds_per_step(c, prepared.tokenizer.vocab_size) for n, c in configs.items()}
         log("measured seconds per step: " + ", ".join(f"{n} {t:.2f}" for n, t in timing.items()))
-        steps = max(10, min(steps, int(PLANNED_SHARE * budget / max(timing.values()))))
+        # at least 10 steps however slow the machine, but never more than train.steps
+        steps = min(steps, max(10, int(PLANNED_SHARE * budget / max(timing.values()))))
         configs = dict(sorted(configs.items(), key=lambda item: -timing[item[0]]))  # slowest first
     window_tokens = tc.batch_size * tc.grad_accum * tc.train_length
     log(f"training every model for {steps} steps of {tc.batch_size * tc.grad_accum} x {tc.train_length} tokens "

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import DataError, Document, is_builtin, read_documents, read_split, read_text, text_digest, tokenize
+from .data.sources import check_parts
 from .devices import autocast_for, resolve_device
 from .files import write_json
 from .layers.base import position_bound
@@ -189,6 +190,8 @@ def run_documents(config, split: str, data_dir: str | None, parts: list[str] | N
     documents of those parts of a mixed source. ``recorded``: the run's document digests
     (:func:`~lavo.run.recorded_documents`), against which the documents read now are checked."""
     data = config.data
+    if parts is not None:  # before reading, so that its error has none of the reading's advice
+        check_parts(data.source, parts)
     try:
         return read_split(data.source, data_dir or data.data_dir, data.holdout, split, parts,
                           None if recorded is None else recorded[split])

@@ -206,3 +206,8 @@ def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, mon
                        log=lambda *a, **k: lines.append(" ".join(map(str, a))))
     assert calls == [("lavo", 45, None, 100.0), ("softmax", 45, 7, 100.0)]  # 90% of 100s planned; both capped
     assert any("stop at step 7 too" in line for line in lines)
+    calls.clear()  # train.steps is the most steps, below the 10 a slow machine still gets too
+    lavo.demo.run_demo(None, [f"out_dir={tmp_path / 'demo'}", f"data.source={corpus}", "data.tokenizer=bpe300",
+                              f"data.data_dir={tmp_path / 'data'}", "seconds_per_model=100", "train.steps=3"],
+                       log=lambda *a, **k: None)
+    assert [steps for _, steps, _, _ in calls] == [3, 3]

@@ -105,13 +105,18 @@ def part_of(name: str) -> str | None:
     return name.split("/", 1)[0] if "/" in name else None
 
 
-def only_parts(documents: list[Document], source: str, parts: list[str]) -> list[Document]:
-    """The documents of a mix that come from ``parts``."""
+def check_parts(source: str, parts: list[str]) -> None:
+    """Refuse ``parts`` that are not parts of the mix ``source``."""
     mixed = mix_parts(source) or []
     unknown = [part for part in parts if part not in mixed]
     if unknown:
         raise DataError(f"{unknown} are not parts of the source {source!r}"
                         + (f" (its parts: {', '.join(mixed)})" if mixed else " (it is not a mix)"))
+
+
+def only_parts(documents: list[Document], source: str, parts: list[str]) -> list[Document]:
+    """The documents of a mix that come from ``parts``."""
+    check_parts(source, parts)
     return [doc for doc in documents if part_of(doc.name) in parts]
 
 
