@@ -293,8 +293,9 @@ class Trainer:
         if changed:
             raise RunError(f"{self.run_dir} was trained with other settings than asked now: {'; '.join(changed)}. "
                            "A resumed run continues with its own settings: give the config and --set it was "
-                           f"started with, or its own (--config {Path(self.run_dir) / 'config.json'}), or start "
-                           "again with --overwrite or another train.out_dir")
+                           f"started with, or its own (--config {Path(self.run_dir) / 'config.json'} --set "
+                           f"train.out_dir={self.run_dir}), or start again with --overwrite or another "
+                           "train.out_dir")
         return saved
 
     def check_same_data(self, state: dict) -> None:

@@ -670,7 +670,8 @@ def test_a_right_padded_batch_without_a_state_is_one_native_call_with_the_rows_l
     from reference_checks import forward_calls
     hub = wrapped(native(attention=name, attention_options={}))
     rows = [torch.randint(0, 61, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 4, 7)]
-    ids, mask = torch.zeros(3, 9, dtype=torch.long), torch.zeros(3, 9, dtype=torch.long)
+    ids = torch.full((3, 9), 1000)  # a pad id outside the vocabulary: never embedded
+    mask = torch.zeros(3, 9, dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, :len(row)], mask[i, :len(row)] = row, 1
     calls = forward_calls([hub.lavo])

@@ -139,3 +139,28 @@ def test_a_layer_reset_draws_every_tensor_as_construction_does():
         deferred.reset_parameters()
         for key, value in eager.state_dict().items():
             assert torch.equal(deferred.state_dict()[key], value), (name, key)
+
+
+def test_a_tensor_made_after_a_missing_or_shared_submodule_is_made_again():
+    """add_initialised counts a submodule set to None and one held under two names; the reset must too, or a
+    tensor made after them is never made again (left as uninitialised memory on the meta device)."""
+    from functools import partial
+
+    from lavo.layers.base import Mechanism, add_initialised
+
+    class Shared(Mechanism):
+        def __init__(self, dim, heads, *, causal=True):
+            super().__init__(dim, heads, causal=causal)
+            self.to_q = self.to_k = torch.nn.Linear(dim, dim)
+            self.norm = None
+            add_initialised(self, "scale", partial(torch.randn, 2))
+
+    torch.manual_seed(0)
+    eager = Shared(4, 1)
+    with torch.device("meta"):
+        deferred = Shared(4, 1)
+    deferred.to_empty(device="cpu")
+    torch.manual_seed(0)
+    deferred.reset_parameters()
+    for key, value in eager.state_dict().items():
+        assert torch.equal(deferred.state_dict()[key], value), key

@@ -132,7 +132,9 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
             # right padding and no state wanted (use_cache=False): one call over the batch, whose real tokens start at
             # position 0 as alone, instead of one per row length
             real_spans(real)  # refuses padding between real tokens
-            logits = self.lavo(input_ids, padding_mask=real)[0].masked_fill(~real[..., None], 0)
+            # the pad ids are never embedded (one outside the vocabulary would fail)
+            ids = input_ids.masked_fill(~real, 0)
+            logits = self.lavo(ids, padding_mask=real)[0].masked_fill(~real[..., None], 0)
         else:
             logits = state.feed(self.lavo, input_ids, real)
         loss = None if labels is None else next_token_loss(logits, labels, num_items_in_batch, real)

@@ -94,13 +94,15 @@ def reset_initialised(module: nn.Module) -> None:
     ``reset_parameters`` (or, without one, its submodules'), and what :func:`add_initialised` gave ``module``
     between them, where it was made."""
     own = module.__dict__.get("_initialisers", {})
-    children = list(module.children())
-    for position in range(len(children) + 1):
-        for name, (make, made_after) in own.items():
-            if made_after == position:
+    entries = list(module._modules.values())  # as add_initialised counted them: None and shared ones included
+    reset = set()
+    for position in range(len(entries) + 1):
+        for name, (make, made_after) in own.items():  # a tensor made after a deleted submodule: at the end
+            if made_after == position or position == len(entries) and made_after > position:
                 _make_again(module, name, make)
-        if position < len(children):
-            child = children[position]
+        child = entries[position] if position < len(entries) else None
+        if child is not None and id(child) not in reset:  # a submodule under two names is made once
+            reset.add(id(child))
             child.reset_parameters() if hasattr(child, "reset_parameters") else reset_initialised(child)
 
 
