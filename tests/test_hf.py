@@ -681,3 +681,15 @@ def test_a_right_padded_batch_without_a_state_is_one_native_call_with_the_rows_l
         for i, row in enumerate(rows):
             torch.testing.assert_close(out.logits[i, :len(row)], hub(row[None]).logits[0], atol=1e-5, rtol=1e-5)
         assert torch.all(out.logits[mask == 0] == 0)
+
+
+def test_generate_refuses_more_positions_than_a_layer_reads_before_it_starts():
+    hub = wrapped(native(attention="cosformer", attention_options={"max_length": 12}))
+    prompt = torch.tensor([[5, 6, 7]])
+    assert hub.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0).shape == (1, 13)
+    message = (r"this model reads at most 12 positions \(its CosformerAttention with max_positions=12\): a 3-token "
+               r"prompt can be continued by at most 10 tokens, not 11")
+    with pytest.raises(ValueError, match=message):
+        hub.generate(prompt, max_new_tokens=11, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match=message):
+        hub.generate(input_ids=prompt, max_length=14, do_sample=False, pad_token_id=0)
