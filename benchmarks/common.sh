@@ -8,7 +8,8 @@ python="${PYTHON:-.venv/bin/python}"
 bench_into() {
     local out=$1
     shift
-    "$python" -m lavo.bench "$@" --json "$out.partial.json" | tee -i "$out.partial.md"  # -i: Ctrl-C stops the bench, not tee
+    # tee -i: Ctrl-C stops the bench, which prints what it measured, not tee
+    "$python" -m lavo.bench "$@" --json "$out.partial.json" | tee -i "$out.partial.md"
     mv "$out.partial.json" "$out.json"
     mv "$out.partial.md" "$out.md"
 }

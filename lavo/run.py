@@ -49,9 +49,10 @@ class RunError(RuntimeError):
 def save_run_config(run_dir: str | os.PathLike, config: RunConfig, model_config: ModelConfig,
                     tokenizer: Tokenizer, digests: dict[str, dict[str, str]]) -> None:
     """``config.json`` and ``tokenizer.json``: what :func:`load_run` needs besides the weights; and
-    ``documents.json``: ``digests``, those of the documents of each split (:func:`lavo.data.document_digests`). The held-out names are also ``data.holdout``, so that the run's
-    evaluation scores those even after the source has changed (a folder's default, its last ~10%, moves when
-    files are added), and refuses them if they were edited."""
+    ``documents.json``: ``digests``, those of the documents of each split (:func:`lavo.data.document_digests`).
+    The held-out names are also ``data.holdout``, so that the run's evaluation scores those even after the source
+    has changed (a folder's default, its last ~10%, moves when files are added), and refuses them if they were
+    edited."""
     values = config.to_dict()
     values["model"] = model_config.to_dict()
     del values["train"]["out_dir"]

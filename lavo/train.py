@@ -305,8 +305,8 @@ class Trainer:
             if state.get(key, now) != now:
                 raise RunError(
                     f"{self.run_dir} was trained with another {what} ({key} {state[key][:12]}) than the one "
-                    f"prepared now in {data.directory} ({now[:12]}): {self.describe_data_change()}, or start again with "
-                    "--overwrite")
+                    f"prepared now in {data.directory} ({now[:12]}): {self.describe_data_change()}, or start "
+                    "again with --overwrite")
 
     def describe_data_change(self) -> str:
         """What differs between the documents the run recorded and those prepared now, and what to do about it."""

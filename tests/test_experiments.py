@@ -76,7 +76,8 @@ def test_the_committed_tables_are_what_the_report_tool_makes_of_the_committed_re
 def test_a_report_without_a_tables_markers_is_told_so(tmp_path, capsys):
     report_tools = load_script("report_tools", "experiments/report_tools.py")
     report = tmp_path / "REPORT.md"
-    report.write_text("<!-- BEGIN main -->\nold\n<!-- END main -->\n<!-- BEGIN renamed -->\nold\n<!-- END renamed -->\n")
+    report.write_text("<!-- BEGIN main -->\nold\n<!-- END main -->\n"
+                      "<!-- BEGIN renamed -->\nold\n<!-- END renamed -->\n")
     report_tools.fill(report, {"main": "new", "delta": "a table"})
     assert report.read_text().startswith("<!-- BEGIN main -->\nnew\n<!-- END main -->")
     assert capsys.readouterr().err == f"note: {report} has no markers for the tables delta, which it leaves out\n"

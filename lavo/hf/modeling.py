@@ -126,8 +126,9 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         does, to weigh every token of an accumulated batch alike).
 
         ``attention_mask [B, past + T]`` (1 for real tokens) is the mask of the whole sequence so far, as
-        ``generate()`` passes it; each row's real tokens must be consecutive. Padding is not fed to the model, except that a right-padded batch
-        that starts no state (``use_cache=False``) is one call with the padding mask, as exact.
+        ``generate()`` passes it; each row's real tokens must be consecutive. Padding is not fed to the model,
+        except that a right-padded batch that starts no state (``use_cache=False``) is one call with the padding
+        mask, as exact.
         ``past_key_values`` is taken as another name for ``cache``. Other keyword arguments of the
         ``transformers`` interface (``position_ids``, ...) are accepted and unused: the model counts positions
         itself. Embeddings in place of ids, hidden states and attention weights are refused.

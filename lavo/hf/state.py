@@ -3,8 +3,9 @@
 The state wraps the native :class:`lavo.model.ModelCache`; it never stores keys and values itself. Padding is
 removed, not fed to the model: LAVO's windows are counted from the first position (docs/DESIGN.md, "Decisions
 the paper leaves open", 4), so a row left-padded by ``p`` tokens would see its windows shifted by ``p`` and
-continue differently from the same prompt alone. The rows are therefore kept in groups that have consumed the same number of real tokens, one
-native cache per group, and each call runs the model once per group and per number of new real tokens. A batch
+continue differently from the same prompt alone. The rows are therefore kept in groups that have consumed the
+same number of real tokens, one native cache per group, and each call runs the model once per group and per
+number of new real tokens. A batch
 without padding is one group and one call; left-padded prompts of ``k`` different lengths take ``k`` calls per
 step, and each row continues exactly as it would alone.
 """

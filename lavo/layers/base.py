@@ -122,11 +122,10 @@ class Mechanism(nn.Module):
     ``x`` is ``[B, T, dim]``; ``padding_mask`` ``[B, T]`` bool (True = real token; padded positions output
     zeros, and their content never changes the real ones, nor, in a non-causal call, how many lead or follow
     them; in a causal call leading padding shifts the real tokens: docs/DESIGN.md, "Decisions the paper leaves
-    open", 4); ``cache`` is
-    whatever the previous call returned (None to start a sequence). A layer decodes when its class declares
-    :attr:`cache_types`, the :class:`~lavo.cache.Cache` kinds its causal calls return and continue, and
-    implements :meth:`_new_cache` and :meth:`cache_nbytes`; a layer without a decoding form returns None as the
-    cache. Asking a layer for something its flags deny raises an error naming it.
+    open", 4); ``cache`` is whatever the previous call returned (None to start a sequence). A layer decodes when
+    its class declares :attr:`cache_types`, the :class:`~lavo.cache.Cache` kinds its causal calls return and
+    continue, and implements :meth:`_new_cache` and :meth:`cache_nbytes`; a layer without a decoding form returns
+    None as the cache. Asking a layer for something its flags deny raises an error naming it.
     """
 
     supports_causal = True
