@@ -146,12 +146,18 @@ def check_prompt(model, prompt: list[int] | torch.Tensor, max_new_tokens: int) -
     if vocab_size is not None and not all(0 <= i < vocab_size for i in ids):
         outside = sorted({i for i in ids if not 0 <= i < vocab_size})
         raise ValueError(f"the prompt holds token ids outside the model's vocabulary of {vocab_size}: {outside[:5]}")
-    bound = position_bound(model)
-    if bound is not None and len(ids) + max_new_tokens - 1 > bound.limit:  # the last token is not fed
-        raise ValueError(f"this model reads at most {bound.limit} positions (its {bound.layer}): after a "
-                         f"{len(ids)}-token prompt it can generate at most {max(0, bound.limit - len(ids) + 1)} "
-                         f"tokens, not {max_new_tokens}")
+    check_room(model, len(ids), max_new_tokens)
     return ids
+
+
+def check_room(model, prompt_length: int, new_tokens: int) -> None:
+    """Refuse, before anything is generated, a prompt and new tokens that need more positions than a layer of
+    ``model`` reads (:func:`~lavo.layers.base.position_bound`); the last new token is never fed."""
+    bound = position_bound(model)
+    if bound is not None and prompt_length + new_tokens - 1 > bound.limit:
+        raise ValueError(f"this model reads at most {bound.limit} positions (its {bound.layer}): after a "
+                         f"{prompt_length}-token prompt it can generate at most "
+                         f"{max(0, bound.limit - prompt_length + 1)} tokens, not {new_tokens}")
 
 
 @torch.no_grad()

@@ -687,8 +687,8 @@ def test_generate_refuses_more_positions_than_a_layer_reads_before_it_starts():
     hub = wrapped(native(attention="cosformer", attention_options={"max_length": 12}))
     prompt = torch.tensor([[5, 6, 7]])
     assert hub.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0).shape == (1, 13)
-    message = (r"this model reads at most 12 positions \(its CosformerAttention with max_positions=12\): a 3-token "
-               r"prompt can be continued by at most 10 tokens, not 11")
+    message = (r"this model reads at most 12 positions \(its CosformerAttention with max_positions=12\): after a "
+               r"3-token prompt it can generate at most 10 tokens, not 11")
     with pytest.raises(ValueError, match=message):
         hub.generate(prompt, max_new_tokens=11, do_sample=False, pad_token_id=0)
     with pytest.raises(ValueError, match=message):

@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache as HubCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
-from ..layers.base import position_bound
+from ..generate import check_room
 from ..model import Block, LanguageModel
 from .configuration import LavoLMConfig
 from .state import LavoState, real_spans
@@ -94,26 +94,22 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"rows {empty} of attention_mask have no real token, so nothing to continue (their "
                              "logits would be zeros): give each prompt at least one token, e.g. the tokenizer's "
                              "bos_token_id first, as pipeline() does for an empty prompt")
-        self.check_position_bound(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")), kwargs)
+        self.check_room(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")), kwargs)
         if not self.lavo.supports_decoding:
             # with use_cache, generate() would feed only the last token, which a model without a cache cannot take
             kwargs["use_cache"] = False
         return super().generate(*args, **kwargs)
 
-    def check_position_bound(self, inputs: torch.Tensor | None, kwargs: dict) -> None:
-        """Refuse, before anything is generated, more positions than a layer reads (cosFormer's ``max_length``):
-        the prompt's and ``max_new_tokens`` (else ``max_length``, the whole sequence), from ``kwargs`` or the
-        generation config, less the last token, which is never fed."""
-        bound = position_bound(self.lavo)
-        if bound is None or inputs is None:
+    def check_room(self, inputs: torch.Tensor | None, kwargs: dict) -> None:
+        """:func:`lavo.generate.check_room` for ``generate()``'s prompt and its ``max_new_tokens`` (else
+        ``max_length``, the whole sequence), from ``kwargs`` or the generation config."""
+        if inputs is None:
             return
         config = kwargs.get("generation_config") or self.generation_config
         new = kwargs.get("max_new_tokens", config.max_new_tokens)
-        longest = inputs.shape[-1] + new if new is not None else kwargs.get("max_length", config.max_length)
-        if longest - 1 > bound.limit:
-            raise ValueError(f"this model reads at most {bound.limit} positions (its {bound.layer}): a "
-                             f"{inputs.shape[-1]}-token prompt can be continued by at most "
-                             f"{max(0, bound.limit - inputs.shape[-1] + 1)} tokens, not {longest - inputs.shape[-1]}")
+        if new is None:
+            new = kwargs.get("max_length", config.max_length) - inputs.shape[-1]
+        check_room(self.lavo, inputs.shape[-1], new)
 
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
