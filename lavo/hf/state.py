@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache as HubCache
 
+from ..layers.base import leading_padding
 from ..model import LanguageModel, ModelCache
 
 
@@ -29,11 +30,11 @@ class RowGroup:
 
 
 def real_spans(real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``real [B, T]`` bool -> the first real column and the number of real columns of each row (CPU tensors);
-    each row's real columns must be consecutive (left and/or right padding)."""
+    """``real [B, T]`` bool -> the first real column (``T`` for a row of padding only) and the number of real
+    columns of each row (CPU tensors); each row's real columns must be consecutive (left and/or right padding)."""
     real = real.cpu()
     count = real.sum(1)
-    first = real.int().argmax(1)
+    first = leading_padding(real)
     columns = torch.arange(real.shape[1])
     span = (columns >= first[:, None]) & (columns < (first + count)[:, None])
     broken = (span != real).any(1).nonzero().flatten().tolist()
