@@ -164,6 +164,21 @@ def check_run_directory(run_dir: Path, resume: bool, overwrite: bool) -> None:
                        "resumed exactly: start it again with --overwrite, or choose another train.out_dir")
 
 
+def check_resumed_tokenizer(run_dir: Path, config: RunConfig) -> None:
+    """Refuse, before the data is prepared with it, to resume a run with another tokenizer than its own: the
+    model's vocabulary is the tokenizer's."""
+    saved = read_run_config(run_dir).data.tokenizer
+    if config.data.tokenizer != saved:
+        raise RunError(f"{run_dir} was trained with data.tokenizer={saved!r}, not {config.data.tokenizer!r}. "
+                       f"{resume_advice(run_dir)}")
+
+
+def resume_advice(run_dir: Path) -> str:
+    return ("A resumed run continues with its own settings: give the config and --set it was started with, or "
+            f"its own (--config {run_dir / 'config.json'} --set train.out_dir={run_dir}), or start again with "
+            "--overwrite or another train.out_dir")
+
+
 def agree(env: Distributed, *flags: bool) -> list[bool]:
     """For each flag, whether any process raised it: every process gets the same answers, so that all of them
     stop together (one stopping alone would leave the others waiting on it)."""
@@ -292,10 +307,7 @@ class Trainer:
                    if key not in RESUMABLE_CHANGES and now[section][key] != value]
         if changed:
             raise RunError(f"{self.run_dir} was trained with other settings than asked now: {'; '.join(changed)}. "
-                           "A resumed run continues with its own settings: give the config and --set it was "
-                           f"started with, or its own (--config {Path(self.run_dir) / 'config.json'} --set "
-                           f"train.out_dir={self.run_dir}), or start again with --overwrite or another "
-                           "train.out_dir")
+                           f"{resume_advice(self.run_dir)}")
         return saved
 
     def check_same_data(self, state: dict) -> None:
@@ -553,6 +565,8 @@ def train(config: RunConfig, resume: bool = False, overwrite: bool = False, stop
         if env.main:
             try:
                 check_run_directory(run_dir, resume, overwrite)
+                if resume and has_checkpoint(run_dir):
+                    check_resumed_tokenizer(run_dir, config)
             except (RunError, ValueError, OSError) as error:
                 refused = error
         if agree(env, refused is not None)[0]:

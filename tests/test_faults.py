@@ -261,6 +261,19 @@ def test_resume_refuses_another_tokenizer_and_says_what_changed(setup, tmp_path)
         train(RunConfig.from_dict(values), resume=True, log=quiet)
 
 
+def test_resume_refuses_another_tokenizer_name_before_preparing_data(setup, tmp_path):
+    values = config_for(setup, tmp_path, steps=4)
+    values["data"]["data_dir"] = str(tmp_path / "data")
+    train(RunConfig.from_dict(values), stop_after=2, log=quiet)
+    prepared = sorted(p.name for p in (tmp_path / "data").iterdir())
+    values["data"]["tokenizer"] = "bpe300"
+    with pytest.raises(RunError, match=re.escape(
+            f"{tmp_path / 'run'} was trained with data.tokenizer='bpe320', not 'bpe300'. A resumed run continues "
+            "with its own settings")):
+        train(RunConfig.from_dict(values), resume=True, log=quiet)
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == prepared  # nothing tokenised for bpe300
+
+
 def test_resume_refuses_other_settings_and_takes_more_steps(setup, tmp_path):
     values = config_for(setup, tmp_path, steps=4)
     train(RunConfig.from_dict(values), stop_after=2, log=quiet)
