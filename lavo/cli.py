@@ -1,5 +1,5 @@
-"""``lavo`` command line: data, train, eval, generate, export, demo, bench, forecast, listops (``lavo COMMAND --help``
-for each).
+"""``lavo`` command line: data, train, curves, eval, generate, export, demo, bench, forecast, listops (``lavo
+COMMAND --help`` for each).
 
 Each command is a handler ``cmd_NAME(args)`` and a function ``add_NAME(commands)`` that adds its parser; a new
 command is those two and an entry in :data:`COMMANDS`."""
@@ -132,6 +132,25 @@ def add_eval(commands) -> None:
     p.add_argument("--out", default=None, help="directory for results.json and perplexity.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=cmd_eval)
+
+
+def cmd_curves(args) -> None:
+    from .curves import show_curves
+    show_curves(args.runs, axis=args.x, smoothing=args.smooth, out_dir=args.out)
+
+
+def add_curves(commands) -> None:
+    p = commands.add_parser("curves", help="training and validation loss of runs, as a table and a plot",
+                            description="The training loss (smoothed) and validation loss that runs logged in their "
+                            "metrics.jsonl: prints each run's last values, and with --out plots every run's curves "
+                            "into OUT/curves.png.")
+    p.add_argument("runs", nargs="+", help="run directories (train.out_dir of each)")
+    p.add_argument("--x", default="tokens", choices=("tokens", "step", "time"),
+                   help="the x axis: training tokens, steps or elapsed time (default: tokens)")
+    p.add_argument("--smooth", type=float, default=0.9, help="weight of the past in the exponential average of "
+                   "the training loss, at least 0 and below 1 (default: 0.9; 0: no smoothing)")
+    p.add_argument("--out", default=None, help="directory for curves.png")
+    p.set_defaults(handler=cmd_curves)
 
 
 def cmd_generate(args) -> None:
@@ -323,13 +342,15 @@ def add_forecast(commands) -> None:
 
 
 # the commands, in the order `lavo --help` lists them
-COMMANDS = (add_data, add_train, add_eval, add_generate, add_export, add_demo, add_bench, add_forecast, add_listops)
+COMMANDS = (add_data, add_train, add_curves, add_eval, add_generate, add_export, add_demo, add_bench, add_forecast,
+            add_listops)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lavo", description="LAVO language modelling: prepare data, train, "
-                                     "evaluate perplexity at many lengths, generate, export to Hugging Face, run "
-                                     "the demo, benchmark, forecast time series, classify ListOps.")
+                                     "plot training curves, evaluate perplexity at many lengths, generate, export "
+                                     "to Hugging Face, run the demo, benchmark, forecast time series, classify "
+                                     "ListOps.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in COMMANDS:
         add_command(commands)

@@ -112,6 +112,7 @@ def check_only_demo_runs(out: Path, runs: dict) -> None:
 
 
 def run_demo(name: str | None = None, overrides: list[str] = (), log=print) -> dict:
+    from .curves import show_curves
     from .data import describe, prepare
     from .evaluate import evaluate_runs
     from .registry import available_attentions
@@ -169,6 +170,8 @@ def run_demo(name: str | None = None, overrides: list[str] = (), log=print) -> d
                 "token budgets differ")
         runs.append(config.train.out_dir)
         summaries[run_name] = summary
+    log("\n== training curves ==")
+    show_curves(runs, out_dir=out, log=log)
     log("\n== held-out perplexity by evaluation length ==")
     ev = demo.eval
     results = evaluate_runs(runs, multiples=ev.multiples, lengths=ev.lengths, batch_size=ev.batch_size,

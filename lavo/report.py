@@ -101,12 +101,13 @@ def line_plot(series: dict[str, Sequence[tuple[float, float]]], path: str | os.P
 
 def panel_plot(panels: dict[str, dict[str, Sequence[tuple[float, float]]]], path: str | os.PathLike, *,
                xlabel: str, ylabel: str, title: str, hlines: dict[str, float] | None = None,
-               columns: int = 4) -> Path | None:
+               columns: int = 4, markers: bool = True) -> Path | None:
     """Small multiples on shared axes: one panel per entry of ``panels`` (panel title -> series, as
     :func:`line_plot` takes them), ``columns`` panels a row. A series label has the same colour in every panel
     (e.g. one colour per seed) and one legend serves them all. ``hlines`` (series label -> y) draws a dotted
     horizontal line in that series' colour in every panel (a reference that depends on the series, such as each
-    seed's floor). Returns the path, or None when no panel has a point to draw."""
+    seed's floor). ``markers=False`` draws lines only (for series of thousands of points). Returns the path, or
+    None when no panel has a point to draw."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -121,7 +122,8 @@ def panel_plot(panels: dict[str, dict[str, Sequence[tuple[float, float]]]], path
                                 sharey=True, squeeze=False)
     for axes, (name, lines) in zip(grid.flat, drawable.items()):
         for label, points in lines.items():
-            axes.plot(*zip(*points), marker="o", markersize=2, color=colours[label], label=label)
+            axes.plot(*zip(*points), marker="o" if markers else None, markersize=2, color=colours[label],
+                      label=label)
         for label, y in (hlines or {}).items():
             axes.axhline(y, color=colours.get(label, "black"), linestyle=":", linewidth=1)
         axes.set_title(name, fontsize=9)

@@ -12,7 +12,8 @@ from lavo.run import RunLock
 from lm_corpus import tiny_run, write_corpus
 
 
-@pytest.mark.parametrize("command", [[], ["data"], ["train"], ["eval"], ["generate"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["data"], ["train"], ["curves"], ["eval"], ["generate"], ["export"],
+                                     ["demo"], ["bench"], ["forecast"], ["listops"]])
 def test_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(command + ["--help"])
@@ -32,6 +33,9 @@ def test_data_train_eval_generate(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 3
     assert main(["train", "--config", str(tmp_path / "run.json"), "--resume"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 4
+    assert main(["curves", str(tmp_path / "run"), "--out", str(tmp_path / "curves")]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split()[:3] == ["run", "4", f"{4 * 4 * 32}"]  # steps x batch x L
+    assert (tmp_path / "curves" / "curves.png").is_file()
 
     assert main(["eval", str(tmp_path / "run"), "--multiples", "1,2,4", "--out", str(tmp_path / "eval"),
                  "--chunk-size", "40", "--quiet"]) == 0
@@ -194,6 +198,10 @@ def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, mon
     def fake_train(config, overwrite=False, stop_after=None, log=print):
         calls.append((config.model["attention"], config.train.steps, stop_after, config.train.time_limit))
         step = 7 if stop_after is None else stop_after  # the first (slowest) model hits its time limit
+        run_dir = Path(config.train.out_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": step, "loss": 1.0, "lr": 1e-3, "tokens": step * 100,
+                                                           "elapsed": 1.0}) + "\n")
         return {"step": step, "tokens": step * 100, "loss": 1.0, "elapsed": 1.0, "parameters": 10}
 
     monkeypatch.setattr(lavo.train, "train", fake_train)
@@ -206,6 +214,7 @@ def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, mon
                        log=lambda *a, **k: lines.append(" ".join(map(str, a))))
     assert calls == [("lavo", 45, None, 100.0), ("softmax", 45, 7, 100.0)]  # 90% of 100s planned; both capped
     assert any("stop at step 7 too" in line for line in lines)
+    assert (tmp_path / "demo" / "curves.png").is_file()
     calls.clear()  # train.steps is the most steps, below the 10 a slow machine still gets too
     lavo.demo.run_demo(None, [f"out_dir={tmp_path / 'demo'}", f"data.source={corpus}", "data.tokenizer=bpe300",
                               f"data.data_dir={tmp_path / 'data'}", "seconds_per_model=100", "train.steps=3"],
