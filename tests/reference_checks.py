@@ -65,6 +65,29 @@ def assert_compiled_matches_eager(module, x, call, *, name, **tolerance):
         torch.testing.assert_close(got, want, **tolerance, msg=lambda m: f"{name} {what}: {m}")
 
 
+def assert_padding_reaches_no_output(op, q, k, v, mask, *, queries_masked=True):
+    """``op(q, k, v)`` with inf, NaN and -inf at the positions ``mask [B, T]`` pads (in ``q`` only when
+    ``queries_masked``: ops whose mask is over the keys take every query as real) gives the outputs and gradients
+    of the same inputs with zeros there, bit for bit, and no gradient at padded positions."""
+    keep = mask[:, :, None, None]
+    zeros = [torch.where(keep, t, 0).detach().requires_grad_() for t in (q, k, v)]
+    garbage = [torch.where(keep, t, bad).detach().requires_grad_()
+               for t, bad in zip((q, k, v), (float("inf"), float("nan"), -float("inf")))]
+    if not queries_masked:
+        zeros[0] = garbage[0] = q
+    results = []
+    for inputs in (zeros, garbage):
+        out = op(*inputs)
+        results.append((out, torch.autograd.grad(out.square().sum(), inputs, allow_unused=True)))
+    (clean, clean_grads), (out, grads) = results
+    assert torch.isfinite(clean).all() and torch.equal(clean, out)
+    for clean_grad, grad in zip(clean_grads, grads):
+        assert (clean_grad is None) == (grad is None)
+        assert grad is None or torch.equal(clean_grad, grad)
+    for grad in grads[0 if queries_masked else 1:]:
+        assert grad is None or not grad[~mask].any()
+
+
 def random_inputs(T, window, D, rank, causal, bias, padding, B=2, H=3, seed=0):
     """float64 ``q, k, v [B, T, H, D]`` (requiring grad), an orthonormal basis ``[H, rank, D]``, a position-bias
     table (or None) and a padding mask with gaps at the left end, in the middle and at the right end (or None)."""

@@ -68,6 +68,20 @@ def test_step_matches_the_cached_op(context, steps, window, D, rank, dissection,
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_whatever_stands_at_padded_steps_reaches_no_output(backend):
+    q, k, v, basis, pos_bias, mask = _inputs(0, 13, 4, 60, 12, True)
+    keep = mask[:, :, None, None]
+    zeros = [torch.where(keep, t, 0) for t in (q, k, v)]
+    garbage = [torch.where(keep, t, bad) for t, bad in zip((q, k, v), (float("inf"), float("nan"), -float("inf")))]
+    results = [_decode(*inputs, basis, LavoStepCache.from_cache(LavoCache.empty(2, 3, 60, 12, device=DEVICE), 4),
+                       0, backend, mask, pos_bias=pos_bias) for inputs in (zeros, garbage)]
+    (clean, clean_cache), (out, cache) = results
+    assert torch.isfinite(clean).all() and torch.equal(clean, out)
+    for name in ("keys", "values", "memory_sum", "window_sum"):
+        assert torch.equal(getattr(clean_cache, name), getattr(cache, name))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dissection", [True, False])
 def test_steps_from_the_empty_cache_match_the_reference(dissection, backend):
     q, k, v, basis, pos_bias, mask = _inputs(0, 13, 4, 60, 12, True)

@@ -1,7 +1,7 @@
 """The blocked LAVO ops against the token-by-token references: outputs and gradients, float64."""
 import pytest
 import torch
-from reference_checks import assert_same_outputs_and_grads, random_inputs
+from reference_checks import assert_padding_reaches_no_output, assert_same_outputs_and_grads, random_inputs
 
 from lavo import LavoCache
 from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_attention, lavo_attention_cached,
@@ -68,6 +68,45 @@ def test_all_padding_rows_give_zeros_not_nan():
         out = lavo_attention(q, k, v, basis, window=8, causal=causal, pos_bias=bias, padding_mask=mask)
         assert torch.all(out[1] == 0) and torch.isfinite(out).all()
         assert torch.isfinite(torch.autograd.grad(out.sum(), q)[0]).all()
+
+
+# each op on (q, k, v, basis, padding_mask, causal pos_bias); the cross ops take k as their source
+# the ops whose mask is over the keys only: their queries are all real
+KEY_MASK_ONLY = {"local chunk", "cross", "cross naive"}
+PADDED_OPS = {
+    "lavo": lambda q, k, v, basis, mask, bias: lavo_attention(q, k, v, basis, window=4, pos_bias=bias,
+                                                              padding_mask=mask),
+    "lavo, no dissection, non-causal": lambda q, k, v, basis, mask, bias: lavo_attention(
+        q, k, v, basis, window=4, causal=False, dissection=False, padding_mask=mask),
+    "lavo naive": lambda q, k, v, basis, mask, bias: lavo_attention_naive(q, k, v, basis, window=4, pos_bias=bias,
+                                                                          padding_mask=mask),
+    "lavo cached": lambda q, k, v, basis, mask, bias: lavo_attention_cached(
+        q, k, v, basis, LavoCache.empty(2, 3, 6, 4, dtype=q.dtype), window=4, pos_bias=bias, padding_mask=mask)[0],
+    "lavo cached, gated": lambda q, k, v, basis, mask, bias: lavo_attention_cached(
+        q, k, v, basis, LavoCache.empty_variant(2, 3, 6, 4, dtype=q.dtype), window=4, padding_mask=mask,
+        write="gated", gate=basis)[0],
+    "local": lambda q, k, v, basis, mask, bias: local_attention(q, k, v, window=4, pos_bias=bias, padding_mask=mask),
+    "local naive": lambda q, k, v, basis, mask, bias: local_attention_naive(q, k, v, window=4, pos_bias=bias,
+                                                                            padding_mask=mask),
+    "local chunk": lambda q, k, v, basis, mask, bias: local_attention_chunk(q, k, v, start=0, window=4,
+                                                                            pos_bias=bias, key_mask=mask),
+    "cross": lambda q, k, v, basis, mask, bias: code_cross_attention(q, k, basis, padding_mask=mask),
+    "cross naive": lambda q, k, v, basis, mask, bias: code_cross_attention_naive(q, k, basis, padding_mask=mask),
+}
+
+
+@pytest.mark.parametrize("name", PADDED_OPS)
+def test_whatever_stands_at_padded_positions_reaches_no_output(name):
+    q, k, v, basis, pos_bias, mask = random_inputs(23, 4, 6, 4, True, True, True)
+    assert_padding_reaches_no_output(lambda q, k, v: PADDED_OPS[name](q, k, v, basis, mask, pos_bias), q, k, v,
+                                     mask, queries_masked=name not in KEY_MASK_ONLY)
+
+
+def test_exclusive_sums_keep_what_comes_before_a_large_entry():
+    from lavo.ops.common import exclusive_cumsum
+    x = torch.tensor([[1e-3, 1e8, 1.0], [float("inf"), 2.0, 3.0]], dtype=torch.float64)
+    assert exclusive_cumsum(x, 1).tolist() == [[0.0, 1e-3, 1e8 + 1e-3], [0.0, float("inf"), float("inf")]]
+    assert exclusive_cumsum(x, 0).tolist() == [[0.0, 0.0, 0.0], [1e-3, 1e8, 1.0]]
 
 
 def test_orthogonal_basis_is_orthonormal():

@@ -5,8 +5,8 @@ import re
 
 import pytest
 import torch
-from reference_checks import (assert_compiled_matches_eager, assert_matches_reference, needs_triton, random_inputs,
-                              recording_launching_on)
+from reference_checks import (assert_compiled_matches_eager, assert_matches_reference,
+                              assert_padding_reaches_no_output, needs_triton, random_inputs, recording_launching_on)
 
 from lavo import LavoAttention, LavoCrossAttention
 from lavo.layers.local import LocalAttention
@@ -49,6 +49,27 @@ def test_lavo_kernels_match_naive(T, window, D, rank, causal, dissection, bias, 
         return lavo_attention_naive(q, k, v, basis, pos_bias=pos_bias[0] if bias else None, padding_mask=mask,
                                     **options)
     assert_matches_reference(fast, naive, [q, k, v, basis] + ([pos_bias] if bias else []), device=DEVICE, **FLOAT32)
+
+
+KERNEL_OPS = {
+    "lavo": lambda q, k, v, basis, mask, bias: lavo_attention(q, k, v, basis, window=8, pos_bias=bias,
+                                                              padding_mask=mask, backend="triton"),
+    "lavo, no dissection, non-causal": lambda q, k, v, basis, mask, bias: lavo_attention(
+        q, k, v, basis, window=8, causal=False, dissection=False, padding_mask=mask, backend="triton"),
+    "local": lambda q, k, v, basis, mask, bias: local_attention(q, k, v, window=8, pos_bias=bias, padding_mask=mask,
+                                                                backend="triton"),
+    "cross": lambda q, k, v, basis, mask, bias: code_cross_attention(q, k, basis, padding_mask=mask,
+                                                                     backend="triton"),
+}
+
+
+@pytest.mark.parametrize("name", KERNEL_OPS)
+def test_whatever_stands_at_padded_positions_reaches_no_kernel_output(name):
+    *tensors, mask = _triton_inputs(23, 8, 32, 8, True, True)
+    q, k, v, basis, pos_bias = (t.detach().to(DEVICE, torch.float32) for t in tensors)
+    mask = mask.to(DEVICE)
+    assert_padding_reaches_no_output(lambda q, k, v: KERNEL_OPS[name](q, k, v, basis, mask, pos_bias),
+                                     q.requires_grad_(), k, v, mask, queries_masked=name != "cross")
 
 
 @pytest.mark.parametrize("padding", [False, True])

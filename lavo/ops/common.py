@@ -80,8 +80,20 @@ def zero_padded_queries(out: torch.Tensor, padding_mask: torch.Tensor | None) ->
 
 
 def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sums of the entries strictly before each position along ``dim``."""
-    return x.cumsum(dim) - x
+    """Sums of the entries strictly before each position along ``dim`` (at least one entry long): the running sum
+    shifted by one, so that an entry never enters its own sum (taking it out again would lose the sum before a
+    large entry to rounding, and keep an inf or NaN)."""
+    before = x.cumsum(dim).narrow(dim, 0, x.shape[dim] - 1)
+    return torch.cat([torch.zeros_like(x.narrow(dim, 0, 1)), before], dim)
+
+
+def zero_padding(padding_mask: torch.Tensor | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors [B, T, ...]`` with zeros at the padded positions of ``padding_mask [B, T]`` (True = real),
+    whatever was there: an inf or NaN at a padded position would otherwise reach real outputs through its
+    product with a zero weight."""
+    if padding_mask is None:
+        return tensors
+    return tuple(torch.where(padding_mask.view(*padding_mask.shape, *[1] * (t.dim() - 2)), t, 0) for t in tensors)
 
 
 def normalize(numerator: torch.Tensor, weight_sum: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from ...cache import PAPER_MEMORY, LavoCache
 from ..common import (accumulation_dtype, check_basis, check_pos_bias, check_window_inputs, constant_scale,
-                      exclusive_cumsum, uses_triton, zero_padded_queries)
+                      exclusive_cumsum, uses_triton, zero_padded_queries, zero_padding)
 from ..local.blocked import blocked_local_attention, from_blocks, real_tokens, to_blocks
 from ..local.decoding import visible_keys
 from .memory import memory_read, project
@@ -67,7 +67,8 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         window: local window length ``w``.
         pos_bias: relative-position table, ``[H, 2w]`` causal or ``[H, 4w - 1]`` non-causal, or None.
         dissection: compress the local outputs (True) or the values (False) into the memory.
-        padding_mask: ``[B, T]`` bool, True for real tokens; padded positions return zeros.
+        padding_mask: ``[B, T]`` bool, True for real tokens; padded positions return zeros, and what they
+            hold (NaN included) reaches no output.
         scale: defaults to ``D ** -0.5``.
         return_cache: also return the :class:`LavoCache` that continues this sequence (causal only).
         write, memory: the memory's write rule (``"mean"``, the paper; ``"decay"``; ``"gated"``) and slot kind
@@ -88,6 +89,7 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         raise ValueError("a cache exists only for causal attention (causal=False was given)")
     B, T, H, D = q.shape
     scale = constant_scale(scale, D)
+    q, k, v = zero_padding(padding_mask, q, k, v)
     variant = is_variant(write, memory)
     if (variant or read_scale is not None) and backend == "triton":
         raise ValueError("backend='triton' computes the paper's memory only (write='mean', memory='scalar', no "

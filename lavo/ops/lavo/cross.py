@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import check_basis, check_padding_mask, constant_scale, uses_triton
+from ..common import check_basis, check_padding_mask, constant_scale, uses_triton, zero_padding
 from .memory import memory_read, project
 
 
@@ -32,6 +32,7 @@ def code_cross_attention(q: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, 
     check_basis(basis, H, D)
     check_padding_mask(padding_mask, B, S)
     scale = constant_scale(scale, D)
+    (x,) = zero_padding(padding_mask, x)
     if uses_triton(backend, q):
         from .gpu import code_cross_attention_triton
         return code_cross_attention_triton(q, x, basis, padding_mask=padding_mask, scale=scale)

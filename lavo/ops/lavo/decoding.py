@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...cache import PAPER_MEMORY, LavoCache
-from ..common import constant_scale
+from ..common import constant_scale, zero_padding
 from ..local.decoding import keep_visible, local_attention_chunk
 from .blocked import check_inputs, check_read_scale, scaled_queries
 from .memory import memory_read, project
@@ -38,6 +38,7 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
     cache.check_fits(B, H, D, basis.shape[1], window=window, dissection=dissection, write=write, memory=memory)
     cache.check_dtype(q.dtype)
     scale = constant_scale(scale, D)
+    q, k, v = zero_padding(padding_mask, q, k, v)
     if is_variant(write, memory):
         state = _VariantMemory(cache, basis, scale=scale, write=write, memory=memory, decay=decay, gate=gate,
                                window=window)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common import zero_padding
 from ..local.naive import local_attention_naive
 from .memory import project
 
@@ -113,6 +114,7 @@ def lavo_attention_naive(q, k, v, basis, *, window, causal=True, pos_bias=None, 
     B, T, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
     real = torch.ones(B, T, dtype=torch.bool) if padding_mask is None else padding_mask
+    q, k, v = zero_padding(real, q, k, v)
     local = local_attention_naive(q, k, v, window=window, causal=causal, pos_bias=pos_bias, padding_mask=real,
                                   scale=scale)
     features = local if dissection else v
@@ -135,5 +137,6 @@ def code_cross_attention_naive(q, x, basis, *, padding_mask=None, scale=None):
     B, S, H, D = x.shape
     scale = D ** -0.5 if scale is None else scale
     real = torch.ones(B, S, dtype=torch.bool) if padding_mask is None else padding_mask
+    (x,) = zero_padding(real, x)
     memory = memory_slots(coefficients_of(x, basis, real), basis)
     return torch.stack([read(q[:, t], memory, scale) for t in range(q.shape[1])], 1)

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from ...cache import LavoStepCache, check_made_by
-from ..common import constant_scale, neg_inf, uses_triton
+from ..common import constant_scale, neg_inf, uses_triton, zero_padding
 from .blocked import check_inputs, check_read_scale, scaled_queries
 from .memory import memory_read, project
 
@@ -55,6 +55,7 @@ def lavo_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: t
     check_made_by(cache, dissection=dissection)
     cache.check_dtype(q.dtype)
     scale = constant_scale(scale, D)
+    q, k, v = zero_padding(padding_mask, q, k, v)
     real = torch.ones(B, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask[:, 0]
     if uses_triton(backend, q):
         from .step_kernel import decode_step_triton

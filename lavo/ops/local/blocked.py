@@ -11,7 +11,7 @@ import torch
 from einops import rearrange
 
 from ..common import (autocast_off, check_pos_bias, check_window_inputs, constant_scale, first_order_only,
-                      neg_inf, uses_triton, zero_padded_queries)
+                      neg_inf, uses_triton, zero_padded_queries, zero_padding)
 
 
 # Elements of scores computed at once: 4 MiB in float32, about what stays in cache.
@@ -218,6 +218,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
     B, T, H, D = q.shape
     check_pos_bias(pos_bias, H, window, causal)
     scale = constant_scale(scale, D)
+    q, k, v = zero_padding(padding_mask, q, k, v)
     if uses_triton(backend, q):
         from .kernels import window_attention
         out = window_attention(q, k, v, window=window, causal=causal, pos_bias=pos_bias, padding_mask=padding_mask,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import neg_inf, query_scale
+from ..common import neg_inf, query_scale, zero_padding
 
 
 def keep_visible(position: int, window: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -50,6 +50,7 @@ def local_attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     B, Tq, H, D = q.shape
     Tk = k.shape[1]
     scale = query_scale(scale, D)
+    k, v = zero_padding(key_mask, k, v)
     q_pos = torch.arange(start, start + Tq, device=q.device)
     k_pos = torch.arange(start + Tq - Tk, start + Tq, device=q.device)
     offset = q_pos[:, None] - k_pos[None, :]

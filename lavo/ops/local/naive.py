@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..common import zero_padding
+
 
 def local_attention_naive(q, k, v, *, window, causal=True, pos_bias=None, padding_mask=None, scale=None):
     r"""Reference for :func:`lavo.ops.local_attention`: ``softmax_j(scale q_t . k_j + P) v_j`` over the window.
@@ -25,6 +27,7 @@ def local_attention_naive(q, k, v, *, window, causal=True, pos_bias=None, paddin
     B, T, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
     real = torch.ones(B, T, dtype=torch.bool) if padding_mask is None else padding_mask
+    q, k, v = zero_padding(real, q, k, v)
     out = torch.zeros_like(q)
     for t in range(T):
         c = t // window
