@@ -198,10 +198,11 @@ class LavoCache(_LavoState):
         keys, values: ``[B, L, H, D]`` for the last ``L <= 2w - 1`` positions, from the start of the previous
             window to ``position - 1``: all the local branch can still see.
         key_mask: ``[B, L]`` bool, True for real (non-padding) keys.
-        memory_sum: ``[B, H, r]`` float32, sum of the projections over all completed windows.
-        memory_count: ``[B]`` float32, real tokens in those windows.
-        window_sum: ``[B, H, r]`` float32, sum over the current, unfinished window.
-        window_count: ``[B]`` float32, real tokens in it.
+        memory_sum: ``[B, H, r]`` float32 (float64 for float64 inputs), sum of the projections over all completed
+            windows.
+        memory_count: ``[B]`` float32 (float64 for float64 inputs), real tokens in those windows.
+        window_sum: ``[B, H, r]``, sum over the current, unfinished window, in the same dtype.
+        window_count: ``[B]``, real tokens in it.
         position: tokens seen so far (padding included): fixes window boundaries and relative positions.
         window: the window of the layer that made it (None: not yet tied to one); a layer with another
             window cannot continue it.

@@ -59,7 +59,7 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
                    decay: torch.Tensor | None = None, gate: torch.Tensor | None = None,
                    read_scale: torch.Tensor | None = None,
                    backend: str = "auto") -> torch.Tensor | tuple[torch.Tensor, LavoCache]:
-    r"""LAVO attention, blocked: ``O(T (w + r) D)`` time, ``O(T w)`` memory.
+    r"""LAVO attention, blocked: ``O(T (w + r) D)`` time; memory as :mod:`lavo.ops.local.blocked` says.
 
     Args:
         q, k, v: ``[B, T, H, D]``.

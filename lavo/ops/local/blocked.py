@@ -2,8 +2,9 @@
 
 Windows have length ``w``; position ``t`` lies in window ``c(t) = t // w``. A causal query sees keys
 ``[(c(t) - 1) w, t]``; a non-causal one sees the previous, its own and the next window. The fast form works on
-blocks of ``w`` queries against their ``2w`` (or ``3w``) neighbouring keys, so time is ``O(T w D)`` and memory
-``O(T w)`` (scores exist only for a few blocks at a time, forward and backward).
+blocks of ``w`` queries against their ``2w`` (or ``3w``) neighbouring keys, so time is ``O(T w D)``. Memory is
+``O(T w)`` while the whole sequence's softmax weights fit in :data:`SAVED_WEIGHTS_LIMIT` elements (kept for
+backward), and ``O(T D)`` plus a few blocks of scores beyond (recomputed block by block in backward).
 """
 from __future__ import annotations
 
