@@ -54,6 +54,17 @@ def autocast_off(method):
     return run
 
 
+def without_autocast(op):
+    """For an op made of torch operations whose first argument is a tensor: run it in its inputs' dtypes whatever
+    the caller's autocast, as the ops' autograd Functions run (:func:`autocast_off`), so that it computes what they
+    compute (a cached continuation what one call gives)."""
+    @functools.wraps(op)
+    def run(first, *args, **kwargs):
+        with torch.autocast(first.device.type, enabled=False):
+            return op(first, *args, **kwargs)
+    return run
+
+
 def first_order_only(op: str, reference: str):
     """For the ``backward`` of a custom autograd Function that is not differentiable (it writes its gradients
     in place): refuse to run it while a graph of the gradients is being built (``create_graph=True``, under which
@@ -115,9 +126,10 @@ def check_window(window: int) -> None:
         raise ValueError(f"window must be a positive integer, got {window!r}")
 
 
-def check_matching(**tensors: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless the tensors are ``[B, T, H, D]`` with ``T >= 1``, of one shape, dtype and
-    device (the first named is the one the others are held to)."""
+def check_matching(*, same_length: bool = True, **tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the tensors are ``[B, T, H, D]`` with ``T >= 1``, of one shape (one ``B``,
+    ``H`` and ``D`` when not ``same_length``), dtype and device (the first named is the one the others are held
+    to)."""
     (first_name, first), *rest = tensors.items()
     if first.dim() != 4:
         raise ValueError(f"{first_name} must have shape [B, T, H, D], got {tuple(first.shape)}")
@@ -125,7 +137,11 @@ def check_matching(**tensors: torch.Tensor) -> None:
         raise ValueError(f"{first_name} has an empty time axis; sequences need at least one position")
     for name, t in rest:
         for what in ("shape", "dtype", "device"):
-            if getattr(t, what) != getattr(first, what):
+            if what == "shape" and not same_length and t.dim() == 4:
+                if (t.shape[0], *t.shape[2:]) != (first.shape[0], *first.shape[2:]):
+                    raise ValueError(f"{name} has shape {tuple(t.shape)} but {first_name} has "
+                                     f"{tuple(first.shape)}; they must match in B, H and D")
+            elif getattr(t, what) != getattr(first, what):
                 shown = tuple if what == "shape" else str
                 raise ValueError(f"{name} has {what} {shown(getattr(t, what))} but {first_name} has "
                                  f"{shown(getattr(first, what))}; they must match")

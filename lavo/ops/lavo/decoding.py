@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...cache import PAPER_MEMORY, LavoCache
-from ..common import constant_scale, zero_padding
+from ..common import constant_scale, without_autocast, zero_padding
 from ..local.decoding import keep_visible, local_attention_chunk
 from .blocked import check_inputs, check_read_scale, scaled_queries
 from .memory import memory_read, project
@@ -12,6 +12,7 @@ from .variants import (SlotState, check_variant, empty_state, head_shift, is_var
                        write_logits)
 
 
+@without_autocast
 def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor,
                           cache: LavoCache, *, window: int, pos_bias: torch.Tensor | None = None,
                           dissection: bool = True, padding_mask: torch.Tensor | None = None,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common import neg_inf, query_scale, zero_padding
+from ..common import (check_matching, check_padding_mask, neg_inf, query_scale, without_autocast,
+                      zero_padding)
 
 
 def keep_visible(position: int, window: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -35,6 +36,7 @@ def visible_length(position: int, window: int) -> int:
     return position - max(0, (position // window - 1) * window)
 
 
+@without_autocast
 def local_attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int, window: int,
                           pos_bias: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
                           scale: float | None = None) -> torch.Tensor:
@@ -47,8 +49,14 @@ def local_attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     Returns:
         ``[B, Tq, H, D]``; costs ``O(Tq Tk D)``, so keep ``Tk`` near ``2w``.
     """
+    check_matching(q=q, k=k, v=v, same_length=False)
+    check_matching(k=k, v=v)
     B, Tq, H, D = q.shape
     Tk = k.shape[1]
+    if Tk < Tq:
+        raise ValueError(f"k and v hold {Tk} positions, fewer than the {Tq} queries: they end with the queries' "
+                         "positions and hold at least those")
+    check_padding_mask(key_mask, B, Tk, "key_mask")
     scale = query_scale(scale, D)
     k, v = zero_padding(key_mask, k, v)
     q_pos = torch.arange(start, start + Tq, device=q.device)
