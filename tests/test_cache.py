@@ -3,6 +3,7 @@ from dataclasses import dataclass, fields
 
 import pytest
 import torch
+from reference_checks import assert_same_outputs_and_grads
 
 from lavo import available_attentions, build_attention
 from lavo.cache import Cache, KVCache
@@ -188,16 +189,34 @@ def test_key_value_cache_appends_in_place_and_copies_only_when_it_doubles():
 
 def test_a_key_value_cache_appended_to_twice_keeps_both_continuations():
     with torch.no_grad():
-        base = KVCache.empty(2, 3, 4).append(*_token(seed=0), None).append(*_token(seed=1), None)  # room for more
+        base = KVCache.empty(2, 3, 4)
+        for seed in range(3):
+            base = base.append(*_token(seed=seed), None)
+        assert base.buffers.end == 3 < base.buffers.keys.shape[2]  # room for more: the first append writes in place
         before = base.keys.clone()
-        (k_a, v_a), (k_b, v_b) = _token(seed=2), _token(seed=3)
+        (k_a, v_a), (k_b, v_b) = _token(seed=3), _token(seed=4)
         first = base.append(k_a, v_a, None)
         second = base.append(k_b, v_b, None)
         moved = first.to("cpu").append(k_b, v_b, None)
-    assert torch.equal(base.keys, before) and base.keys.shape[1] == 2
+    assert first.keys.untyped_storage().data_ptr() == base.keys.untyped_storage().data_ptr()
+    assert second.keys.untyped_storage().data_ptr() != base.keys.untyped_storage().data_ptr()
+    assert torch.equal(base.keys, before) and base.keys.shape[1] == 3
     assert torch.equal(first.keys, torch.cat([before, k_a], 1)) and torch.equal(first.values[:, -1:], v_a)
     assert torch.equal(second.keys, torch.cat([before, k_b], 1)) and torch.equal(second.values[:, -1:], v_b)
     assert torch.equal(moved.keys, torch.cat([before, k_a, k_b], 1))
+
+
+def test_backward_through_a_cache_filled_token_by_token_gives_one_calls_gradients():
+    """Keys and values that need gradients are never written in place: autograd saved them."""
+    for name in ("softmax", "local"):
+        layer = build_attention(name, DIM, HEADS, causal=True).double()
+        x = torch.randn(2, 9, DIM, dtype=torch.float64, requires_grad=True)
+        whole = layer(x)[0]
+        cache, outputs = None, []
+        for t in range(9):
+            out, cache = layer(x[:, t:t + 1], cache=cache)
+            outputs.append(out)
+        assert_same_outputs_and_grads(torch.cat(outputs, 1), whole, [x, *layer.parameters()], atol=1e-10, rtol=1e-9)
 
 
 def test_a_sliding_window_cache_stays_bounded_and_is_rarely_copied():

@@ -1,4 +1,5 @@
 """LAVO layers: decoding in any chunking equals one call, constant-size cache, learned basis, clear errors."""
+import math
 from dataclasses import replace
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from lavo import LavoAttention, LavoCache, LavoCrossAttention, build_attention
 from lavo.layers.orthonormal import register_orthonormal
-from lavo.ops import lavo_attention, orthogonal_basis
+from lavo.ops import lavo_attention, lavo_attention_naive, orthogonal_basis
 
 
 def _layer(dim=32, heads=4, **options):
@@ -287,6 +288,32 @@ def test_gated_write_starts_as_the_papers_mean():
     x = torch.randn(2, 30, 32)
     with torch.no_grad():
         torch.testing.assert_close(gated(x)[0], paper(x)[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", [dict(read_temperature=True), dict(write="decay", read_temperature=True),
+                                     dict(write="gated", memory="vector")])
+def test_the_layer_hands_its_learned_memory_settings_to_the_op(options):
+    """attend() on given q, k, v is the reference op with the layer's decay rates exp(log_decay), read factors
+    exp(log_read_scale) and gates, drawn away from their initial values."""
+    layer = _layer(window=4, rank=6, **options).double()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for tensor in (layer.log_decay, layer.log_read_scale, layer.write_gate):
+            if tensor is not None:
+                tensor.normal_(-1 if tensor is layer.log_decay else 0, 0.5)
+    q, k, v = torch.randn(3, 2, 21, 4, 8, dtype=torch.float64)
+    out, _ = layer.attend(q, k, v, None, None)
+    expected = lavo_attention_naive(
+        q, k, v, layer.basis, window=4, pos_bias=layer.pos_bias, write=layer.write, memory=layer.memory,
+        gate=layer.write_gate, decay=None if layer.log_decay is None else layer.log_decay.exp(),
+        read_scale=None if layer.log_read_scale is None else layer.log_read_scale.exp())
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-9)
+
+
+def test_decay_half_lives_start_geometric_from_the_window_to_64_windows():
+    layer = _layer(heads=4, window=8, write="decay")
+    half_lives = math.log(2) / layer.log_decay.exp()
+    torch.testing.assert_close(half_lives, torch.tensor([8.0, 8 * 4, 8 * 16, 8 * 64]))
 
 
 VARIANT_ERRORS = [

@@ -49,6 +49,32 @@ def test_cross_attention_matches_naive(padding):
                                    code_cross_attention_naive(q, x, basis, padding_mask=mask), [q, x, basis])
 
 
+@pytest.mark.parametrize("variant", [dict(dissection=True), dict(dissection=False), dict(write="gated"),
+                                     dict(write="decay", memory="vector")])
+def test_a_sequence_continued_chunk_by_chunk_has_the_references_gradients(variant):
+    """Differentiating through decoding: outputs and gradients of chunks of 5, 16 and 16 through the cache (window
+    8, so chunks start inside windows and cross them) equal one reference call's."""
+    q, k, v, basis, pos_bias, mask = random_inputs(37, 8, 60, 20, True, True, True)
+    extra = {}
+    if variant.get("write") == "gated":
+        extra["gate"] = torch.randn(3, 20, 60, dtype=torch.float64, requires_grad=True)
+    if variant.get("write") == "decay":
+        extra["decay"] = torch.rand(3, dtype=torch.float64).add(0.05).requires_grad_()
+    options = dict(window=8, pos_bias=pos_bias, **variant, **extra)
+    if "write" in variant:
+        cache = LavoCache.empty_variant(2, 3, 60, 20, memory=variant.get("memory", "scalar"), dtype=q.dtype)
+    else:
+        cache = LavoCache.empty(2, 3, 60, 20, dtype=q.dtype)
+    outputs = []
+    for piece in (slice(0, 5), slice(5, 21), slice(21, 37)):
+        out, cache = lavo_attention_cached(q[:, piece], k[:, piece], v[:, piece], basis, cache,
+                                           padding_mask=mask[:, piece], **options)
+        outputs.append(out)
+    _assert_same_outputs_and_grads(torch.cat(outputs, 1),
+                                   lavo_attention_naive(q, k, v, basis, padding_mask=mask, **options),
+                                   [q, k, v, basis, pos_bias, *extra.values()])
+
+
 def test_causal_output_is_independent_of_the_future():
     q, k, v, basis, pos_bias, _ = random_inputs(40, 8, 8, 8, True, True, False)
     for dissection in (True, False):
