@@ -38,6 +38,38 @@ def run(corpus, tmp, name, **train_settings):
     return RunConfig.from_dict(tiny_run(corpus, tmp / "data", tmp / name, **train_settings))
 
 
+def test_the_first_step_logs_the_next_token_loss_and_gradient_norm_of_its_windows(corpus, tmp_path):
+    """Recomputed here from the model's initialisation and the sampler's windows: targets are the next tokens,
+    and two micro-batches of 2 windows give the gradient of the mean loss over all 4."""
+    from lavo.data import prepare
+    from lavo.model import LanguageModel
+    config = run(corpus, tmp_path, "run", steps=1, batch_size=2, grad_accum=2, lr=1e-3)
+    train(config, log=quiet)
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    data = prepare(config.data.source, config.data.tokenizer, config.data.data_dir, config.data.holdout, log=quiet)
+    torch.manual_seed(config.train.seed)
+    model = LanguageModel(config.model_config(vocab_size=data.tokenizer.vocab_size))
+    sampler = WindowSampler(len(data.train), 32, config.train.seed)
+    offsets = [o for _ in range(2) for o in sampler.next_offsets(2)]
+    tokens = torch.as_tensor(data.train.tokens.astype("int64"))
+    inputs = torch.stack([tokens[o:o + 32] for o in offsets])
+    targets = torch.stack([tokens[o + 1:o + 33] for o in offsets])
+    loss = torch.nn.functional.cross_entropy(model(inputs)[0].flatten(0, 1), targets.flatten())
+    loss.backward()
+    norm = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm()
+    assert logged["step"] == 1 and logged["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert logged["grad_norm"] == pytest.approx(norm.item(), abs=1e-4)
+
+
+def test_training_tells_the_mechanisms_of_each_optimizer_step(corpus, tmp_path):
+    """Performer redraws its features after every redraw_interval-th step: lavo train counts each step once."""
+    config = run(corpus, tmp_path, "run", steps=3, grad_accum=2)
+    config.model.update(attention="performer", attention_options={"features": 8, "redraw_interval": 2})
+    train(config, log=quiet)
+    model = load_run(tmp_path / "run")[0]
+    assert [int(block.attention.optimizer_steps) for block in model.blocks] == [3, 3]
+
+
 def test_interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one(corpus, tmp_path):
     settings = dict(steps=6, grad_accum=2, checkpoint_interval=100)
     whole = run(corpus, tmp_path, "whole", **settings)
