@@ -141,6 +141,22 @@ def test_orthogonal_basis_is_orthonormal():
     torch.testing.assert_close(basis @ basis.transpose(-1, -2), torch.eye(24, dtype=torch.float64).expand(4, -1, -1))
 
 
+def test_orthogonal_bases_are_drawn_uniformly():
+    """Haar-distributed: every entry averages to zero over many draws. QR alone fixes the signs of R's diagonal,
+    which biases the diagonal entries (without the sign fix, all 4000 draws have a negative basis[0, 0])."""
+    bases = orthogonal_basis(4000, 3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert bases.mean(0).abs().max() < 0.05  # each entry's mean: standard error about 0.009
+
+
+def test_local_matches_naive_with_sharp_scores():
+    """Scores 10 times larger: weights far below the row's largest still count (down to exp(-80))."""
+    q, k, v, _, pos_bias, mask = random_inputs(33, 8, 6, 6, True, True, True)
+    sharp = (10 * q).detach().requires_grad_()
+    options = dict(window=8, pos_bias=pos_bias, padding_mask=mask)
+    _assert_same_outputs_and_grads(local_attention(sharp, k, v, **options),
+                                   local_attention_naive(sharp, k, v, **options), [sharp, k, v, pos_bias])
+
+
 def test_bfloat16_forward_is_close_to_float32():
     q, k, v, basis, pos_bias, mask = random_inputs(100, 16, 32, 32, True, True, True)
     q, k, v, basis, pos_bias = (t.detach().float() for t in (q, k, v, basis, pos_bias))
