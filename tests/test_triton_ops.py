@@ -51,6 +51,24 @@ def test_lavo_kernels_match_naive(T, window, D, rank, causal, dissection, bias, 
     assert_matches_reference(fast, naive, [q, k, v, basis] + ([pos_bias] if bias else []), device=DEVICE, **FLOAT32)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T,window,D,rank", [(50, 12, 40, 10), (61, 24, 24, 24)])
+def test_kernels_match_naive_with_windows_that_are_not_powers_of_two(T, window, D, rank, causal):
+    """The kernels cut key ranges into power-of-two blocks: windows of 12 and 24 end inside one."""
+    q, k, v, basis, pos_bias, mask = _triton_inputs(T, window, D, rank, causal, True)
+    options = dict(window=window, causal=causal)
+
+    def fast(q, k, v, basis, pos_bias):
+        mask_on = _on(mask, DEVICE)
+        return (lavo_attention(q, k, v, basis, pos_bias=pos_bias, padding_mask=mask_on, backend="triton", **options)
+                + local_attention(q, k, v, pos_bias=pos_bias, padding_mask=mask_on, backend="triton", **options))
+
+    def naive(q, k, v, basis, pos_bias):
+        return (lavo_attention_naive(q, k, v, basis, pos_bias=pos_bias, padding_mask=mask, **options)
+                + local_attention_naive(q, k, v, pos_bias=pos_bias, padding_mask=mask, **options))
+    assert_matches_reference(fast, naive, [q, k, v, basis, pos_bias], device=DEVICE, **FLOAT32)
+
+
 KERNEL_OPS = {
     "lavo": lambda q, k, v, basis, mask, bias: lavo_attention(q, k, v, basis, window=8, pos_bias=bias,
                                                               padding_mask=mask, backend="triton"),
