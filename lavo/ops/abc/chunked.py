@@ -81,26 +81,27 @@ def _read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, normaliser:
 
 
 def _causal_chunk(q, k, v, logits, real, cache: ABCCache, scale: float) -> tuple[torch.Tensor, ABCCache]:
-    """Causal ABC over one chunk of positions, continuing ``cache``. Shapes as in :func:`abc_attention`.
+    """Causal ABC over one chunk of ``C`` positions, continuing ``cache``: head-major ``q, k, v [B, H, C, D]``,
+    ``logits [B, H, C, r]``, ``real [B, C]`` -> ``[B, H, C, D]`` and the cache after them.
 
     Inside the chunk the prefix memories are never formed per token: with the masked ``[C, C]`` products
     ``q k^T`` and ``p w^T``, reading them costs ``O(C (C + r) D)``."""
-    reference = torch.maximum(cache.reference, logits.amax(1)).detach()
+    reference = torch.maximum(cache.reference, logits.amax(2)).detach()
     carry = torch.exp(cache.reference - reference)  # rescales the earlier sums to the new reference
-    weights = torch.exp(logits - reference[:, None]) * real[:, :, None, None]  # [B, C, H, r]
-    normaliser = carry[:, None] * cache.normaliser[:, None] + weights.cumsum(1)
+    weights = torch.exp(logits - reference[:, :, None]) * real[:, None, :, None]  # [B, H, C, r]
+    normaliser = carry[:, :, None] * cache.normaliser[:, :, None] + weights.cumsum(2)
     inverse = 1 / normaliser.clamp(min=torch.finfo(normaliser.dtype).tiny)
     old_keys, old_values = carry[..., None] * cache.keys, carry[..., None] * cache.values  # [B, H, r, D]
-    causal = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device).tril()
+    causal = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
     q = q * scale
-    qk = torch.einsum("bthd,bshd->bhts", q, k) * causal
-    scores = (torch.einsum("bhts,bshr->bthr", qk, weights) + torch.einsum("bthd,bhrd->bthr", q, old_keys)) * inverse
+    qk = (q @ k.transpose(-1, -2)) * causal
+    scores = (qk @ weights + q @ old_keys.transpose(-1, -2)) * inverse
     probs = scores.softmax(-1) * inverse
-    mixing = torch.einsum("bthr,bshr->bhts", probs, weights) * causal
-    out = torch.einsum("bhts,bshd->bthd", mixing, v) + torch.einsum("bthr,bhrd->bthd", probs, old_values)
-    keys = old_keys + torch.einsum("bshr,bshd->bhrd", weights, k)
-    values = old_values + torch.einsum("bshr,bshd->bhrd", weights, v)
-    return out, ABCCache(reference, keys, values, normaliser[:, -1], cache.position + q.shape[1])
+    mixing = (probs @ weights.transpose(-1, -2)) * causal
+    out = mixing @ v + probs @ old_values
+    keys = old_keys + weights.transpose(-1, -2) @ k
+    values = old_values + weights.transpose(-1, -2) @ v
+    return out, ABCCache(reference, keys, values, normaliser[:, :, -1], cache.position + q.shape[2])
 
 
 def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, control: torch.Tensor, *, causal: bool = True,
@@ -141,12 +142,14 @@ def _abc_attention(q, k, v, control, causal, padding_mask, cache, scale, chunk):
         cache = ABCCache.empty(B, H, control.shape[1], D, dtype=q.dtype, device=q.device) if cache is None else cache
         cache.check_batch_size(B)
         outputs = []
-        # split(), not slicing: the backward of a slice fills a zero tensor as long as the whole sequence, which
-        # made the backward quadratic in T; split's backward is one concatenation.
-        for pieces in zip(*(x.split(chunk, 1) for x in (q, k, v, logits, real))):
+        # head-major once, so that each chunk's products are batched matmuls of views; split(), not slicing: the
+        # backward of a slice fills a zero tensor as long as the whole sequence, which made the backward
+        # quadratic in T; split's backward is one concatenation.
+        heads_first = [x.transpose(1, 2).contiguous() for x in (q, k, v, logits)]
+        for pieces in zip(*(x.split(chunk, 2) for x in heads_first), real.split(chunk, 1)):
             out, cache = _causal_chunk(*pieces, cache, scale)
             outputs.append(out)
-        out = torch.cat(outputs, 1)
+        out = torch.cat(outputs, 2).transpose(1, 2)
     else:
         out = _read(q, *_whole_memory(k, v, logits, real), scale)
     return (out * real[:, :, None, None]).to(out_dtype), cache if causal else None

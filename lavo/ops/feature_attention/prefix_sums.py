@@ -66,15 +66,18 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
     outputs = []
     with torch.autocast(v.device.type, enabled=False):
         queries, keys, values, eps = _computed(q_feat, k_feat, v, eps)
+        # head-major [B, H, T, F] once, so that each chunk's products are batched matmuls of views (einsums on
+        # [B, T, H, F] chunks copied their operands into that layout, chunk by chunk)
+        queries, keys, values = (x.transpose(1, 2).contiguous() for x in (queries, keys, values))
         # split(), not slicing: a slice's backward fills a zero tensor as long as the whole sequence (quadratic in T)
-        for index, (q, k, vs) in enumerate(zip(queries.split(chunk, 1), keys.split(chunk, 1), values.split(chunk, 1))):
+        for index, (q, k, vs) in enumerate(zip(queries.split(chunk, 2), keys.split(chunk, 2), values.split(chunk, 2))):
             if rescale is not None:
                 kv, k_sum = kv * rescale[:, index, :, None, None], k_sum * rescale[:, index, :, None]
-            weights = torch.einsum("bthf,bshf->bhts", q, k).tril()
+            weights = (q @ k.transpose(-1, -2)).tril()  # [B, H, t, s]
             carried = q.to(kv.dtype)  # the carried sums are read at their own precision
-            numerator = torch.einsum("bhts,bshd->bthd", weights, vs) + torch.einsum("bthf,bhfd->bthd", carried, kv)
-            denominator = weights.sum(-1).transpose(1, 2) + torch.einsum("bthf,bhf->bth", carried, k_sum)
+            numerator = weights @ vs + carried @ kv  # [B, H, t, D]
+            denominator = weights.sum(-1) + (carried @ k_sum[..., None])[..., 0]
             outputs.append(normalize(numerator, denominator, eps).to(v.dtype))
-            kv = kv + torch.einsum("bshf,bshd->bhfd", k, vs)
-            k_sum = k_sum + k.sum(1)
-    return torch.cat(outputs, 1), (kv, k_sum)
+            kv = kv + k.transpose(-1, -2) @ vs
+            k_sum = k_sum + k.sum(2)
+    return torch.cat(outputs, 2).transpose(1, 2), (kv, k_sum)

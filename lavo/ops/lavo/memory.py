@@ -12,13 +12,21 @@ import torch
 from ..common import accumulation_dtype, autocast_off, first_order_only
 
 
+def per_head_matmul(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    r"""``x [..., H, L, K] @ m [H, K, N]`` -> ``[..., H, L, N]``, as one product per head over every leading
+    index and row: a broadcast matmul copies ``m`` to each leading index and multiplies many small matrices."""
+    heads_first = x.movedim(-3, 0)
+    out = torch.bmm(heads_first.reshape(x.shape[-3], -1, x.shape[-1]), m)
+    return out.view(*heads_first.shape[:-1], m.shape[-1]).movedim(0, -3)
+
+
 def project(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     r"""Coordinates on the basis: ``x [..., H, L, D]``, ``basis [H, r, D]`` -> ``[..., H, L, r]``, computed in at
     least float32: the coordinates of 16-bit inputs are not rounded to 16 bits (what the Triton kernels, which
     accumulate their products in float32, compute too), autocast or not."""
     acc = accumulation_dtype(x.dtype)
     with torch.autocast(x.device.type, enabled=False):
-        return x.to(acc) @ basis.to(acc).transpose(-1, -2)
+        return per_head_matmul(x.to(acc), basis.to(acc).transpose(-1, -2))
 
 
 # Elements of [.., r] intermediates per step of the read (4 MiB in float32).
@@ -38,7 +46,7 @@ class _MemoryRead(torch.autograd.Function):
             c1 = min(q.shape[0], c0 + chunk)
             coef = _rows(coefficients, c0, c1)
             weights = (coef * scale * project(q[c0:c1], basis)).softmax(-1)
-            out[c0:c1] = ((weights * coef) @ basis.to(coef.dtype)).to(q.dtype)
+            out[c0:c1] = per_head_matmul(weights * coef, basis.to(coef.dtype)).to(q.dtype)
         ctx.save_for_backward(q, coefficients, basis)
         ctx.scale, ctx.chunk = scale, chunk
         return out
@@ -58,13 +66,13 @@ class _MemoryRead(torch.autograd.Function):
             c1 = min(q.shape[0], c0 + chunk)
             coef, grad = _rows(coefficients, c0, c1), grad_out[c0:c1].to(coefficients.dtype)
             q_acc = q[c0:c1].to(coefficients.dtype)
-            q_proj = q_acc @ basis_acc.transpose(-1, -2)
+            q_proj = per_head_matmul(q_acc, basis_acc.transpose(-1, -2))
             weights = (coef * scale * q_proj).softmax(-1)
-            grad_read = grad @ basis_acc.transpose(-1, -2)  # d/d(weights * coef)
+            grad_read = per_head_matmul(grad, basis_acc.transpose(-1, -2))  # d/d(weights * coef)
             grad_weights = grad_read * coef
             grad_logits = weights * (grad_weights - (grad_weights * weights).sum(-1, keepdim=True))
             grad_proj = grad_logits * coef * scale
-            grad_q[c0:c1] = (grad_proj @ basis_acc).to(q.dtype)
+            grad_q[c0:c1] = per_head_matmul(grad_proj, basis_acc).to(q.dtype)
             grad_coef = grad_read * weights + grad_logits * scale * q_proj
             if coefficients.shape[0] == 1:
                 grad_coefficients += grad_coef.sum_to_size(coefficients.shape)
