@@ -22,7 +22,11 @@ def decay_powers(log_a: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
 
 def s4d_kernel(log_a: torch.Tensor, c: torch.Tensor, length: int) -> torch.Tensor:
     """The convolution kernel ``K [C, L]`` (real) of the system ``(log_a, c)``, both ``[C, N]``."""
-    powers = decay_powers(log_a, torch.arange(length, device=log_a.device))
+    return kernel_from_powers(c, decay_powers(log_a, torch.arange(length, device=log_a.device)))
+
+
+def kernel_from_powers(c: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
+    """``K [C, L]`` from ``c [C, N]`` and the powers ``a^0 .. a^(L-1)`` of :func:`decay_powers`, ``[C, N, L]``."""
     return 2 * torch.einsum("cn,cnl->cl", c, powers).real
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ...cache import Cache
-from .kernel import decay_powers, s4d_kernel
+from .kernel import decay_powers, kernel_from_powers
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,16 @@ def s4d_scan(u: torch.Tensor, log_a: torch.Tensor, c: torch.Tensor, cache: S4DCa
     size = min(block, length)
     lag = torch.arange(size, device=u.device)
     lag = lag[:, None] - lag[None, :]
-    kernel = s4d_kernel(log_a, c, size)
+    powers = decay_powers(log_a, torch.arange(size + 1, device=u.device))  # [C, N, L + 1]: a^0 .. a^L, once
+    kernel = kernel_from_powers(c, powers[..., :size])
     toeplitz = kernel[:, lag.clamp(min=0)] * (lag >= 0)  # [C, L, L]: zero above the diagonal, exactly
     blocks = F.pad(u, (0, 0, 0, -length % size)).unflatten(1, (-1, size))  # [B, n, L, C]
     # What each whole block adds to the state, all blocks at once; only the carry between blocks is sequential.
-    within = decay_powers(log_a, torch.arange(size - 1, -1, -1, device=u.device))  # [C, N, L]
-    added = torch.einsum("bklc,cnl->bkcn", blocks.to(within.dtype), within)
+    # The input is real: a real product with the powers' real and imaginary parts, not a complex one with u + 0i.
+    within = torch.view_as_real(powers[..., :size].flip(-1))  # [C, N, L, 2]: a^(L-1) .. a^0
+    with torch.autocast(u.device.type, enabled=False):  # the system's precision (autocast leaves complex alone)
+        added = torch.einsum("bklc,cnlz->bkcnz", blocks.to(within.dtype), within)
+    added = torch.view_as_complex(added.contiguous())  # [B, n, C, N]
     block_decay = (log_a * size).exp()
     cache = S4DCache.empty(batch, *log_a.shape, dtype=log_a.dtype, device=u.device) if cache is None else cache
     entering, state = [], cache.state
@@ -67,7 +71,10 @@ def s4d_scan(u: torch.Tensor, log_a: torch.Tensor, c: torch.Tensor, cache: S4DCa
         state = state * block_decay + block_added
     if length % size:  # the last block is partial: its padding must not age the state
         state = advance(entering[-1], u[:, length - length % size:], log_a)
-    readout = c[..., None] * decay_powers(log_a, torch.arange(1, size + 1, device=u.device))  # [C, N, L]
-    from_state = 2 * torch.einsum("bkcn,cni->bkic", torch.stack(entering, 1), readout).real
+    readout = c[..., None] * powers[..., 1:]  # [C, N, L]: c a^(i+1)
+    # only the real part is kept: Re(x r) = x.re r.re - x.im r.im as one real product
+    readout = torch.stack([readout.real, -readout.imag], -1)
+    with torch.autocast(u.device.type, enabled=False):
+        from_state = 2 * torch.einsum("bkcnz,cniz->bkic", torch.view_as_real(torch.stack(entering, 1)), readout)
     y = torch.einsum("bkjc,cij->bkic", blocks, toeplitz) + from_state
     return y.flatten(1, 2)[:, :length].to(u.dtype), S4DCache(state, cache.position + length)
