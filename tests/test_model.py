@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from lavo.model import ModelConfig, build_model, count_parameters, model_config, sinusoidal_positions
+from lavo.model import (ModelConfig, add_positions, build_model, count_parameters, model_config,
+                        sinusoidal_positions)
 
 CASES = [("lavo", "none", {"window": 8}), ("lavo", "sinusoidal", {"window": 8, "basis": "learned"}),
          ("softmax", "rope", {}), ("softmax", "sinusoidal", {})]
@@ -49,6 +50,16 @@ def test_sinusoidal_positions_continue_in_the_cache():
     table = sinusoidal_positions(0, 10, 8)
     torch.testing.assert_close(sinusoidal_positions(4, 6, 8), table[4:])
     assert table[0, 1] == 1.0 and table[0, 0] == 0.0  # sin/cos interleaved
+
+
+def test_sinusoidal_positions_are_as_large_as_the_initial_token_embeddings():
+    """Amplitude 1 made them about 35 times the tokens (a small model stayed at the unigram loss)."""
+    model = small("softmax", "sinusoidal", {})
+    config = model.config
+    positions = add_positions(torch.zeros(1, 4096, config.dim), config)
+    tokens = model.embed.weight
+    assert positions.square().mean().sqrt().item() == pytest.approx(config.init_std, rel=0.01)
+    assert tokens.square().mean().sqrt().item() == pytest.approx(config.init_std, rel=0.05)
 
 
 def test_tied_embeddings_and_parameter_count():

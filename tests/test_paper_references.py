@@ -1,6 +1,6 @@
-"""Each baseline layer against its paper's equations, written out here one query (or one step) at a time on a
-fixed small input. Nothing is shared with the layer but its parameters, so an error in a helper the fast form
-and its in-package reference share still shows."""
+"""Each layer (LAVO's and the baselines') against its paper's equations, written out here one query (or one
+step) at a time on a fixed small input. Nothing is shared with the layer but its parameters, so an error in a
+helper the fast form and its in-package reference share still shows."""
 import math
 
 import pytest
@@ -74,14 +74,38 @@ def _window_keys(t, window):
     return range(max(0, (t // window - 1) * window), t + 1)
 
 
-def local_reference(layer, x):
-    q, k, v = _heads(layer, x)
-    out = torch.zeros(T, HEADS, D, dtype=x.dtype)
+def _local(layer, q, k, v):
+    """Sliding-window attention with the relative-position bias ``P[h, t - j]``, ``[T, H, D]``."""
+    out = torch.zeros(T, HEADS, D, dtype=q.dtype)
     for t in range(T):
         js = list(_window_keys(t, layer.window))
         for h in range(HEADS):
             scores = torch.stack([q[t, h] @ k[j, h] / math.sqrt(D) + layer.pos_bias[h, t - j] for j in js])
             out[t, h] = _softmax_read(scores, v[js, h])
+    return out
+
+
+def local_reference(layer, x):
+    return _output(layer, _local(layer, *_heads(layer, x)))
+
+
+def lavo_reference(layer, x):
+    """Zhang et al. 2023: ``o_t = (o_loc_t + o_glb_t) / 2``. The local branch as above. The memory compresses
+    features ``f_j`` (context dissection: the local outputs of the whole windows before ``t``'s; without it the
+    values ``v_j``, ``j <= t``) onto the basis rows ``b_i``: ``H_i = mean_j b_i . f_j``, slot ``i`` is ``H_i b_i``,
+    key and value both; ``o_glb_t = sum_i softmax_i(H_i b_i . q_t / sqrt(D)) H_i b_i`` (zero with no feature)."""
+    q, k, v = _heads(layer, x)
+    local = _local(layer, q, k, v)
+    features = local if layer.dissection else v
+    out = torch.zeros(T, HEADS, D, dtype=x.dtype)
+    for t in range(T):
+        js = range(t // layer.window * layer.window) if layer.dissection else range(t + 1)
+        for h in range(HEADS):
+            memory = torch.zeros(layer.rank, D, dtype=x.dtype)
+            if len(js):
+                for i, b in enumerate(layer.basis[h]):
+                    memory[i] = sum(b @ features[j, h] for j in js) / len(js) * b
+            out[t, h] = (local[t, h] + (_softmax_read(memory @ q[t, h] / math.sqrt(D), memory) if len(js) else 0)) / 2
     return _output(layer, out)
 
 
@@ -175,6 +199,8 @@ def s4d_reference(layer, x):
 REFERENCES = {
     "softmax": (dict(rotary=True), softmax_reference),
     "local": (dict(window=3), local_reference),
+    "lavo": (dict(window=3, rank=3), lavo_reference),
+    "lavo, no dissection": (dict(window=3, rank=3, dissection=False), lavo_reference),
     "abc": (dict(slots=3), abc_reference),
     "longshort": (dict(window=3, landmarks=2), longshort_reference),
     "performer": (dict(features=6), performer_reference),
@@ -186,7 +212,7 @@ REFERENCES = {
 @pytest.mark.parametrize("name", sorted(REFERENCES))
 def test_layer_matches_the_paper_written_out(name):
     options, reference = REFERENCES[name]
-    layer = _layer(name, **options)
+    layer = _layer(name.split(",")[0], **options)
     x = _input()
     with torch.no_grad():
         expected = reference(layer, x)
