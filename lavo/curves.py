@@ -20,8 +20,9 @@ X_FIELDS = {"tokens": "tokens", "step": "step", "time": "elapsed"}
 
 @dataclass
 class Curves:
-    """One run's record: ``steps`` are its training-step records (step, loss, lr, tokens, elapsed, ...; one each
-    ``train.log_interval`` steps) in order, ``valid`` its validation records (step, valid_loss)."""
+    """One run's record: ``steps`` are its training-step records (step, loss, tokens, elapsed, ...; one each
+    ``train.log_interval`` steps, and a call's last step) in order, ``valid`` its validation records (step,
+    valid_loss)."""
 
     name: str
     steps: list[dict]
@@ -63,7 +64,12 @@ def read_curves(run_dir: str | os.PathLike, name: str | None = None) -> Curves:
         except ValueError:
             if line_number < len(lines):  # only the last line can be one a killed process left half written
                 raise RunError(f"{path}, line {line_number}, is not a JSON record: the file is damaged") from None
-    steps = [r for r in records if "lr" in r and not r.get("final")]
+    # the logged steps, and a call's last step where its summary (final) goes past them: a call stopped by its time
+    # limit or an interruption ends between logged steps
+    steps = []
+    for record in records:
+        if ("lr" in record or record.get("final")) and record["step"] > (steps[-1]["step"] if steps else 0):
+            steps.append(record)
     valid = [r for r in records if "valid_loss" in r]
     if not steps:
         raise RunError(f"{path} holds no training step yet")
@@ -71,9 +77,12 @@ def read_curves(run_dir: str | os.PathLike, name: str | None = None) -> Curves:
 
 
 def run_names(run_dirs: Sequence[str | os.PathLike]) -> list[str]:
-    """Each run's folder name, or its path as given where two runs share a folder name."""
-    names = [Path(d).name for d in run_dirs]
-    return [name if names.count(name) == 1 else str(d) for name, d in zip(names, run_dirs)]
+    """Each run's folder name; its path as given where two runs share a folder name, numbered where two are
+    given alike."""
+    names = [Path(d).resolve().name for d in run_dirs]
+    names = [name if names.count(name) == 1 else str(d) for name, d in zip(names, run_dirs)]
+    return [name if names.count(name) == 1 else f"{name} #{names[:i].count(name) + 1}"
+            for i, name in enumerate(names)]
 
 
 def curves_table(curves: Sequence[Curves], smoothing: float) -> tuple[list[str], list[list[str]]]:
@@ -85,7 +94,8 @@ def curves_table(curves: Sequence[Curves], smoothing: float) -> tuple[list[str],
         last = c.steps[-1]
         trained = c.train_points("step", smoothing)
         valid = c.valid[-1]["valid_loss"] if c.valid else None
-        best = min(c.valid, key=lambda v: v["valid_loss"]) if c.valid else None
+        finite = [v for v in c.valid if math.isfinite(v["valid_loss"])]
+        best = min(finite, key=lambda v: v["valid_loss"]) if finite else None
         rows.append([c.name, last["step"], f"{last['tokens']:,}", f"{last['elapsed']:.0f}",
                      number(trained[-1][1] if trained else None, 4), number(valid, 4),
                      number(None if valid is None else math.exp(valid), 4),

@@ -256,7 +256,7 @@ class Trainer:
         torch.manual_seed(tc.seed)
         self.model = LanguageModel(self.model_config).to(device)
         self.model.set_activation_checkpointing(tc.activation_checkpointing)
-        # the fused step, one kernel over all parameters: on the GPU and on the CPU alike
+        # AdamW's fused step, on the GPU and on the CPU alike
         self.optimizer = torch.optim.AdamW(self.model.parameter_groups(tc.weight_decay, tc.lr), lr=tc.lr,
                                            betas=(tc.beta1, tc.beta2), fused=device.type in ("cuda", "cpu") or None)
         # float16 gradients underflow unless the loss is scaled up; a step with inf or NaN gradients is skipped

@@ -48,7 +48,8 @@ def test_validation_points_take_the_tokens_and_time_of_their_step(tmp_path):
 
 def test_summary_records_are_left_out_and_the_table_names_each_runs_last_and_best(tmp_path, capsys):
     first = write_metrics(tmp_path / "a" / "run", [
-        step(1, 4.0), {"step": 1, "valid_loss": 3.0}, step(2, 2.0), {"step": 2, "valid_loss": 3.5},
+        {"step": 1, "valid_loss": float("nan")}, step(1, 4.0), {"step": 1, "valid_loss": 3.0}, step(2, 2.0),
+        {"step": 2, "valid_loss": 3.5},
         {"final": True, "step": 2, "loss": 2.0, "tokens": 20, "elapsed": 1.0}])
     second = write_metrics(tmp_path / "b" / "run", [step(1, 6.0)])
     curves = show_curves([first, second], smoothing=0)
@@ -57,6 +58,24 @@ def test_summary_records_are_left_out_and_the_table_names_each_runs_last_and_bes
     rows = capsys.readouterr().out.splitlines()[2:]
     assert rows[0].split() == [str(first), "2", "20", "1", "2.000", "3.500", f"{math.exp(3.5):.2f}", "3.000", "(1)"]
     assert rows[1].split() == [str(second), "1", "10", "0", "6.000", "—", "—", "—"]
+
+
+def test_a_call_stopped_between_logged_steps_ends_at_its_last_step(tmp_path):
+    """A time limit or an interruption stops a call between logged steps: its summary carries the last one."""
+    final = {"final": True, "step": 23, "loss": 2.5, "tokens": 230, "elapsed": 11.5}
+    records = [step(10, 4.0), step(20, 3.0), final, {"step": 23, "valid_loss": float("nan")},
+               {"step": 10, "valid_loss": 3.9}]
+    curves = read_curves(write_metrics(tmp_path / "r", records))
+    assert [r["step"] for r in curves.steps] == [10, 20, 23]
+    assert curves.valid_points("tokens")[-1] == (100.0, 3.9)
+    only_final = read_curves(write_metrics(tmp_path / "s", [final]))
+    assert only_final.train_points("time", smoothing=0) == [(11.5, 2.5)]
+
+
+def test_runs_are_named_by_folder_and_told_apart(tmp_path, monkeypatch):
+    from lavo.curves import run_names
+    monkeypatch.chdir(tmp_path)
+    assert run_names([".", "a/run", "b/run", "c/x", "c/x"]) == [tmp_path.name, "a/run", "b/run", "c/x #1", "c/x #2"]
 
 
 def test_damaged_and_missing_records_are_named(tmp_path):

@@ -234,6 +234,25 @@ def test_inputs_of_two_dtypes_are_refused_by_name(name):
         OPS[name](q, k, v.bfloat16())
 
 
+def test_the_cached_ops_take_their_tensors_by_keyword():
+    q, k, v = _autocast_inputs()
+    out, _ = lavo_attention_cached(q=q, k=k, v=v, basis=BASIS, cache=LavoCache.empty(2, 2, 8, 6), window=4)
+    assert torch.equal(out, OPS["lavo cached"](q, k, v))
+    assert torch.equal(local_attention_chunk(q=q, k=k, v=v, start=3, window=4, pos_bias=torch.ones(2, 8)),
+                       OPS["local chunk"](q, k, v))
+
+
+def test_chunked_causal_ops_return_contiguous_outputs():
+    """Their chunks are computed head-major: the output is laid out [B, T, H, D] again, as callers may view it."""
+    from lavo.ops.cosformer import cosformer_attention_causal
+    from lavo.ops.performer import performer_attention_causal
+    q, k, v = (t.detach() for t in _autocast_inputs())
+    for out in (abc_attention(q, k, v, torch.ones(2, 5, 8))[0],
+                cosformer_attention_causal(q.relu(), k.relu(), v, max_length=32)[0],
+                performer_attention_causal(q, k, v, torch.randn(6, 8))[0]):
+        assert out.shape == q.shape and out.is_contiguous()
+
+
 def test_local_attention_chunk_names_inputs_that_do_not_fit():
     q = torch.randn(1, 3, 2, 4)
     for (k, v, key_mask), message in [

@@ -55,13 +55,14 @@ def autocast_off(method):
 
 
 def without_autocast(op):
-    """For an op made of torch operations whose first argument is a tensor: run it in its inputs' dtypes whatever
-    the caller's autocast, as the ops' autograd Functions run (:func:`autocast_off`), so that it computes what they
+    """For an op made of torch operations on tensors of one device: run it in its inputs' dtypes whatever the
+    caller's autocast, as the ops' autograd Functions run (:func:`autocast_off`), so that it computes what they
     compute (a cached continuation what one call gives)."""
     @functools.wraps(op)
-    def run(first, *args, **kwargs):
-        with torch.autocast(first.device.type, enabled=False):
-            return op(first, *args, **kwargs)
+    def run(*args, **kwargs):
+        device = next(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)).device
+        with torch.autocast(device.type, enabled=False):
+            return op(*args, **kwargs)
     return run
 
 

@@ -149,7 +149,7 @@ def _abc_attention(q, k, v, control, causal, padding_mask, cache, scale, chunk):
         for pieces in zip(*(x.split(chunk, 2) for x in heads_first), real.split(chunk, 1)):
             out, cache = _causal_chunk(*pieces, cache, scale)
             outputs.append(out)
-        out = torch.cat(outputs, 2).transpose(1, 2)
+        out = torch.cat(outputs, 2).transpose(1, 2).contiguous()
     else:
         out = _read(q, *_whole_memory(k, v, logits, real), scale)
     return (out * real[:, :, None, None]).to(out_dtype), cache if causal else None

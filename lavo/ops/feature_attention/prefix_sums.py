@@ -80,4 +80,4 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
             outputs.append(normalize(numerator, denominator, eps).to(v.dtype))
             kv = kv + k.transpose(-1, -2) @ vs
             k_sum = k_sum + k.sum(2)
-    return torch.cat(outputs, 2).transpose(1, 2), (kv, k_sum)
+    return torch.cat(outputs, 2).transpose(1, 2).contiguous(), (kv, k_sum)

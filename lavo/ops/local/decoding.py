@@ -50,7 +50,8 @@ def local_attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         ``[B, Tq, H, D]``; costs ``O(Tq Tk D)``, so keep ``Tk`` near ``2w``.
     """
     check_matching(q=q, k=k, v=v, same_length=False)
-    check_matching(k=k, v=v)
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match")
     B, Tq, H, D = q.shape
     Tk = k.shape[1]
     if Tk < Tq:
