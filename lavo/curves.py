@@ -88,7 +88,8 @@ def run_names(run_dirs: Sequence[str | os.PathLike]) -> list[str]:
 def curves_table(curves: Sequence[Curves], smoothing: float) -> tuple[list[str], list[list[str]]]:
     """Header and rows: each run's steps, tokens and time, its last smoothed training loss, and its last and
     best validation loss."""
-    header = ["run", "steps", "tokens", "time (s)", "train loss", "valid loss", "valid ppl", "best valid (step)"]
+    header = ["run", "steps", "tokens", "time (s)", "smoothed train loss", "valid loss", "valid ppl",
+              "best valid (step)"]
     rows = []
     for c in curves:
         last = c.steps[-1]

@@ -117,8 +117,10 @@ def panel_plot(panels: dict[str, dict[str, Sequence[tuple[float, float]]]], path
         return None
     labels = list(dict.fromkeys(label for lines in drawable.values() for label in lines))
     colours = dict(zip(labels, plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(labels)))
+    columns = min(columns, len(drawable))  # no empty columns beside fewer panels
     rows = -(-len(drawable) // columns)
-    figure, grid = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.2 * rows + 0.6), sharex=True,
+    # at least two panels wide: the title and the legend share the top line
+    figure, grid = plt.subplots(rows, columns, figsize=(max(2.6 * columns, 5.2), 2.2 * rows + 0.6), sharex=True,
                                 sharey=True, squeeze=False)
     for axes, (name, lines) in zip(grid.flat, drawable.items()):
         for label, points in lines.items():
