@@ -110,8 +110,8 @@ def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     far = torch.einsum("bhnwd,bhmd->bhnwm", queries, keys)
     far = far.masked_fill(~seen.repeat_interleave(projection.shape[2], -1)[:, None, :, None, :], neg_inf(far.dtype))
 
-    weights = torch.cat([local, far], -1).softmax(-1)
-    K = local.shape[-1]
-    out = weights[..., :K] @ local_values + torch.einsum("bhnwm,bhmd->bhnwd", weights[..., K:], values)
+    # split(), not two slices: each slice's backward fills a zero tensor as large as all the weights
+    near_weights, far_weights = torch.cat([local, far], -1).softmax(-1).split([local.shape[-1], far.shape[-1]], -1)
+    out = near_weights @ local_values + torch.einsum("bhnwm,bhmd->bhnwd", far_weights, values)
     out = rearrange(out, "b h n w d -> b (n w) h d")[:, :T]
     return out * real[:, :, None, None].to(out.dtype)

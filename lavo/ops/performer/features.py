@@ -94,8 +94,9 @@ def performer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"cache key_max must have shape [B, H] = {tuple(cache.k_sum.shape[:2])}, "
                          f"got {tuple(cache.key_max.shape)}")
     length = k.shape[1]
-    chunk_max = F.pad(exponents, (0, 0, 0, 0, 0, -length % chunk), value=-math.inf).unflatten(1, (-1, chunk))
-    chunk_max = chunk_max.amax((2, 4)).detach()  # [B, n, H]
+    # each position's largest exponent first: padding [B, T, H] to whole chunks, not a copy of every exponent
+    chunk_max = F.pad(exponents.detach().amax(3), (0, 0, 0, -length % chunk), value=-math.inf)
+    chunk_max = chunk_max.unflatten(1, (-1, chunk)).amax(2)  # [B, n, H]
     key_max = torch.maximum(chunk_max.cummax(1).values, cache.key_max[:, None])
     previous = torch.cat([cache.key_max[:, None], key_max[:, :-1]], 1)
     k_feat = torch.exp(exponents - key_max.repeat_interleave(chunk, 1)[:, :length, :, None])
