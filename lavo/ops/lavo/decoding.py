@@ -5,7 +5,7 @@ import torch
 
 from ...cache import PAPER_MEMORY, LavoCache
 from ..common import constant_scale, without_autocast, zero_padding
-from ..local.decoding import keep_visible, local_attention_chunk
+from ..local.decoding import chunk_attention, keep_visible
 from .blocked import check_inputs, check_read_scale, scaled_queries
 from .memory import memory_read, project
 from .variants import (SlotState, check_variant, empty_state, head_shift, is_variant, merge, read_variant, summarise,
@@ -53,8 +53,8 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
         piece = slice(begin, end)
         keys, values = torch.cat([keys, k[:, piece]], 1), torch.cat([values, v[:, piece]], 1)
         key_mask = torch.cat([key_mask, real[:, piece]], 1)
-        local = local_attention_chunk(q[:, piece], keys, values, start=position, window=window, pos_bias=pos_bias,
-                                      key_mask=key_mask, scale=scale)
+        local = chunk_attention(q[:, piece], keys, values, start=position, window=window, pos_bias=pos_bias,
+                                key_mask=key_mask, scale=scale)
         queries = scaled_queries(q[:, piece].transpose(1, 2), read_scale)  # [B, H, L, D]
         read = state.step(queries, v[:, piece], local, real[:, piece], position % window)
         outputs.append((local + read) / 2 * real[:, piece, None, None].to(q.dtype))

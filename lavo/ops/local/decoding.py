@@ -58,8 +58,16 @@ def local_attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         raise ValueError(f"k and v hold {Tk} positions, fewer than the {Tq} queries: they end with the queries' "
                          "positions and hold at least those")
     check_padding_mask(key_mask, B, Tk, "key_mask")
-    scale = query_scale(scale, D)
     k, v = zero_padding(key_mask, k, v)
+    return chunk_attention(q, k, v, start=start, window=window, pos_bias=pos_bias, key_mask=key_mask,
+                           scale=query_scale(scale, D))
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int, window: int,
+                    pos_bias: torch.Tensor | None, key_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """:func:`local_attention_chunk` after its checks, for callers whose inputs are checked, whose padded keys
+    are zeros and whose autocast is off already (LAVO's cached op, a piece at a time)."""
+    Tq, Tk = q.shape[1], k.shape[1]
     q_pos = torch.arange(start, start + Tq, device=q.device)
     k_pos = torch.arange(start + Tq - Tk, start + Tq, device=q.device)
     offset = q_pos[:, None] - k_pos[None, :]
