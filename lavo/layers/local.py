@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache
-from ..ops.common import check_backend, check_window, pos_bias_size, zero_padded_queries
+from ..ops.common import check_backend, check_window, pos_bias_size, zero_padding
 from ..ops.local import local_attention, local_attention_chunk, visible_keys, visible_length
 from .base import AttentionLayer, add_initialised
 
@@ -56,7 +56,7 @@ class LocalAttention(AttentionLayer):
                              "window; continue with the cache this layer returned")
         cache = cache.append(k, v, padding_mask)
         out = local_attention_chunk(q, cache.keys, cache.values, start=start, key_mask=cache.key_mask, **options)
-        return zero_padded_queries(out, padding_mask), cache.keep_last(visible_length(cache.position, self.window))
+        return zero_padding(padding_mask, out)[0], cache.keep_last(visible_length(cache.position, self.window))
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> KVCache:
         return KVCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype)

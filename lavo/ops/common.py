@@ -85,12 +85,6 @@ def first_order_only(op: str, reference: str):
     return wrap
 
 
-def zero_padded_queries(out: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
-    """``out [B, T, H, D]`` with zeros at padded queries (``padding_mask [B, T]``, True = real), whatever the op
-    computed there. A product with the mask (the layers' :func:`~lavo.layers.base.zero_padded` fills instead)."""
-    return out if padding_mask is None else out * padding_mask[:, :, None, None].to(out.dtype)
-
-
 def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Sums of the entries strictly before each position along ``dim`` (at least one entry long): the running sum
     shifted by one, so that an entry never enters its own sum (taking it out again would lose the sum before a
@@ -101,8 +95,8 @@ def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def zero_padding(padding_mask: torch.Tensor | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``tensors [B, T, ...]`` with zeros at the padded positions of ``padding_mask [B, T]`` (True = real),
-    whatever was there: an inf or NaN at a padded position would otherwise reach real outputs through its
-    product with a zero weight."""
+    whatever was there: an op's inputs, since an inf or NaN at a padded position would otherwise reach real
+    outputs through its product with a zero weight, and its outputs, whatever it computed at padded queries."""
     if padding_mask is None:
         return tensors
     return tuple(torch.where(padding_mask.view(*padding_mask.shape, *[1] * (t.dim() - 2)), t, 0) for t in tensors)

@@ -6,7 +6,7 @@ import torch
 
 from ...cache import PAPER_MEMORY, LavoCache
 from ..common import (accumulation_dtype, check_basis, check_pos_bias, check_window_inputs, constant_scale,
-                      exclusive_cumsum, uses_triton, zero_padded_queries, zero_padding)
+                      exclusive_cumsum, uses_triton, zero_padding)
 from ..local.blocked import blocked_local_attention, from_blocks, real_tokens, to_blocks
 from ..local.decoding import visible_keys
 from .memory import memory_read, project
@@ -114,7 +114,7 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         read, block_sum = _memory_branch(qr, local if dissection else vb, counts, basis, scale, causal, dissection,
                                          all_counts_one)
     out = from_blocks(read.add_(local).mul_(0.5), T)  # the read-out is not kept for backward: reuse it
-    out = zero_padded_queries(out, padding_mask)
+    (out,) = zero_padding(padding_mask, out)
     if not return_cache:
         return out
     if variant:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import accumulation_dtype, exclusive_cumsum, zero_padded_queries
+from ..common import accumulation_dtype, exclusive_cumsum, zero_padding
 from ..local.kernels import window_attention
 from .blocked import cache_after
 from .kernels import read_memory
@@ -67,7 +67,7 @@ def lavo_attention_triton(q, k, v, basis, *, window, causal, pos_bias, dissectio
         window_proj = sums @ basis.to(sums.dtype).transpose(-1, -2)  # [B, H, n, r]: projection is linear
         coefficients, group = _coefficients(q, v, basis, window_proj, counts, padding_mask, window, causal,
                                             dissection)
-    out = zero_padded_queries((local + read_memory(q, coefficients, basis, scale, group)) * 0.5, padding_mask)
+    (out,) = zero_padding(padding_mask, (local + read_memory(q, coefficients, basis, scale, group)) * 0.5)
     if not return_cache:
         return out
     return out, cache_after(k, v, padding_mask, window_proj, counts, window, dissection)

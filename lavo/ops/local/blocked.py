@@ -12,7 +12,7 @@ import torch
 from einops import rearrange
 
 from ..common import (autocast_off, check_pos_bias, check_window_inputs, constant_scale, first_order_only,
-                      neg_inf, uses_triton, zero_padded_queries, zero_padding)
+                      neg_inf, uses_triton, zero_padding)
 
 
 # Elements of scores computed at once: 4 MiB in float32, about what stays in cache.
@@ -229,5 +229,5 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
                                       real_tokens(padding_mask, B, T, window, q.device), causal=causal,
                                       pos_bias=pos_bias, scale=scale)
         out = from_blocks(out, T)
-    return zero_padded_queries(out, padding_mask)
+    return zero_padding(padding_mask, out)[0]
 
