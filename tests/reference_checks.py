@@ -65,14 +65,21 @@ def assert_compiled_matches_eager(module, x, call, *, name, **tolerance):
         torch.testing.assert_close(got, want, **tolerance, msg=lambda m: f"{name} {what}: {m}")
 
 
+def zeros_and_garbage_at_padding(mask, q, k, v):
+    """Two copies of ``q, k, v [B, T, H, D]`` (detached): with zeros at the positions ``mask [B, T]`` pads, and
+    with inf, NaN and -inf there."""
+    keep = mask[:, :, None, None]
+    zeros = [torch.where(keep, t, 0).detach() for t in (q, k, v)]
+    garbage = [torch.where(keep, t, bad).detach()
+               for t, bad in zip((q, k, v), (float("inf"), float("nan"), -float("inf")))]
+    return zeros, garbage
+
+
 def assert_padding_reaches_no_output(op, q, k, v, mask, *, queries_masked=True):
     """``op(q, k, v)`` with inf, NaN and -inf at the positions ``mask [B, T]`` pads (in ``q`` only when
     ``queries_masked``: ops whose mask is over the keys take every query as real) gives the outputs and gradients
     of the same inputs with zeros there, bit for bit, and no gradient at padded positions."""
-    keep = mask[:, :, None, None]
-    zeros = [torch.where(keep, t, 0).detach().requires_grad_() for t in (q, k, v)]
-    garbage = [torch.where(keep, t, bad).detach().requires_grad_()
-               for t, bad in zip((q, k, v), (float("inf"), float("nan"), -float("inf")))]
+    zeros, garbage = ([t.requires_grad_() for t in copies] for copies in zeros_and_garbage_at_padding(mask, q, k, v))
     if not queries_masked:
         zeros[0] = garbage[0] = q
     results = []

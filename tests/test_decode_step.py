@@ -3,7 +3,7 @@ latter in Triton's CPU interpreter without a GPU) against the cached op and the 
 layer and model on that cache, and generation's CUDA-graph decoder (its fallback and its step without capture)."""
 import pytest
 import torch
-from reference_checks import needs_triton, random_inputs, recording_launching_on
+from reference_checks import needs_triton, random_inputs, recording_launching_on, zeros_and_garbage_at_padding
 
 from lavo import LavoAttention, build_attention
 from lavo.cache import LavoCache, LavoStepCache
@@ -70,9 +70,7 @@ def test_step_matches_the_cached_op(context, steps, window, D, rank, dissection,
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_whatever_stands_at_padded_steps_reaches_no_output(backend):
     q, k, v, basis, pos_bias, mask = _inputs(0, 13, 4, 60, 12, True)
-    keep = mask[:, :, None, None]
-    zeros = [torch.where(keep, t, 0) for t in (q, k, v)]
-    garbage = [torch.where(keep, t, bad) for t, bad in zip((q, k, v), (float("inf"), float("nan"), -float("inf")))]
+    zeros, garbage = zeros_and_garbage_at_padding(mask, q, k, v)
     results = [_decode(*inputs, basis, LavoStepCache.from_cache(LavoCache.empty(2, 3, 60, 12, device=DEVICE), 4),
                        0, backend, mask, pos_bias=pos_bias) for inputs in (zeros, garbage)]
     (clean, clean_cache), (out, cache) = results
