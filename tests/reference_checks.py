@@ -1,11 +1,14 @@
-"""The random inputs of the op tests, comparing a fast form with its reference on outputs and gradients, the mark
-of tests that need the Triton kernels, and recorders of launches, checkpoints and forward calls."""
+"""The random inputs of the op tests, registered layers with no zero weights, comparing a fast form with its
+reference on outputs and gradients, the mark of tests that need the Triton kernels, and recorders of launches,
+checkpoints and forward calls."""
 import contextlib
 
 import pytest
 import torch
 
+from lavo import build_attention
 from lavo.ops import orthogonal_basis
+from lavo.registry import attention_class
 from lavo.ops.common import TRITON_AVAILABLE
 
 # Tests that launch, patch or collect the Triton kernels: they need a Triton the kernels build with.
@@ -113,6 +116,30 @@ def random_inputs(T, window, D, rank, causal, bias, padding, B=2, H=3, seed=0):
         mask[1, T - T // 5:] = False  # right end
         mask[1, 0] = T == 1 or bool(mask[1, 0])  # keep at least one real token in T = 1
     return q, k, v, basis, pos_bias, mask
+
+
+def without_zero_weights(layer):
+    """``layer`` with its all-zero parameters drawn at random: zeros (initial biases) would hide a leak or a wrong
+    gradient through them."""
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.5)
+    return layer
+
+
+def registered_layer(name, dim, heads, *, causal, window):
+    """The registered attention ``name`` (seed 0, ``window`` where it takes one) without zero weights; a test of a
+    mechanism that has no such form (``"... has no ..."``) is skipped."""
+    torch.manual_seed(0)
+    options = {"window": window} if "window" in attention_class(name).option_names() else {}
+    try:
+        layer = build_attention(name, dim, heads, causal=causal, **options)
+    except ValueError as error:
+        if "has no" in str(error):
+            pytest.skip(str(error))
+        raise
+    return without_zero_weights(layer)
 
 
 def recording_launching_on(devices: list):

@@ -6,34 +6,13 @@ compiles forward and backward and compares every gradient, in float32 as models 
 """
 import pytest
 import torch
-from reference_checks import assert_compiled_matches_eager
+from reference_checks import assert_compiled_matches_eager, registered_layer, without_zero_weights
 
-from lavo import available_attentions, build_attention
+from lavo import available_attentions
 from lavo.registry import CROSS_ATTENTIONS, build_cross_attention
 
 DIM, HEADS, T, WINDOW = 32, 2, 37, 8
 TOLERANCE = dict(atol=1e-5, rtol=1e-4)
-
-
-def _layer(name, causal):
-    torch.manual_seed(0)
-    options = {"window": WINDOW} if name in ("lavo", "local", "longshort") else {}
-    try:
-        layer = build_attention(name, DIM, HEADS, causal=causal, **options)
-    except ValueError as error:
-        if "has no" in str(error):
-            pytest.skip(str(error))
-        raise
-    return _nonzero(layer)
-
-
-def _nonzero(layer):
-    """``layer`` with its all-zero parameters drawn at random: zeros would hide a wrong gradient through them."""
-    with torch.no_grad():
-        for p in layer.parameters():
-            if p.abs().sum() == 0:
-                p.normal_(0, 0.5)
-    return layer
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -44,7 +23,7 @@ def test_compiled_layer_matches_eager(name, causal, request):
         # compile it, the versions between are not known
         request.applymarker(pytest.mark.xfail(reason="Inductor of torch 2.11 fails on the two-kernel FFT "
                                                      "convolution's backward"))
-    layer = _layer(name, causal)
+    layer = registered_layer(name, DIM, HEADS, causal=causal, window=WINDOW)
     x = torch.randn(2, T, DIM)
     mask = torch.ones(2, T, dtype=torch.bool)
     mask[1, :5] = False
@@ -54,7 +33,7 @@ def test_compiled_layer_matches_eager(name, causal, request):
 @pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))
 def test_compiled_cross_attention_matches_eager(name):
     torch.manual_seed(0)
-    layer = _nonzero(build_cross_attention(name, DIM, HEADS))
+    layer = without_zero_weights(build_cross_attention(name, DIM, HEADS))
     source = torch.randn(2, 19, DIM)
     mask = torch.ones(2, 19, dtype=torch.bool)
     mask[1, :3] = False

@@ -4,6 +4,7 @@ import contextlib
 
 import pytest
 import torch
+from reference_checks import registered_layer
 
 from lavo import available_attentions, build_attention
 from lavo.registry import attention_class
@@ -13,20 +14,7 @@ WINDOW = 8  # T spans five windows: the windowed mechanisms cross boundaries, LA
 
 
 def _build(name, causal):
-    torch.manual_seed(0)
-    options = {"window": WINDOW} if "window" in attention_class(name).option_names() else {}
-    try:
-        layer = build_attention(name, DIM, HEADS, causal=causal, **options)
-    except ValueError as error:
-        if "has no" in str(error):
-            pytest.skip(str(error))
-        raise
-    # Non-zero everywhere: zero-initialised biases would hide a leak through them.
-    with torch.no_grad():
-        for p in layer.parameters():
-            if p.abs().sum() == 0:
-                p.normal_(0, 0.5)
-    return layer.double()
+    return registered_layer(name, DIM, HEADS, causal=causal, window=WINDOW).double()
 
 
 @pytest.mark.parametrize("name", available_attentions())
