@@ -7,7 +7,7 @@ import torch
 
 from lavo import LavoAttention, LavoCache, LavoCrossAttention, build_attention
 from lavo.layers.orthonormal import register_orthonormal
-from lavo.ops import lavo_attention, lavo_attention_naive, orthogonal_basis
+from lavo.ops import code_cross_attention, lavo_attention, lavo_attention_naive, orthogonal_basis
 
 
 def _layer(dim=32, heads=4, **options):
@@ -250,6 +250,17 @@ ERRORS = [
      r"a cache exists only for causal attention"),
     (lambda: LavoCrossAttention(32, 4)(torch.randn(2, 3, 32), torch.randn(2, 5, 32), torch.ones(2, 3).bool()),
      r"source_padding_mask must have shape \[B, T\] = \(2, 5\), got \(2, 3\)"),
+    # a float head count (einops then caches its pattern with h=2.0, failing later layers too), a switch or a
+    # window given as a string or a bool, and a basis of no slots
+    (lambda: build_attention("softmax", 16, 2.0), r"^dim and heads must be positive integers, got dim=16, heads=2.0$"),
+    (lambda: LavoCrossAttention(16.0, 2), r"^dim and heads must be positive integers, got dim=16.0, heads=2$"),
+    (lambda: build_attention("lavo", 16, 2, causal="false"), r"^LavoAttention causal must be True or False, got "
+                                                              r"'false'$"),
+    (lambda: LavoAttention(32, 4, window=True), r"^window must be a positive integer, got True$"),
+    (lambda: lavo_attention(*torch.randn(3, 1, 4, 2, 8), orthogonal_basis(2, 4, 8)[:, :0], window=2),
+     r"^basis has shape \(2, 0, 8\), rank 0: the memory needs at least one slot$"),
+    (lambda: code_cross_attention(torch.randn(1, 4, 2, 8), torch.randn(1, 3, 2, 8), orthogonal_basis(2, 4, 8)[:, :0]),
+     r"^basis has shape \(2, 0, 8\), rank 0: the memory needs at least one slot$"),
 ]
 
 

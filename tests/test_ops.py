@@ -264,6 +264,15 @@ def test_local_attention_chunk_names_inputs_that_do_not_fit():
                                                         r"\(1, 2\)")]:
         with pytest.raises(ValueError, match=f"^{message}"):
             local_attention_chunk(q, k, v, start=0, window=4, key_mask=key_mask)
+    # was: a ZeroDivisionError, an IndexError, and a non-causal table taken silently
+    for window, pos_bias, message in [
+            (0, None, r"window must be a positive integer, got 0"),
+            (3, torch.randn(2, 3), r"pos_bias must have shape \[H, 2w\] = \(2, 6\) for causal=True, window=3; got "
+                                   r"\(2, 3\)"),
+            (3, torch.randn(2, 11), r"pos_bias must have shape \[H, 2w\] = \(2, 6\) for causal=True, window=3; "
+                                    r"got \(2, 11\)")]:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            local_attention_chunk(q, q, q, start=0, window=window, pos_bias=pos_bias)
 
 
 @pytest.mark.parametrize("name", ["lavo", "lavo non-causal", "local", "longshort"])

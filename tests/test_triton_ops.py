@@ -283,7 +283,7 @@ def test_an_older_gpu_keeps_auto_on_torch_and_is_named_when_triton_is_asked_for(
 
     from lavo.ops import common
     monkeypatch.setattr(common, "TRITON_AVAILABLE", True)
-    cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)  # all that the choice reads of a tensor
+    cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 4, 1, 128))  # all the choice reads
     monkeypatch.setattr(common, "capability", lambda q: (8, 0))
     assert uses_triton("auto", cuda_like)
     monkeypatch.setattr(common, "capability", lambda q: (7, 5))
@@ -291,6 +291,20 @@ def test_an_older_gpu_keeps_auto_on_torch_and_is_named_when_triton_is_asked_for(
     with pytest.raises(ValueError, match=r"^backend='triton' needs a GPU of compute capability 8\.0 or later "
                                          r"\(NVIDIA Ampere\), this one has 7\.5; backend='torch' runs on it$"):
         uses_triton("triton", cuda_like)
+
+
+def test_heads_wider_than_the_kernels_tiles_keep_auto_on_torch_and_are_refused_by_triton(monkeypatch):
+    from types import SimpleNamespace
+
+    from lavo.ops import common
+    monkeypatch.setattr(common, "TRITON_AVAILABLE", True)
+    monkeypatch.setattr(common, "capability", lambda q: (9, 0))
+    wide = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 4, 1, 129), requires_grad=False)
+    assert not uses_triton("auto", wide)
+    with pytest.raises(ValueError, match=r"^backend='triton' takes heads of at most 128 features \(the kernels' "
+                                         r"tiles\), got 129; backend='torch' \(or 'auto', which takes it then\) "
+                                         r"runs any$"):
+        uses_triton("triton", wide)
 
 
 def test_a_gpu_with_less_shared_memory_than_an_a100_is_told_apart(monkeypatch):
@@ -418,7 +432,7 @@ def test_deterministic_algorithms_keep_auto_on_torch_and_triton_says_why(monkeyp
     from lavo.ops import common
     monkeypatch.setattr(common, "TRITON_AVAILABLE", True)
     monkeypatch.setattr(common, "capability", lambda q: (9, 0))
-    cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, requires_grad=True)
+    cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 4, 1, 8), requires_grad=True)
     message = (r"^backend='triton' adds the position-bias and basis gradients with atomic adds, whose order is not "
                r"deterministic, and torch\.use_deterministic_algorithms\(True\) is set: backend='torch' \(or 'auto', "
                r"which takes it then\) is deterministic$")
@@ -430,7 +444,7 @@ def test_deterministic_algorithms_keep_auto_on_torch_and_triton_says_why(monkeyp
             uses_triton("triton", cuda_like)
         with torch.no_grad():  # the forward kernels are deterministic
             assert uses_triton("auto", cuda_like) and uses_triton("triton", cuda_like)
-        frozen = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, requires_grad=False)  # no backward follows
+        frozen = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 4, 1, 8), requires_grad=False)  # no backward
         assert uses_triton("auto", frozen) and uses_triton("triton", frozen)
         torch.use_deterministic_algorithms(True, warn_only=True)
         with pytest.warns(UserWarning, match=message):

@@ -19,13 +19,13 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..cache import Cache
-from ..ops.common import check_padding_mask, dtypes_may_differ
+from ..ops.common import check_padding_mask, dtypes_may_differ, positive_int
 
 
 def check_heads(dim: int, heads: int) -> int:
     """Validate the head split and return the head dimension."""
-    if heads < 1 or dim < 1:
-        raise ValueError(f"dim and heads must be positive, got dim={dim}, heads={heads}")
+    if not (positive_int(dim) and positive_int(heads)):
+        raise ValueError(f"dim and heads must be positive integers, got dim={dim!r}, heads={heads!r}")
     if dim % heads:
         raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
     return dim // heads
@@ -153,6 +153,8 @@ class Mechanism(nn.Module):
     def __init__(self, dim: int, heads: int, *, causal: bool = True):
         super().__init__()
         name = type(self).__name__
+        if not isinstance(causal, bool):  # "false" would build a causal layer
+            raise ValueError(f"{name} causal must be True or False, got {causal!r}")
         if causal and not self.supports_causal:
             raise ValueError(f"{name} has no causal form; build it with causal=False")
         if not causal and not self.supports_noncausal:

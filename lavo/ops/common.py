@@ -109,15 +109,20 @@ def normalize(numerator: torch.Tensor, weight_sum: torch.Tensor, eps: float) -> 
     return numerator / torch.where(weight_sum > 0, weight_sum.clamp(min=eps), 1)[..., None]
 
 
+def positive_int(value) -> bool:
+    """Whether ``value`` is a Python int of at least 1; not a bool (``True`` would count as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def check_positive(owner: str, **options: int) -> None:
     """Raise naming ``owner`` and the option unless every option is a positive integer."""
     for name, value in options.items():
-        if not isinstance(value, int) or value < 1:
+        if not positive_int(value):
             raise ValueError(f"{owner} {name} must be a positive integer, got {value!r}")
 
 
 def check_window(window: int) -> None:
-    if not isinstance(window, int) or window < 1:
+    if not positive_int(window):
         raise ValueError(f"window must be a positive integer, got {window!r}")
 
 
@@ -171,6 +176,8 @@ def check_basis(basis: torch.Tensor, heads: int, head_dim: int) -> None:
         raise ValueError(f"basis must have shape [H, r, D] with H={heads}, D={head_dim}, got {tuple(basis.shape)}")
     if basis.shape[1] > head_dim:
         raise ValueError(f"rank ({basis.shape[1]}) must be <= head_dim ({head_dim})")
+    if basis.shape[1] == 0:
+        raise ValueError(f"basis has shape {tuple(basis.shape)}, rank 0: the memory needs at least one slot")
 
 
 def check_window_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
@@ -201,6 +208,9 @@ def constant_scale(scale: float | None, head_dim: int) -> float:
 BACKENDS = ("auto", "triton", "torch")
 # Input dtypes the Triton kernels take (they accumulate in float32, so float64 stays on the torch path).
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The widest head the kernels' tiles are sized for: at D = 256 the memory read needs up to 410 KB of shared memory
+# and the float32 window kernels more than an A100 has (tests/compile_kernels.py), so wider heads stay on torch.
+TRITON_MAX_HEAD_DIM = 128
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -303,7 +313,7 @@ def _deterministic_backward(q: torch.Tensor) -> bool:
 def uses_triton(backend: str, q: torch.Tensor) -> bool:
     r"""Whether an op with ``backend`` (``"auto"``, ``"triton"`` or ``"torch"``) runs its Triton kernels on ``q``.
 
-    ``auto`` takes them for CUDA tensors of a dtype they handle, on a GPU of compute capability 8.0 or later, when
+    ``auto`` takes them for CUDA tensors of a dtype they handle with heads of at most 128 features, on a GPU of compute capability 8.0 or later, when
     Triton 3.3 or later is installed, the torch path otherwise; ``triton`` insists, and says why it cannot where it
     cannot. Under ``torch.use_deterministic_algorithms(True)``, for a ``q`` that requires a gradient with grad
     mode on, ``auto`` takes the torch path and ``triton`` raises (warns, with ``warn_only=True``): the kernels'
@@ -314,7 +324,7 @@ def uses_triton(backend: str, q: torch.Tensor) -> bool:
         return False
     if backend == "auto":
         return (q.is_cuda and q.dtype in TRITON_DTYPES and TRITON_AVAILABLE and capability(q) >= MIN_CAPABILITY
-                and not _deterministic_backward(q))
+                and q.shape[-1] <= TRITON_MAX_HEAD_DIM and not _deterministic_backward(q))
     if TRITON_VERSION is None:
         raise ValueError("backend='triton' needs the triton package (pip install 'lavo[gpu]')")
     if not TRITON_AVAILABLE:
@@ -334,6 +344,9 @@ def uses_triton(backend: str, q: torch.Tensor) -> bool:
                          f"(NVIDIA Ampere), this one has {major}.{minor}; backend='torch' runs on it")
     if q.dtype not in TRITON_DTYPES:
         raise ValueError(f"backend='triton' takes float16, bfloat16 or float32 inputs, got {q.dtype}")
+    if q.shape[-1] > TRITON_MAX_HEAD_DIM:
+        raise ValueError(f"backend='triton' takes heads of at most {TRITON_MAX_HEAD_DIM} features (the kernels' "
+                         f"tiles), got {q.shape[-1]}; backend='torch' (or 'auto', which takes it then) runs any")
     if q.is_cuda and _deterministic_backward(q):
         message = ("backend='triton' adds the position-bias and basis gradients with atomic adds, whose order is "
                    "not deterministic, and torch.use_deterministic_algorithms(True) is set: backend='torch' (or "

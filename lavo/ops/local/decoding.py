@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common import (check_matching, check_padding_mask, neg_inf, query_scale, without_autocast,
-                      zero_padding)
+from ..common import (check_matching, check_padding_mask, check_pos_bias, check_window, neg_inf, query_scale,
+                      without_autocast, zero_padding)
 
 
 def keep_visible(position: int, window: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -49,7 +49,9 @@ def local_attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     Returns:
         ``[B, Tq, H, D]``; costs ``O(Tq Tk D)``, so keep ``Tk`` near ``2w``.
     """
+    check_window(window)
     check_matching(q=q, k=k, v=v, same_length=False)
+    check_pos_bias(pos_bias, q.shape[2], window, causal=True)
     if v.shape != k.shape:
         raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match")
     B, Tq, H, D = q.shape
