@@ -91,8 +91,11 @@ def test_errors_name_the_problem():
     _, cache = layer(torch.randn(2, 8, 16))
     with pytest.raises(ValueError, match="reached position 11 but was built with max_length=10"):
         layer(torch.randn(2, 4, 16), cache=cache)
-    with pytest.raises(ValueError, match=r"cache sums must have shapes S \(1, 2, 16, 8\)"):
+    with pytest.raises(ValueError, match=r"^cache was built for batch size 2, got input of batch size 1$"):
         layer(torch.randn(1, 1, 16), cache=cache)
+    _, other_heads = build_attention("cosformer", 16, 4, max_length=10)(torch.randn(2, 3, 16))
+    with pytest.raises(ValueError, match=r"cache sums must have shapes S \(2, 2, 16, 8\)"):
+        layer(torch.randn(2, 1, 16), cache=other_heads)
     bidirectional = build_attention("cosformer", 16, 2, causal=False)
     with pytest.raises(ValueError, match="causal=False; a cache is only for causal decoding"):
         bidirectional(torch.randn(2, 4, 16), cache=cache)

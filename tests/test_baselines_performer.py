@@ -168,8 +168,11 @@ def test_errors_name_the_problem():
         build_attention("performer", 16, 2, chunk=0)
     layer = build_attention("performer", 16, 2, features=12)
     _, cache = layer(torch.randn(3, 4, 16))
-    with pytest.raises(ValueError, match=r"cache sums must have shapes S \(2, 2, 12, 8\)"):
+    with pytest.raises(ValueError, match=r"^cache was built for batch size 3, got input of batch size 2$"):
         layer(torch.randn(2, 4, 16), cache=cache)
+    _, other_features = build_attention("performer", 16, 2, features=16)(torch.randn(3, 4, 16))
+    with pytest.raises(ValueError, match=r"cache sums must have shapes S \(3, 2, 12, 8\)"):
+        layer(torch.randn(3, 4, 16), cache=other_features)
     bidirectional = build_attention("performer", 16, 2, causal=False, features=12)
     with pytest.raises(ValueError, match="causal=False; a cache is only for causal decoding"):
         bidirectional(torch.randn(3, 4, 16), cache=cache)

@@ -114,8 +114,11 @@ def test_errors_name_the_problem():
         bidirectional(torch.randn(1, 3, 8), cache=bidirectional.empty_cache(1))
     layer = build_attention("s4d", 8, 2)
     _, cache = layer(torch.randn(2, 3, 8))
-    with pytest.raises(ValueError, match=r"cache must be an S4DCache with a state of shape \(1, 8, 32\)"):
+    with pytest.raises(ValueError, match=r"^cache was built for batch size 2, got input of batch size 1$"):
         layer(torch.randn(1, 3, 8), cache=cache)
+    _, smaller_state = build_attention("s4d", 8, 2, state_size=16)(torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match=r"cache must be an S4DCache with a state of shape \(2, 8, 32\)"):
+        layer(torch.randn(2, 3, 8), cache=smaller_state)
     with pytest.raises(ValueError, match=r"x must have shape \[B, T, 8\]"):
         layer(torch.randn(2, 3, 7))
     with pytest.raises(ValueError, match="padding_mask must be a bool tensor"):

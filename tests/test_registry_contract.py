@@ -127,6 +127,25 @@ def test_a_cache_of_another_kind_is_refused_by_name():
         _build("softmax", causal=True)(torch.randn(1, 1, DIM, dtype=torch.float64), cache=trimmed)
 
 
+@pytest.mark.parametrize("name", [name for name in available_attentions() if attention_class(name).supports_decoding])
+def test_every_cache_names_the_batch_size_it_was_built_for(name):
+    """Was, for cosFormer, Performer and S4D: a message about the shapes of their sums or state."""
+    layer = _build(name, causal=True)
+    _, cache = layer(torch.randn(2, 5, DIM, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^cache was built for batch size 2, got input of batch size 1$"):
+        layer(torch.randn(1, 1, DIM, dtype=torch.float64), cache=cache)
+
+
+@pytest.mark.parametrize("name", available_attentions())
+def test_a_padding_mask_on_another_device_is_refused_by_name(name):
+    """Was a message from deep inside torch (on the meta device: "Tensor on device cpu is not on the expected
+    device meta!")."""
+    layer = _build(name, causal=False).to("meta")
+    with pytest.raises(ValueError, match=r"^padding_mask is on cpu but the inputs are on meta; they must be on one "
+                                         r"device$"):
+        layer(torch.randn(2, 5, DIM, dtype=torch.float64, device="meta"), padding_mask=torch.ones(2, 5).bool())
+
+
 def test_a_cache_moves_between_devices_but_keeps_its_dtypes():
     _, cache = _build("lavo", causal=True)(torch.randn(1, 5, DIM, dtype=torch.float64))
     assert [t.dtype for t in cache.to("cpu").tensors()] == [t.dtype for t in cache.tensors()]

@@ -243,7 +243,7 @@ class Mechanism(nn.Module):
             raise ValueError(f"x has an empty time axis, shape {tuple(x.shape)}; a call needs at least one position")
         if x.shape[0] == 0:
             raise ValueError(f"x has an empty batch, shape {tuple(x.shape)}; a call needs at least one sequence")
-        check_padding_mask(padding_mask, x.shape[0], x.shape[1])
+        check_padding_mask(padding_mask, x.shape[0], x.shape[1], device=x.device)
         check_input_dtype(self, x)
         if cache is not None and not self.causal:
             raise ValueError(f"{type(self).__name__} was built with causal=False; a cache is only for causal decoding")
@@ -253,6 +253,8 @@ class Mechanism(nn.Module):
             kinds = " or ".join(kind.__name__ for kind in self.cache_types)
             raise ValueError(f"{type(self).__name__} continues a {kinds}, got a {type(cache).__name__}: pass the "
                              "cache this layer's previous call returned")
+        if cache is not None:  # before any mechanism's own checks, which would name shapes rather than the batch
+            cache.check_batch_size(x.shape[0])
 
 
 class PositionBound(NamedTuple):
@@ -390,7 +392,8 @@ class CrossAttentionLayer(nn.Module):
             raise ValueError(f"y and source must have the same batch size, got {y.shape[0]} and {source.shape[0]}")
         if y.shape[1] == 0:  # refused alike (LAVO's read divided by it)
             raise ValueError(f"y has an empty time axis, shape {tuple(y.shape)}; a call needs at least one query")
-        check_padding_mask(source_padding_mask, source.shape[0], source.shape[1], "source_padding_mask")
+        check_padding_mask(source_padding_mask, source.shape[0], source.shape[1], "source_padding_mask",
+                           device=source.device)
         check_input_dtype(self, y, "y")
         check_input_dtype(self, source, "source")
         q = rearrange(self.to_q(y), "b t (h d) -> b t h d", h=self.heads)

@@ -147,13 +147,18 @@ def check_matching(*, same_length: bool = True, **tensors: torch.Tensor) -> None
                                  f"{shown(getattr(first, what))}; they must match")
 
 
-def check_padding_mask(padding_mask: torch.Tensor | None, batch: int, length: int, name: str = "padding_mask") -> None:
+def check_padding_mask(padding_mask: torch.Tensor | None, batch: int, length: int, name: str = "padding_mask", *,
+                       device: torch.device | None = None) -> None:
+    """Raise unless ``padding_mask`` is None or a bool ``[batch, length]`` tensor (on ``device``, when given)."""
     if padding_mask is None:
         return
     if padding_mask.dtype != torch.bool:
         raise ValueError(f"{name} must be a bool tensor (True = real token), got dtype {padding_mask.dtype}")
     if tuple(padding_mask.shape) != (batch, length):
         raise ValueError(f"{name} must have shape [B, T] = ({batch}, {length}), got {tuple(padding_mask.shape)}")
+    if device is not None and padding_mask.device != device:
+        raise ValueError(f"{name} is on {padding_mask.device} but the inputs are on {device}; they must be on one "
+                         "device")
 
 
 def pos_bias_size(window: int, causal: bool) -> int:
@@ -188,7 +193,7 @@ def check_window_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windo
     check_matching(q=q, k=k, v=v)
     if q.shape[0] == 0:
         raise ValueError(f"q has an empty batch, shape {tuple(q.shape)}; a call needs at least one sequence")
-    check_padding_mask(padding_mask, q.shape[0], q.shape[1])
+    check_padding_mask(padding_mask, q.shape[0], q.shape[1], device=q.device)
 
 
 def query_scale(scale: float | None, head_dim: int) -> float:
@@ -313,9 +318,9 @@ def _deterministic_backward(q: torch.Tensor) -> bool:
 def uses_triton(backend: str, q: torch.Tensor) -> bool:
     r"""Whether an op with ``backend`` (``"auto"``, ``"triton"`` or ``"torch"``) runs its Triton kernels on ``q``.
 
-    ``auto`` takes them for CUDA tensors of a dtype they handle with heads of at most 128 features, on a GPU of compute capability 8.0 or later, when
-    Triton 3.3 or later is installed, the torch path otherwise; ``triton`` insists, and says why it cannot where it
-    cannot. Under ``torch.use_deterministic_algorithms(True)``, for a ``q`` that requires a gradient with grad
+    ``auto`` takes them for CUDA tensors of a dtype they handle with heads of at most 128 features, on a GPU of
+    compute capability 8.0 or later, when Triton 3.3 or later is installed, the torch path otherwise; ``triton``
+    insists, and says why it cannot where it cannot. Under ``torch.use_deterministic_algorithms(True)``, for a ``q`` that requires a gradient with grad
     mode on, ``auto`` takes the torch path and ``triton`` raises (warns, with ``warn_only=True``): the kernels'
     backward adds some gradients atomically.
     """
