@@ -76,3 +76,39 @@ def test_a_cache_of_a_layer_with_a_smaller_window_is_refused_by_name():
     x = torch.randn(1, 13, 8)
     _, cache = large(x[:, :12])  # more keys than the small window needs: the earliest are out of its reach
     torch.testing.assert_close(small(x[:, 12:], cache=cache)[0], small(x)[0][:, 12:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_16_bit_inputs_are_as_accurate_as_sdpa_on_sharp_heads(dtype):
+    """The PyTorch path's softmax runs in float32 for 16-bit inputs, as SDPA's does: with a window spanning the
+    sequence, causal local attention is causal softmax attention, so both are held to the float64 result of the
+    same rounded inputs, outputs and gradients. Was: scores rounded to bfloat16, 10 times SDPA's output error on
+    scores of tens (and the one-call and cached forms both)."""
+    from lavo.ops import local_attention, local_attention_chunk
+    g = torch.Generator().manual_seed(0)
+    q, k = (4 * torch.randn(2, 96, 4, 64, generator=g, dtype=torch.float64) for _ in range(2))  # scores of ~16
+    v, grad_out = (torch.randn(2, 96, 4, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    inputs = [x.to(dtype) for x in (q, k, v)]
+
+    def local(q, k, v):
+        return local_attention(q, k, v, window=96, backend="torch")
+
+    def sdpa(q, k, v):
+        heads_first = [x.transpose(1, 2) for x in (q, k, v)]
+        return torch.nn.functional.scaled_dot_product_attention(*heads_first, is_causal=True).transpose(1, 2)
+
+    def errors(op):
+        """Relative errors of the output and the three input gradients against float64."""
+        exact = [x.double().requires_grad_() for x in inputs]
+        low = [x.clone().requires_grad_() for x in inputs]
+        results = []
+        for args, out_grad in ((exact, grad_out), (low, grad_out.to(dtype))):
+            out = op(*args)
+            results.append([out, *torch.autograd.grad(out, args, out_grad)])
+        return [((b.double() - a).norm() / a.norm()).item() for a, b in zip(*results)]
+
+    ours, theirs = errors(local), errors(sdpa)
+    assert all(mine < 2 * sdpa_error for mine, sdpa_error in zip(ours, theirs)), (ours, theirs)
+    exact = local_attention_chunk(*(x.double() for x in inputs), start=0, window=96)
+    chunk = local_attention_chunk(*inputs, start=0, window=96).double()
+    assert (chunk - exact).norm() / exact.norm() < 2 * theirs[0]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common import (check_matching, check_padding_mask, check_pos_bias, check_window, neg_inf, query_scale,
-                      without_autocast, zero_padding)
+from ..common import (accumulation_dtype, check_matching, check_padding_mask, check_pos_bias, check_window, neg_inf,
+                      query_scale, without_autocast, zero_padding)
 
 
 def keep_visible(position: int, window: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -74,9 +74,10 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start:
     k_pos = torch.arange(start + Tq - Tk, start + Tq, device=q.device)
     offset = q_pos[:, None] - k_pos[None, :]
     allowed = (offset >= 0) & (k_pos[None, :] >= (q_pos[:, None] // window - 1) * window)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    wide = accumulation_dtype(q.dtype)  # 16-bit inputs: the softmax in float32, as in local_attention
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(wide) * scale, k.to(wide))
     if pos_bias is not None:
-        scores = scores + pos_bias[:, offset.clamp(0, 2 * window - 1)].to(scores.dtype)
+        scores = scores + pos_bias[:, offset.clamp(0, 2 * window - 1)].to(wide)
     allowed = allowed if key_mask is None else allowed & key_mask[:, None, None, :]
-    scores = scores.masked_fill(~allowed, neg_inf(scores.dtype))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    scores = scores.masked_fill(~allowed, neg_inf(wide))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1).to(v.dtype), v)
