@@ -31,6 +31,33 @@ def test_lavo_matches_naive(T, window, D, rank, causal, dissection, bias, paddin
                                    lavo_attention_naive(q, k, v, basis, **options), tensors)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_sequence_shorter_than_its_window_is_computed_in_blocks_of_its_length(monkeypatch, causal):
+    """Was: blocks of w, a w x 2w score table for any T (16 tokens under a window of 8192 took 5.5 GB). The
+    results, the cache (the layer's window) and its continuation are the references'."""
+    from lavo.ops.local import blocked
+    windows = []
+    original = blocked.block_bias
+    monkeypatch.setattr(blocked, "block_bias", lambda pos_bias, window, *args: windows.append(window) or original(
+        pos_bias, window, *args))
+    q, k, v, basis, pos_bias, mask = random_inputs(9, 4096, 6, 4, causal, True, True)
+    first = dict(window=4096, causal=causal, pos_bias=pos_bias)
+    for op, naive in ((local_attention, local_attention_naive), (lavo_attention, lavo_attention_naive)):
+        args = (q, k, v) if op is local_attention else (q, k, v, basis)
+        _assert_same_outputs_and_grads(op(*[x[:, :6] if x.dim() == 4 else x for x in args], padding_mask=mask[:, :6],
+                                          **first),
+                                       naive(*[x[:, :6] if x.dim() == 4 else x for x in args],
+                                             padding_mask=mask[:, :6], **first), [q, k, v, pos_bias])
+    assert windows == [6, 6]
+    if causal:
+        _, cache = lavo_attention(q[:, :6], k[:, :6], v[:, :6], basis, padding_mask=mask[:, :6], return_cache=True,
+                                  **first)
+        assert cache.window == 4096
+        continued, _ = lavo_attention_cached(q[:, 6:], k[:, 6:], v[:, 6:], basis, cache, window=4096,
+                                             pos_bias=pos_bias, padding_mask=mask[:, 6:])
+        torch.testing.assert_close(continued, lavo_attention_naive(q, k, v, basis, padding_mask=mask, **first)[:, 6:])
+
+
 @pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T,window", [(1, 4), (7, 4), (33, 8), (63, 16)])

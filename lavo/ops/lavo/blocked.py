@@ -7,7 +7,7 @@ import torch
 from ...cache import PAPER_MEMORY, LavoCache
 from ..common import (accumulation_dtype, check_basis, check_pos_bias, check_window_inputs, constant_scale,
                       exclusive_cumsum, uses_triton, zero_padding)
-from ..local.blocked import blocked_local_attention, from_blocks, real_tokens, to_blocks
+from ..local.blocked import blocked_local_attention, blocking_window, from_blocks, real_tokens, to_blocks
 from ..local.decoding import visible_keys
 from .memory import memory_read, project
 from .variants import SlotState, check_variant, empty_state, is_variant, rows, variant_memory_branch
@@ -99,12 +99,15 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
         return lavo_attention_triton(q, k, v, basis, window=window, causal=causal, pos_bias=pos_bias,
                                      dissection=dissection, padding_mask=padding_mask, scale=scale,
                                      return_cache=return_cache)
-    # Both branches work on windows, [n, B, H, w, D]: one matmul-friendly layout, views of the inputs.
-    qb, kb, vb = to_blocks(q, window), to_blocks(k, window), to_blocks(v, window)
-    real = real_tokens(padding_mask, B, T, window, q.device)
-    local = blocked_local_attention(qb, kb, vb, real, causal=causal, pos_bias=pos_bias, scale=scale)
+    # Both branches work on windows, [n, B, H, w, D]: one matmul-friendly layout, views of the inputs. A sequence
+    # shorter than the window is one window either way, so its blocks are only as long as it (the cache below
+    # keeps the layer's window).
+    block, block_pos_bias = blocking_window(window, T, pos_bias, causal)
+    qb, kb, vb = to_blocks(q, block), to_blocks(k, block), to_blocks(v, block)
+    real = real_tokens(padding_mask, B, T, block, q.device)
+    local = blocked_local_attention(qb, kb, vb, real, causal=causal, pos_bias=block_pos_bias, scale=scale)
     counts = real[:, :, None, :, None].to(accumulation_dtype(q.dtype))  # [n, B, 1, w, 1]
-    all_counts_one = padding_mask is None and T % window == 0  # no padding, and no block padded past T
+    all_counts_one = padding_mask is None and T % block == 0  # no padding, and no block padded past T
     qr = scaled_queries(qb, read_scale)
     # the variants and the paper's memory differ here, in the memory branch, and in the cache they return
     if variant:

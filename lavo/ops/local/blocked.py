@@ -12,7 +12,7 @@ import torch
 from einops import rearrange
 
 from ..common import (accumulation_dtype, autocast_off, check_pos_bias, check_window_inputs, constant_scale,
-                      first_order_only, neg_inf, uses_triton, zero_padding)
+                      first_order_only, neg_inf, pos_bias_size, uses_triton, zero_padding)
 
 
 # Elements of scores computed at once: 4 MiB in float32, about what stays in cache.
@@ -173,6 +173,20 @@ def block_bias(pos_bias: torch.Tensor | None, window: int, causal: bool, dtype: 
     return bias.masked_fill(~causal_window_mask(w, device), neg_inf(dtype)) if causal else bias
 
 
+def blocking_window(window: int, length: int, pos_bias: torch.Tensor | None,
+                    causal: bool) -> tuple[int, torch.Tensor | None]:
+    """The block length to compute a sequence of ``length`` positions in, and the part of the position table it
+    uses. A sequence shorter than its window lies in one window, where every query sees every key the rule allows
+    (the earlier ones, causal; all, non-causal) at offsets below ``length``: blocks of ``length`` give the same
+    result on a ``T x 2T`` score table instead of ``w x 2w`` (16 tokens under a window of 8192 took 5.5 GB)."""
+    if length >= window:
+        return window, pos_bias
+    if pos_bias is not None:  # causal: offsets t - j from 0; non-causal: j - t from -(T - 1), at 2w - 1 + (j - t)
+        start = 0 if causal else 2 * (window - length)
+        pos_bias = pos_bias[:, start:start + pos_bias_size(length, causal)]
+    return length, pos_bias
+
+
 def to_blocks(x: torch.Tensor, window: int) -> torch.Tensor:
     """``[B, T, H, D]`` -> ``[n, B, H, w, D]``, zero-padded to ``n = ceil(T / w)`` whole windows; a view when
     ``T`` is a multiple of ``w``."""
@@ -236,6 +250,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window
         out = window_attention(q, k, v, window=window, causal=causal, pos_bias=pos_bias, padding_mask=padding_mask,
                                scale=scale)
     else:
+        window, pos_bias = blocking_window(window, T, pos_bias, causal)
         out = blocked_local_attention(to_blocks(q, window), to_blocks(k, window), to_blocks(v, window),
                                       real_tokens(padding_mask, B, T, window, q.device), causal=causal,
                                       pos_bias=pos_bias, scale=scale)
