@@ -1,6 +1,8 @@
 """One LAVO decoding step on the fixed-layout cache (lavo_decode_step: torch ops and the fused Triton kernel, the
 latter in Triton's CPU interpreter without a GPU) against the cached op and the token-by-token reference; the
 layer and model on that cache, and generation's CUDA-graph decoder (its fallback and its step without capture)."""
+from dataclasses import replace
+
 import pytest
 import torch
 from reference_checks import needs_triton, random_inputs, recording_launching_on, zeros_and_garbage_at_padding
@@ -145,6 +147,20 @@ def test_step_errors():
         LavoStepCache.from_cache(LavoCache.empty_variant(2, 3, 16, 8), 4)
     with pytest.raises(ValueError, match=r"the cache was made by another LAVO layer: window 5 \(this layer: 4\)"):
         LavoStepCache.from_cache(LavoCache.empty(2, 3, 16, 8, window=5), 4)
+
+
+@needs_triton
+def test_the_kernel_refuses_a_step_cache_it_would_misaddress():
+    q, k, v, basis, _, _ = _inputs(0, 1, 4, 16, 8, False)
+    fixed = LavoStepCache.from_cache(LavoCache.empty(2, 3, 16, 8, device=DEVICE), 4)
+    strided = replace(fixed, keys=fixed.keys.transpose(2, 3).contiguous().transpose(2, 3))
+    with pytest.raises(ValueError, match=r"^the step kernel updates a LavoStepCache in place and addresses its "
+                                         r"tensors as contiguous; this one has a strided tensor: make it with "
+                                         r"LavoStepCache.from_cache \(layer.step_cache\)$"):
+        lavo_decode_step(q, k, v, basis, strided, backend="triton")
+    torch_out, _ = lavo_decode_step(q, k, v, basis, replace(strided, keys=strided.keys.clone()), backend="torch")
+    out, _ = lavo_decode_step(q, k, v, basis, fixed, backend="triton")  # the same cache, contiguous
+    torch.testing.assert_close(out, torch_out, **FLOAT32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

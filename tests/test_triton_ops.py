@@ -247,6 +247,31 @@ def test_kernel_launches_are_sound_custom_ops():
         torch.library.opcheck(op, args)
 
 
+def test_every_launch_spreads_its_programs_along_the_grids_first_axis(monkeypatch):
+    """CUDA allows 2^31 - 1 programs along a grid's first axis and 65,535 along the others: batch x heads on the
+    second axis failed to launch from 65,536 rows (e.g. 4,096 sequences of 16 heads). The interpreter has no such
+    limit, so the launches' grids are checked: one axis each."""
+    from lavo.ops.local import kernels
+    kernel_class = type(kernels._forward)  # JITFunction, or the interpreter's InterpretedFunction
+    grids = []
+    launch = kernel_class.run
+
+    def recording(self, *args, grid, **kwargs):
+        grids.append((self.fn.__name__, grid))
+        return launch(self, *args, grid=grid, **kwargs)
+
+    monkeypatch.setattr(kernel_class, "run", recording)
+    q, k, v, basis, pos_bias, mask = _triton_inputs(21, 8, 32, 12, True, True, B=3, H=2)
+    inputs = [x.detach().to(DEVICE, torch.float32).requires_grad_() for x in (q, k, v, basis, pos_bias)]
+    for causal in (True, False):  # dissection: window rows; without it, a row per token
+        table = inputs[4] if causal else None
+        lavo_attention(*inputs[:4], window=8, causal=causal, dissection=causal, pos_bias=table,
+                       padding_mask=_on(mask, DEVICE), backend="triton").sum().backward()
+    kernels = {name for name, _ in grids}
+    assert kernels == {"_forward", "_row_dot", "_backward_keys", "_backward_queries", "_backward"}
+    assert all(len(grid) == 1 for _, grid in grids), grids
+
+
 @pytest.mark.parametrize("layer_class", [LavoAttention, LocalAttention])
 def test_compiled_layers_on_the_triton_path_match_eager(layer_class):
     """torch.compile keeps the kernels as opaque ops of one graph (fullgraph) with eager's outputs and gradients."""

@@ -61,29 +61,36 @@ def _read(Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group,
 
 
 @triton.jit
+def _program(programs):
+    """This program's ``(batch, head)`` row, in int64 (offsets into tensors past 2^31 elements must not overflow),
+    and its first block: the grid is one axis of ``programs`` per row (CUDA allows 2^31 - 1 programs there, 65,535
+    on the others), and a program walks every ``programs``-th block of its row."""
+    return (tl.program_id(0) // programs).to(tl.int64), tl.program_id(0) % programs
+
+
+@triton.jit
 def _forward(Q, COEF, BASIS, O, stride_b, stride_t, stride_h, heads, group, length, head_dim, rank, blocks, scale,
              PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
              PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
-    bh = tl.program_id(1).to(tl.int64)  # offsets into tensors past 2^31 elements must not overflow
-    for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
-        b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(
-            Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
-            PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION, FLOAT32_DOTS, WIDE)
-        out = tl.dot(weights * coef, basis, input_precision=PRECISION)
-        tl.store(O + ((b * length + t[:, None]) * heads + h) * head_dim + d[None, :], out.to(O.dtype.element_ty),
-                 mask=valid[:, None] & (d[None, :] < head_dim))
+    bh, block = _program(blocks)  # a block each
+    b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(
+        Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
+        PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION, FLOAT32_DOTS, WIDE)
+    out = tl.dot(weights * coef, basis, input_precision=PRECISION)
+    tl.store(O + ((b * length + t[:, None]) * heads + h) * head_dim + d[None, :], out.to(O.dtype.element_ty),
+             mask=valid[:, None] & (d[None, :] < head_dim))
 
 
 @triton.jit
 def _backward(Q, COEF, BASIS, DO, DQ, DCOEF, DBASIS, stride_b, stride_t, stride_h, heads, group, length, head_dim,
-              rank, blocks, scale, PER_TOKEN: tl.constexpr, BASIS_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+              rank, blocks, programs, scale, PER_TOKEN: tl.constexpr, BASIS_GRAD: tl.constexpr, BLOCK: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
               FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
     """``DO``, ``DQ`` contiguous ``[B, T, H, D]``; ``DCOEF`` float32 ``[B * H, T, r]`` per token, else one row per
     block ``[B * H, blocks, r]``; ``DBASIS`` float32 ``[H, r, D]``, added to atomically."""
-    bh = tl.program_id(1).to(tl.int64)
+    bh, first = _program(programs)
     grad_basis = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
+    for block in range(first, blocks, programs):
         b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(
             Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
             PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION, FLOAT32_DOTS, WIDE)
@@ -117,13 +124,15 @@ def _config(head_dim: int, rank: int, group: int, dtype: torch.dtype, wide: bool
             small_shared: bool) -> dict:
     """Tile sizes and launch options (shared memory by tests/compile_kernels.py). A large basis tile (``D r >
     4096``, e.g. ``D = r = 128``) takes 8 warps, blocks of 32 queries and no software pipelining: otherwise the
-    kernels need up to 360 KB of shared memory, where an H100 has 227 KB and an A100 163 KB. With less than an A100
-    (``small_shared``: 99 KB), no pipelining at all, and a large tile read per token (without dissection) in
-    16-bit also takes blocks of 16 queries and multiplies in float32 without tensor cores: their operand copies of
-    the basis alone fill 128 KB."""
+    kernels need up to 360 KB of shared memory, where an H100 has 227 KB and an A100 163 KB. float32 queries of
+    ``D = 128`` are not pipelined either: with a small basis (``r <= 32``) the backward's stages of query and
+    output-gradient tiles need up to 196 KB. With less than an A100 (``small_shared``: 99 KB), no pipelining at
+    all, and a large tile read per token (without dissection) in 16-bit also takes blocks of 16 queries and
+    multiplies in float32 without tensor cores: their operand copies of the basis alone fill 128 KB."""
     block_d, block_r = (max(16, triton.next_power_of_2(n)) for n in (head_dim, rank))
     large = block_d * block_r > 4096
-    launch = dict(num_warps=8 if large else 4, **pipelining(not (large or small_shared)))
+    wide_float32 = dtype == torch.float32 and block_d >= 128
+    launch = dict(num_warps=8 if large else 4, **pipelining(not (large or wide_float32 or small_shared)))
     block, dots = 32 if large else 64, dot_options(dtype)
     if small_shared and large and per_token and dtype != torch.float32:
         block, dots = 16, dict(PRECISION="ieee", FLOAT32_DOTS=True)
@@ -149,7 +158,7 @@ def _read_forward(q: Tensor, coefficients: Tensor, basis: Tensor, scale: float, 
     per_token, kernel_group, config, blocks = _launch(q, basis.shape[1], group)
     out = _read_forward_fake(q, coefficients, basis, scale, group)
     with launching_on(q):
-        _forward[(blocks, B * H)](q, coefficients.contiguous(), basis.to(coefficients.dtype).contiguous(), out,
+        _forward[(blocks * B * H,)](q, coefficients.contiguous(), basis.to(coefficients.dtype).contiguous(), out,
                                   *q.stride()[:3], H, kernel_group, T, D, basis.shape[1], blocks, scale,
                                   PER_TOKEN=per_token, **config)
     return out
@@ -176,9 +185,9 @@ def _read_backward(grad_out: Tensor, q: Tensor, coefficients: Tensor, basis: Ten
     grad_basis = torch.zeros_like(basis_acc) if basis_grad else None
     programs = min(blocks, max(1, PROGRAMS // (B * H)))
     with launching_on(q):
-        _backward[(programs, B * H)](q, coefficients, basis_acc, grad_out, grad_q, grad_coef, grad_basis,
-                                     *q.stride()[:3], H, kernel_group, T, D, rank, blocks, scale, PER_TOKEN=per_token,
-                                     BASIS_GRAD=basis_grad, **config)
+        _backward[(programs * B * H,)](q, coefficients, basis_acc, grad_out, grad_q, grad_coef, grad_basis,
+                                       *q.stride()[:3], H, kernel_group, T, D, rank, blocks, programs, scale,
+                                       PER_TOKEN=per_token, BASIS_GRAD=basis_grad, **config)
     grad_coef = grad_coef.view(B, H, coefficients.shape[2], -1, rank).sum(3)  # a row's blocks, or each token alone
     return grad_q, grad_coef, grad_basis.to(basis.dtype) if basis_grad else basis.new_empty(0)
 

@@ -112,6 +112,10 @@ def decode_step_triton(q, k, v, basis, cache: LavoStepCache, *, pos_bias, dissec
     r""":func:`.step.lavo_decode_step` (arguments checked there) in one launch: ``q, k, v [B, 1, H, D]`` (any
     strides with a unit one along ``D``), ``real [B]`` bool; returns ``[B, 1, H, D]``."""
     B, _, H, D = q.shape
+    if not all(x.is_contiguous() for x in cache.tensors()):
+        # a contiguous copy would take the step's updates, not the cache
+        raise ValueError("the step kernel updates a LavoStepCache in place and addresses its tensors as contiguous; "
+                         "this one has a strided tensor: make it with LavoStepCache.from_cache (layer.step_cache)")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     out = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
     rank = basis.shape[1]

@@ -108,13 +108,16 @@ def _tile(ptr, rows, d, row_stride, length, head_dim, FLOAT32_DOTS: tl.constexpr
 
 
 @triton.jit
-def _program(heads, stride_b, stride_h, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
-    """This program's batch ``b``, head ``h``, its block's first position and positions, the ``D`` lanes and the
-    input offset (``b`` in int64, so offsets into tensors past 2^31 elements do not overflow; positions too when
-    ``WIDE``)."""
-    b, h = (tl.program_id(1) // heads).to(tl.int64), tl.program_id(1) % heads
-    first = _wide(tl.program_id(0) * BLOCK, WIDE)
-    return b, h, first, first + tl.arange(0, BLOCK), tl.arange(0, BLOCK_D), b * stride_b + h * stride_h
+def _program(heads, length, stride_b, stride_h, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
+    """This program's ``[B * H, T]`` row, batch ``b``, head ``h``, its block's first position and positions, the
+    ``D`` lanes and the input offset (``b`` and ``h`` in int64, so offsets into tensors past 2^31 elements do not
+    overflow, whatever the layout; positions too when ``WIDE``). The grid is one axis, the blocks of each row in
+    turn: CUDA allows 2^31 - 1 programs there, 65,535 on the others."""
+    blocks = tl.cdiv(length, BLOCK)
+    row = tl.program_id(0) // blocks
+    b, h = (row // heads).to(tl.int64), (row % heads).to(tl.int64)
+    first = _wide(tl.program_id(0) % blocks * BLOCK, WIDE)
+    return row, b, h, first, first + tl.arange(0, BLOCK), tl.arange(0, BLOCK_D), b * stride_b + h * stride_h
 
 
 @triton.jit
@@ -124,18 +127,18 @@ def _contiguous_tile(X, b, h, rows, d, heads, length, head_dim, FLOAT32_DOTS: tl
 
 
 @triton.jit
-def _per_query(X, rows, length):
-    """Entries ``rows`` of this program's ``[T]`` row of a float32 ``[B * H, T]`` tensor (the lse, the deltas)."""
-    return tl.load(X + tl.program_id(1).to(rows.dtype) * length + rows, mask=rows < length, other=0.0)
+def _per_query(X, row, rows, length):
+    """Entries ``rows`` of row ``row`` of a float32 ``[B * H, T]`` tensor (the lse, the deltas)."""
+    return tl.load(X + row.to(rows.dtype) * length + rows, mask=rows < length, other=0.0)
 
 
 @triton.jit
-def _weights(q, k, t, j, b, h, LSE, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
+def _weights(q, k, t, j, row, b, h, LSE, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
              CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
     """The softmax weights of a tile, recomputed from the saved log-sum-exp; zero where a key is not seen."""
     s, seen = _scores(q, k, t, j, b, h, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2, CAUSAL,
                       HAS_BIAS, HAS_KEEP, PRECISION)
-    return tl.where(seen, tl.exp2(s - _per_query(LSE, t, length)[:, None]), 0.0)
+    return tl.where(seen, tl.exp2(s - _per_query(LSE, row, t, length)[:, None]), 0.0)
 
 
 @triton.jit
@@ -150,7 +153,7 @@ def _forward(Q, K, V, BIAS, KEEP, O, LSE, stride_b, stride_t, stride_h, bias_str
              window, head_dim, scale_log2,
              CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr,
              BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
-    b, h, first, t, d, offset = _program(heads, stride_b, stride_h, BLOCK, BLOCK_D, WIDE)
+    row, b, h, first, t, d, offset = _program(heads, length, stride_b, stride_h, BLOCK, BLOCK_D, WIDE)
     q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
     peak = tl.full([BLOCK], -1.0e30, tl.float32)  # finite: a row with nothing seen yet gives exp2(-inf) = 0
     total = tl.zeros([BLOCK], tl.float32)
@@ -171,17 +174,17 @@ def _forward(Q, K, V, BIAS, KEEP, O, LSE, stride_b, stride_t, stride_h, bias_str
     total = tl.where(total > 0, total, 1.0)  # no key at all (a padded query): output zeros
     out = acc / total[:, None]
     _store(O, out, b, h, t, d, heads, length, head_dim)
-    tl.store(LSE + tl.program_id(1).to(t.dtype) * length + t, peak + tl.log2(total), mask=t < length)
+    tl.store(LSE + row.to(t.dtype) * length + t, peak + tl.log2(total), mask=t < length)
 
 
 @triton.jit
 def _row_dot(O, DO, DELTA, heads, length, head_dim, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
              FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
     """``delta_t = dO_t . O_t`` in float32, ``[B * H, T]``; ``O``, ``DO`` contiguous."""
-    b, h, _, t, d, _ = _program(heads, 0, 0, BLOCK, BLOCK_D, WIDE)
+    row, b, h, _, t, d, _ = _program(heads, length, 0, 0, BLOCK, BLOCK_D, WIDE)
     o = _contiguous_tile(O, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS).to(tl.float32)
     do = _contiguous_tile(DO, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS).to(tl.float32)
-    tl.store(DELTA + tl.program_id(1).to(t.dtype) * length + t, tl.sum(o * do, 1), mask=t < length)
+    tl.store(DELTA + row.to(t.dtype) * length + t, tl.sum(o * do, 1), mask=t < length)
 
 
 @triton.jit
@@ -190,7 +193,7 @@ def _backward_keys(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DK, DV, stride_b, stride
                    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
                    PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
     """``dK`` and ``dV`` of one key block, over the query blocks that see it. DO, DK, DV are contiguous."""
-    b, h, first, j, d, offset = _program(heads, stride_b, stride_h, BLOCK, BLOCK_D, WIDE)
+    row, b, h, first, j, d, offset = _program(heads, length, stride_b, stride_h, BLOCK, BLOCK_D, WIDE)
     k = _tile(K + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
     v = _tile(V + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
     dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
@@ -199,11 +202,11 @@ def _backward_keys(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DK, DV, stride_b, stride
     for start in range(lo, hi, BLOCK):
         t = start + tl.arange(0, BLOCK)
         q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
-        p = _weights(q, k, t, j, b, h, LSE, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
+        p = _weights(q, k, t, j, row, b, h, LSE, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
                      CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
         do = _contiguous_tile(DO, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS)
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - _per_query(DELTA, t, length)[:, None])
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - _per_query(DELTA, row, t, length)[:, None])
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
     _store(DK, dk * scale, b, h, j, d, heads, length, head_dim)
     _store(DV, dv, b, h, j, d, heads, length, head_dim)
@@ -240,16 +243,16 @@ def _backward_queries(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DQ, DBIAS, stride_b, 
                       FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
     """``dQ`` of one query block over the key blocks it sees, and its part of the bias gradient (``DBIAS``,
     float32 ``[H, bias_size]``, atomically). DO and DQ are contiguous."""
-    b, h, first, t, d, offset = _program(heads, stride_b, stride_h, BLOCK, BLOCK_D, WIDE)
+    row, b, h, first, t, d, offset = _program(heads, length, stride_b, stride_h, BLOCK, BLOCK_D, WIDE)
     q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
     do = _contiguous_tile(DO, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS)
-    delta = _per_query(DELTA, t, length)
+    delta = _per_query(DELTA, row, t, length)
     dq = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     lo, hi = _key_range(first, tl.minimum(first + BLOCK, length) - 1, window, length, BLOCK, CAUSAL)
     for start in range(lo, hi, BLOCK):
         j = start + tl.arange(0, BLOCK)
         k = _tile(K + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
-        p = _weights(q, k, t, j, b, h, LSE, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
+        p = _weights(q, k, t, j, row, b, h, LSE, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
                      CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
         v = _tile(V + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
@@ -300,7 +303,7 @@ def _window_forward(q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor | None, ke
     B, T, H, D = q.shape
     out, lse = _window_forward_fake(q, k, v, pos_bias, keep, causal, window, scale)  # one place for the layout
     config = _config(D, q.dtype, wide_offsets(q), small_shared_memory(q))
-    grid = (triton.cdiv(T, config["BLOCK"]), B * H)
+    grid = (triton.cdiv(T, config["BLOCK"]) * B * H,)
     with launching_on(q):
         _forward[grid](q, k, v, pos_bias, keep, out, lse, *q.stride()[:3],
                        0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0), H, T,
@@ -323,7 +326,7 @@ def _window_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_bias
     q, k, v = _shared_strides(q, k, v)
     B, T, H, D = q.shape
     config = _config(D, q.dtype, wide_offsets(q), small_shared_memory(q))
-    grid = (triton.cdiv(T, config["BLOCK"]), B * H)
+    grid = (triton.cdiv(T, config["BLOCK"]) * B * H,)
     grad_out = grad_out.to(q.dtype).contiguous()
     delta = torch.empty_like(lse)
     grad_q, grad_k, grad_v = (torch.empty(B, T, H, D, dtype=q.dtype, device=q.device) for _ in range(3))
