@@ -111,7 +111,7 @@ def split_tests(command: list[str], shards: int, env: dict) -> list[list[str]]:
     """A pytest ``command`` as up to ``shards`` commands over consecutive runs of its test ids, to run at once.
 
     Triton compiles each kernel specialization on the CPU, one at a time in a process; the kernel tests launch
-    228 of them (``tests/count_specializations.py``), most of the step's time in one process."""
+    229 of them (``tests/count_specializations.py``), most of the step's time in one process."""
     try:
         listed = subprocess.run(command + ["--collect-only"], capture_output=True, text=True, env=env,
                                 timeout=COLLECT_SECONDS).stdout

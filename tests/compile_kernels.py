@@ -8,8 +8,8 @@ launch intercepted: each launch's arguments, constexprs and options are exactly 
 Triton's own binder turns them into the signature and specialization it would compile. Each distinct one is then
 compiled to a cubin for an H100/H200 (sm_90), an A100 (sm_80), a B200 (sm_100) and the GPUs with 99 KB of shared
 memory per block (sm_86: an RTX 3090 or an A10; sm_120: an RTX 5090; sm_89 has as little), and its resources
-checked against the hardware: shared memory per block (``metadata.shared``) and registers per block. Spilled
-bytes are reported. The launches for a target are recorded as on that GPU: with less shared memory than an A100,
+checked against the hardware: shared memory per block (``metadata.shared``) and registers per block. Its stack frame
+(where registers that do not fit spill) is reported. The launches for a target are recorded as on that GPU: with less shared memory than an A100,
 the launchers take their smaller configurations (:func:`lavo.ops.common.small_shared_memory`).
 
 Cases: float32 and bfloat16 inputs, ``D`` in 32, 64, 128 and 60 (a padded block), with the launcher's switches
@@ -84,9 +84,10 @@ def window_attention_case(dtype: torch.dtype, head_dim: int, switches: tuple[boo
 
 def memory_read_case(dtype: torch.dtype, head_dim: int, switches: tuple[bool, ...]) -> None:
     """Forward and backward of the memory read: one coefficient row per query or per window; rank ``D``, the
-    layers' default, or ``D / 2``."""
+    layers' default, or ``D / 4`` (at ``D = 128``, the largest tiles of queries with a basis tile below the large
+    ones, which the launcher configures apart)."""
     full_rank, per_token, basis_grad = switches
-    length, rank = 100, head_dim if full_rank else head_dim // 2
+    length, rank = 100, head_dim if full_rank else head_dim // 4
     group = 1 if per_token else WINDOW
     q = torch.randn(2, length, HEADS, head_dim, dtype=dtype, requires_grad=True)
     coefficients = torch.randn(2, HEADS, triton.cdiv(length, group), rank, requires_grad=True)
@@ -112,6 +113,9 @@ def decode_step_case(dtype: torch.dtype, head_dim: int, switches: tuple[bool, ..
 
 
 CASES = {window_attention_case: 4, memory_read_case: 3, decode_step_case: 4}  # each with its number of switches
+# Beyond the matrix: the memory read at D = 128 with a basis tile below the large ones (rank 32), in each dtype,
+# per token and per window, with the basis gradient (float32 needed up to 196 KB pipelined, more than an A100 has).
+EXTRA = [(memory_read_case, dtype, 128, (False, per_token, True)) for dtype in DTYPES for per_token in (True, False)]
 WIDE_CASES = (window_attention_case, memory_read_case)  # the launchers with a form for offsets past 2^31
 
 
@@ -160,6 +164,8 @@ def recorded(arch: str, fast: bool) -> list[tuple]:
         for case, switch_count in CASES.items():
             for dtype, head_dim, switches in settings(switch_count, fast):
                 case(dtype, head_dim, switches)
+        for case, dtype, head_dim, switches in [] if fast else EXTRA:
+            case(dtype, head_dim, switches)
         with wide_offsets_forced():
             for case in WIDE_CASES:
                 case(*settings(CASES[case], fast=True)[0])
@@ -194,27 +200,28 @@ def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict, target: GPUTa
                                        options=options.__dict__)
 
 
-def registers_and_spills(cubin: bytes) -> tuple[int, int]:
-    """Registers per thread and bytes of local memory (spills) of a one-kernel cubin, by ``cuobjdump``."""
+def registers_and_stack(cubin: bytes) -> tuple[int, int]:
+    """Registers per thread and bytes of stack frame per thread of a one-kernel cubin, by ``cuobjdump``: registers
+    that do not fit spill to the stack (its ``LOCAL`` count stays 0 for them)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
         usage = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", file.name], check=True,
                                capture_output=True, text=True).stdout
-    registers, local = (int(re.search(rf"\b{name}:(\d+)", usage).group(1)) for name in ("REG", "LOCAL"))
-    return registers, local
+    registers, stack = (int(re.search(rf"\b{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK"))
+    return registers, stack
 
 
 def check(compiled, arch: str) -> tuple[str, list[str]]:
     """A line on the compiled kernel's resources, and what exceeds the ``arch``'s limits."""
-    registers, spills = registers_and_spills(compiled.asm["cubin"])
+    registers, stack = registers_and_stack(compiled.asm["cubin"])
     threads = compiled.metadata.num_warps * 32
     shared = compiled.metadata.shared
     limits = LIMITS[arch]
     over = [f"shared memory {shared} > {limits['shared']} bytes"] * (shared > limits["shared"])
     over += [f"registers {registers} x {threads} threads > {limits['registers']}"] * (
         registers * threads > limits["registers"])
-    return f"shared {shared:6d} B  registers {registers:3d} x {threads:3d} threads  spilled {spills:5d} B", over
+    return f"shared {shared:6d} B  registers {registers:3d} x {threads:3d} threads  stack {stack:5d} B", over
 
 
 def describe(kernel: JITFunction, args: tuple, kwargs: dict) -> str:
