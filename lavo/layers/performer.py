@@ -61,9 +61,9 @@ class PerformerAttention(AttentionLayer):
         return PerformerCache.empty(batch_size, self.heads, self.features, self.head_dim, device=device, dtype=dtype)
 
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
-        # S [B, H, F, D] and z [B, H, F] (float32 for 16-bit inputs), the running key maximum [B, H] in the input's
-        sums = batch_size * self.heads * self.features * (self.head_dim + 1) * element_size(accumulation_dtype(dtype))
-        return sums + batch_size * self.heads * element_size(dtype)
+        # S [B, H, F, D], z [B, H, F] and the running key maximum [B, H], float32 for 16-bit inputs
+        return batch_size * self.heads * (self.features * (self.head_dim + 1) + 1) * element_size(
+            accumulation_dtype(dtype))
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, features={self.features}, "

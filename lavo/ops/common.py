@@ -22,25 +22,11 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def float16_widened(dtype: torch.dtype) -> torch.dtype:
-    """float32 for float16, whose range the products and sums of positive features leave (below ~6e-8 and above
-    65,504); other dtypes as they are (bfloat16 has float32's range)."""
-    return torch.float32 if dtype == torch.float16 else dtype
-
-
 def dtypes_may_differ(device_type: str) -> bool:
     """Whether tensors of different dtypes may meet here, so that an eager dtype check must stand aside: under
     autocast they mix by design, and under torch.compile the check is not traced (Dynamo before torch 2.5 cannot
     trace the autocast query; a compiled call with mismatched dtypes fails in its first matmul all the same)."""
     return torch.compiler.is_compiling() or torch.is_autocast_enabled(device_type)
-
-
-def no_float16_autocast(device_type: str) -> contextlib.AbstractContextManager:
-    """Autocast off where it would run matmuls in float16, whose range (6.5e4) cannot hold an op's normalisers
-    and their inverses; bfloat16 autocast, with float32's range, stays on."""
-    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def autocast_off(method):

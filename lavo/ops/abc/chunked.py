@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import Cache
-from ..common import (accumulation_dtype, check_matching, check_padding_mask, neg_inf, no_float16_autocast,
-                      query_scale)
+from ..common import accumulation_dtype, check_matching, check_padding_mask, neg_inf, query_scale
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, control: to
     if cache is not None and not causal:
         raise ValueError("a cache exists only for causal attention (causal=False was given)")
     scale = query_scale(scale, D)
-    with no_float16_autocast(q.device.type):
+    with torch.autocast(q.device.type, enabled=False):  # bfloat16 autocast would undo the float32 casts inside
         return _abc_attention(q, k, v, control, causal, padding_mask, cache, scale, chunk)
 
 
@@ -190,5 +189,5 @@ def abc_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contr
     out_dtype = q.dtype
     q, k, v, control = (x.to(accumulation_dtype(out_dtype)) for x in (q, k, v, control))
     real = torch.ones(B, S, dtype=q.dtype, device=q.device) if padding_mask is None else padding_mask.to(q.dtype)
-    with no_float16_autocast(q.device.type):
+    with torch.autocast(q.device.type, enabled=False):
         return _read(q, *_whole_memory(k, v, _logits(k, control, padding_mask), real), scale).to(out_dtype)

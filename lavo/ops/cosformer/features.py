@@ -42,9 +42,11 @@ class CosformerCache(Cache):
 def cosformer_features(x: torch.Tensor, positions: torch.Tensor, horizon: int | torch.Tensor,
                        padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``x [B, T, H, D]`` at ``positions [T]`` (or ``[B, T]``) with ``M = horizon`` (a number, or ``[B, 1]`` one
-    per sequence) -> ``[B, T, H, 2D]``; zero at padded positions when masked."""
-    angle = (math.pi / 2 * positions.to(accumulation_dtype(x.dtype)) / horizon).to(x.dtype)[..., None, None]
-    relu = torch.relu(x)
+    per sequence) -> ``[B, T, H, 2D]``, float32 for 16-bit ``x`` (the sums are, and the angle rounded to bfloat16
+    moved the re-weighting); zero at padded positions when masked."""
+    wide = accumulation_dtype(x.dtype)
+    angle = (math.pi / 2 * positions.to(wide) / horizon)[..., None, None]
+    relu = torch.relu(x.to(wide))
     if padding_mask is not None:
         relu = relu * padding_mask[:, :, None, None]
     return torch.cat([relu * angle.cos(), relu * angle.sin()], -1)

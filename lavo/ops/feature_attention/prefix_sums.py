@@ -4,20 +4,21 @@ r"""Attention through positive feature maps, ``o_t = phi(q_t) S / phi(q_t) z``, 
 sums, over keys up to the query (causal). Features are ``[B, T, H, F]``, values ``[B, T, H, D]``; a padded key is
 one whose features are zero. Denominators are clamped below at ``eps`` (:func:`~lavo.ops.common.normalize`).
 The causal form carries ``S`` and ``z`` in float32 for 16-bit inputs (DESIGN, decision 5): summed in bfloat16,
-they drift once a few thousand tokens have been added. Float16 inputs are computed in float32 (its range: the
-product of a query's and a key's separately normalised features underflows, and ``S`` overflows), and autocast
-is off inside, so that it does not round the float32 sums back to 16 bits; outputs have the dtype of ``v``.
+they drift once a few thousand tokens have been added. 16-bit inputs are computed in float32 (float16's range:
+the product of a query's and a key's separately normalised features underflows, and ``S`` overflows; bfloat16's
+precision: products and sums in it gave Performer 10 to 50 times float32's error), and autocast is off inside, so
+that it does not round the float32 sums back to 16 bits; outputs have the dtype of ``v``.
 """
 from __future__ import annotations
 
 import torch
 
-from ..common import accumulation_dtype, float16_widened, normalize
+from ..common import accumulation_dtype, normalize
 
 
 def _computed(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, eps: float | None):
     """The inputs in the dtype the sums are computed in, and ``eps`` (default: that dtype's smallest normal)."""
-    dtype = float16_widened(v.dtype)
+    dtype = accumulation_dtype(v.dtype)
     return *(t.to(dtype) for t in (q_feat, k_feat, v)), torch.finfo(dtype).tiny if eps is None else eps
 
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from ...cache import LavoStepCache, check_made_by
-from ..common import constant_scale, neg_inf, uses_triton, zero_padding
+from ..common import accumulation_dtype, constant_scale, neg_inf, uses_triton, zero_padding
 from .blocked import check_inputs, check_read_scale, scaled_queries
 from .memory import memory_read, project
 
@@ -85,11 +85,12 @@ def _decode_step_torch(q, k, v, basis, cache: LavoStepCache, *, pos_bias, dissec
     held = _ring_positions(position, span)  # [B, H, 2w]
     first_seen = ((position // window - 1) * window).clamp(min=0)[..., None]
     visible = (held >= first_seen) & cache.key_mask[:, None, :]
-    scores = torch.einsum("bhd,bhsd->bhs", q[:, 0] * scale, cache.keys)
+    wide = accumulation_dtype(q.dtype)  # 16-bit inputs: the softmax in float32, as in the local op's chunk form
+    scores = torch.einsum("bhd,bhsd->bhs", q[:, 0].to(wide) * scale, cache.keys.to(wide))
     if pos_bias is not None:
         offsets = (position[..., None] - held).clamp(0, span - 1)
-        scores = scores + pos_bias.to(scores.dtype).expand(q.shape[0], -1, -1).gather(2, offsets)
-    weights = scores.masked_fill(~visible, neg_inf(scores.dtype)).softmax(-1)
+        scores = scores + pos_bias.to(wide).expand(q.shape[0], -1, -1).gather(2, offsets)
+    weights = scores.masked_fill(~visible, neg_inf(wide)).softmax(-1).to(cache.values.dtype)
     local = torch.einsum("bhs,bhsd->bhd", weights, cache.values)[:, :, None]  # [B, H, 1, D]
     counts = real.to(cache.memory_sum.dtype)[:, None].expand(position.shape)  # [B, H]
     proj = project(local if dissection else v.transpose(1, 2), basis)[:, :, 0] * counts[..., None]  # [B, H, r]

@@ -20,7 +20,7 @@ import torch
 from einops import rearrange
 from torch.nn.functional import layer_norm, pad
 
-from ..common import check_window_inputs, neg_inf, query_scale
+from ..common import accumulation_dtype, check_window_inputs, neg_inf, query_scale
 from ..local.blocked import block_bias
 
 DualNorm = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -83,13 +83,26 @@ def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
         dual_norm: DualLN, ``((weight, bias), (weight, bias))`` ``[H D]`` each: the layer norm of the window keys
             and values, then that of the landmark keys and values. None: no normalisation.
     Returns:
-        ``[B, T, H, D]``.
+        ``[B, T, H, D]`` in ``q``'s dtype, computed in float32 for 16-bit inputs (as ABC is): scores and both
+        softmaxes in bfloat16 made outputs up to 12 and gradients 28 times float32's error on sharp heads.
     """
     check_window_inputs(q, k, v, window, padding_mask)
     B, T, H, D = q.shape
     if projection.dim() != 3 or projection.shape[:2] != (H, D):
         raise ValueError(f"projection must have shape [H, D, r] with H={H}, D={D}, got {tuple(projection.shape)}")
     scale = query_scale(scale, D)
+    wide = accumulation_dtype(q.dtype)
+    if dual_norm is not None:
+        dual_norm = tuple(tuple(x.to(wide) for x in pair) for pair in dual_norm)
+    with torch.autocast(q.device.type, enabled=False):  # autocast would round the float32 products back
+        out = _longshort_attention(*(x.to(wide) for x in (q, k, v, projection)), window, causal, padding_mask, scale,
+                                   dual_norm)
+    return out.to(q.dtype)
+
+
+def _longshort_attention(q, k, v, projection, window, causal, padding_mask, scale, dual_norm):
+    """:func:`longshort_attention` after its checks, in one dtype with autocast off."""
+    B, T, H, D = q.shape
     w, n = window, -(-T // window)
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask
 
@@ -97,8 +110,7 @@ def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     short_norm, long_norm = (None, None) if dual_norm is None else dual_norm
     local_keys, local_values = (rearrange(_windows(_norm(x, short_norm), w, causal), "b n h d k -> b h n k d")
                                 for x in (k, v))
-    local = queries @ local_keys.transpose(-1, -2) + block_bias(None, w, causal, q.dtype, q.device)
-    # [B, H, n, w, K]; each score tensor masked in its own dtype: under autocast they may be 16-bit where q is not.
+    local = queries @ local_keys.transpose(-1, -2) + block_bias(None, w, causal, q.dtype, q.device)  # [B, H, n, w, K]
     local = local.masked_fill(~_windows(real, w, causal)[:, None, :, None, :], neg_inf(local.dtype))
 
     keys, values, valid = _landmarks(k, v, projection, real, w if causal else None)

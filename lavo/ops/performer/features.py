@@ -39,7 +39,7 @@ class PerformerCache(Cache):
         acc = accumulation_dtype(dtype)
         k_sum = torch.zeros(batch, heads, features, dtype=acc, device=device)
         return cls(torch.zeros(batch, heads, features, head_dim, dtype=acc, device=device), k_sum,
-                   torch.full((batch, heads), neg_inf(dtype), dtype=dtype, device=device), 0)
+                   torch.full((batch, heads), neg_inf(acc), dtype=acc, device=device), 0)
 
 
 def orthogonal_random_features(features: int, head_dim: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -70,14 +70,23 @@ def key_exponents(k: torch.Tensor, projection: torch.Tensor, padding_mask: torch
     return exponents if padding_mask is None else exponents.masked_fill(~padding_mask[:, :, None, None], -math.inf)
 
 
+def widened(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` and ``k`` in float32 when 16-bit: the exponents reach tens (bfloat16's spacing there is 0.25 to 0.5),
+    and float16 key features underflow; call with autocast off, which would round the products back."""
+    return q.to(accumulation_dtype(q.dtype)), k.to(accumulation_dtype(k.dtype))
+
+
 def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
                         padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Non-causal FAVOR+. ``q [B, T, H, D]``, ``k, v [B, S, H, D]``, ``projection [F, D]`` -> ``[B, T, H, D]``."""
+    """Non-causal FAVOR+. ``q [B, T, H, D]``, ``k, v [B, S, H, D]``, ``projection [F, D]`` -> ``[B, T, H, D]`` in
+    ``v``'s dtype (computed in float32 for 16-bit inputs)."""
     if k.shape[1] == 0:  # no keys: an empty memory reads zeros, as one of padding only does
         return q.new_zeros(*q.shape[:3], v.shape[-1])
-    exponents = key_exponents(k, projection, padding_mask)
-    key_max = exponents.amax((1, 3), keepdim=True).detach().clamp(min=torch.finfo(k.dtype).min)
-    return feature_attention(query_features(q, projection), torch.exp(exponents - key_max), v)
+    with torch.autocast(q.device.type, enabled=False):
+        q, k = widened(q, k)
+        exponents = key_exponents(k, projection, padding_mask)
+        key_max = exponents.amax((1, 3), keepdim=True).detach().clamp(min=torch.finfo(k.dtype).min)
+        return feature_attention(query_features(q, projection), torch.exp(exponents - key_max), v)
 
 
 def performer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
@@ -88,6 +97,12 @@ def performer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if cache is None:
         B, _, H, D = v.shape
         cache = PerformerCache.empty(B, H, projection.shape[0], D, dtype=v.dtype, device=v.device)
+    with torch.autocast(q.device.type, enabled=False):
+        return _performer_attention_causal(*widened(q, k), v, projection, padding_mask, cache, chunk)
+
+
+def _performer_attention_causal(q, k, v, projection, padding_mask, cache, chunk):
+    """:func:`performer_attention_causal` from its cache, ``q`` and ``k`` widened, autocast off."""
     exponents = key_exponents(k, projection, padding_mask)
     check_sums((cache.kv, cache.k_sum), exponents, v)
     if cache.key_max.shape != cache.k_sum.shape[:2]:
