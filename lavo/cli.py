@@ -209,7 +209,7 @@ def add_export(commands) -> None:
                             "format (safetensors): after `import lavo.hf`, "
                             "AutoModelForCausalLM.from_pretrained(OUT_DIR) and pipeline('text-generation', "
                             "model=OUT_DIR) load it offline; `lavo generate` and `lavo eval` take OUT_DIR too. Needs "
-                            "the extra hf (`pip install 'lavo[hf]'`).")
+                            "the extra hf (`pip install -e '.[hf]'`).")
     p.add_argument("run", help="run directory")
     p.add_argument("out", help="output directory (new or empty)")
     p.add_argument("--overwrite", action="store_true", help="write into OUT_DIR even if it is not empty")

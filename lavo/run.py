@@ -188,7 +188,7 @@ def load_model_dir(directory: str | os.PathLike, device: str | torch.device = "c
         from .hf import load_exported
     except ImportError as error:
         raise ValueError(f"{directory} is a Hugging Face model directory: reading it needs transformers "
-                         "(`pip install 'lavo[hf]'`)") from error
+                         "(`pip install -e '.[hf]'`)") from error
     return load_exported(directory, device)
 
 

@@ -430,7 +430,7 @@ def test_an_old_triton_leaves_auto_on_torch_and_is_named_when_triton_is_asked_fo
                                          r"enough one, and backend='torch' runs without it$"):
         common.uses_triton("triton", cuda_like)
     monkeypatch.setattr(common, "TRITON_VERSION", None)
-    with pytest.raises(ValueError, match=r"^backend='triton' needs the triton package \(pip install 'lavo\[gpu\]'\)$"):
+    with pytest.raises(ValueError, match=r"^backend='triton' needs the triton package \(pip install -e '\.\[gpu\]'\)$"):
         common.uses_triton("triton", cuda_like)
 
 

@@ -81,7 +81,7 @@ def _pandas():
     try:
         import pandas
     except ImportError as error:
-        raise DataError("the forecasting datasets need pandas: `pip install 'lavo[forecast]'`") from error
+        raise DataError("the forecasting datasets need pandas: `pip install -e '.[forecast]'`") from error
     return pandas
 
 

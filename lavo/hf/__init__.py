@@ -7,7 +7,7 @@ and ``pipeline("text-generation", model=DIRECTORY)``.
 try:
     import transformers  # noqa: F401
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("lavo.hf needs transformers: install the extra with `pip install 'lavo[hf]'`") from error
+    raise ImportError("lavo.hf needs transformers: install the extra with `pip install -e '.[hf]'`") from error
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

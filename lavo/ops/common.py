@@ -317,7 +317,7 @@ def uses_triton(backend: str, q: torch.Tensor) -> bool:
         return (q.is_cuda and q.dtype in TRITON_DTYPES and TRITON_AVAILABLE and capability(q) >= MIN_CAPABILITY
                 and q.shape[-1] <= TRITON_MAX_HEAD_DIM and not _deterministic_backward(q))
     if TRITON_VERSION is None:
-        raise ValueError("backend='triton' needs the triton package (pip install 'lavo[gpu]')")
+        raise ValueError("backend='triton' needs the triton package (pip install -e '.[gpu]')")
     if not TRITON_AVAILABLE:
         raise ValueError(f"backend='triton' needs triton 3.3 or later (the kernels use tl.gather), found "
                          f"{TRITON_VERSION}; torch 2.7 and later bring a recent enough one, and backend='torch' "
