@@ -50,8 +50,8 @@ def _add_neighbour_grads(grad: torch.Tensor, into: torch.Tensor, c0: int, c1: in
 class _BlockedLocalAttention(torch.autograd.Function):
     """Softmax attention of each block of queries over its neighbouring key blocks, computed a few blocks at a
     time: scores never exist for the whole sequence. Backward recomputes them (as in FlashAttention) unless the
-    whole sequence's weights fit in ``SAVED_WEIGHTS_LIMIT`` elements, so long inputs keep only the inputs, the
-    output and each query's score maximum and weight sum. With these two (rather than their log-sum-exp) the
+    whole sequence's weights fit in ``SAVED_WEIGHTS_LIMIT`` elements, so long inputs keep only the inputs and each
+    query's score maximum and weight sum (``dO . O`` comes from the weights and ``dO V^T``, not the output). With these two (rather than their log-sum-exp) the
     recomputation repeats the forward's arithmetic, so its weights equal the saved ones in every dtype.
 
     16-bit inputs get the softmax in float32, as in FlashAttention and the Triton kernels: scores, weights and
@@ -86,7 +86,7 @@ class _BlockedLocalAttention(torch.autograd.Function):
             torch.matmul(weights.to(v.dtype), _neighbours(v, c0, c1, causal), out=out[c0:c1])
             if keep_weights:
                 saved[c0:c1] = weights
-        ctx.save_for_backward(q, k, v, bias, key_valid, out, peaks, totals, saved)
+        ctx.save_for_backward(q, k, v, bias, key_valid, peaks, totals, saved)
         ctx.causal, ctx.chunk, ctx.masked, ctx.scale = causal, chunk, masked, scale
         return out
 
@@ -95,13 +95,12 @@ class _BlockedLocalAttention(torch.autograd.Function):
                       "lavo.ops.local_attention_naive or lavo_attention_naive")
     @autocast_off
     def backward(ctx, grad_out):
-        q, k, v, bias, key_valid, out, peaks, totals, saved = ctx.saved_tensors
+        q, k, v, bias, key_valid, peaks, totals, saved = ctx.saved_tensors
         causal, chunk, masked, scale = ctx.causal, ctx.chunk, ctx.masked, ctx.scale
         wide = peaks.dtype
         grad_q = q.new_empty(q.shape)
         grad_k, grad_v = k.new_zeros(k.shape, dtype=wide), v.new_zeros(v.shape, dtype=wide)
         grad_bias = torch.zeros_like(bias)
-        row_dot = (grad_out.to(wide) * out).sum(-1, keepdim=True)
         for c0 in range(0, q.shape[0], chunk):
             c1 = min(q.shape[0], c0 + chunk)
             queries = q[c0:c1] * scale
@@ -114,7 +113,10 @@ class _BlockedLocalAttention(torch.autograd.Function):
                 weights = saved[c0:c1]
             grad = grad_out[c0:c1]
             _add_neighbour_grads(weights.to(grad.dtype).transpose(-1, -2) @ grad, grad_v, c0, c1, causal)
-            grad_scores = (grad.to(wide) @ values.to(wide).transpose(-1, -2)).sub_(row_dot[c0:c1]).mul_(weights)
+            grad_weights = grad.to(wide) @ values.to(wide).transpose(-1, -2)
+            # dO . O from the weights' own products, not from the output rounded to 16 bits (4 times the error)
+            row_dot = (grad_weights * weights).sum(-1, keepdim=True)
+            grad_scores = grad_weights.sub_(row_dot).mul_(weights)
             if ctx.needs_input_grad[3]:
                 grad_bias += grad_scores.sum_to_size(bias.shape)
             grad_scores = grad_scores.to(q.dtype)
