@@ -24,6 +24,18 @@ def test_layer_with_rotary_matches_explicit_rotation_matrices(causal, T):
     assert_same_outputs_and_grads(fast, slow, [q, k, v])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_16_bit_features_are_rotated_in_float32_and_rounded_once(dtype):
+    """Each rotated feature within one rounding of the exact rotation. Was: the cosines, sines and each product
+    rounded to 16 bits, errors many times one rounding where the two products cancel."""
+    x = (4 * torch.randn(2, 300, 2, 64, generator=torch.Generator().manual_seed(0))).to(dtype)
+    exact = apply_rotary(x.double(), 1000)
+    rotated = apply_rotary(x, 1000)
+    assert rotated.dtype == dtype
+    one_rounding = exact.abs() * torch.finfo(dtype).eps / 2 + 1e-6
+    assert ((rotated.double() - exact).abs() <= one_rounding).all()
+
+
 def test_rotary_scores_depend_only_on_relative_position():
     q, k, _ = _inputs(1, 9, 2, 8)
     scores = [torch.einsum("bqhd,bkhd->bhqk", apply_rotary(q, s), apply_rotary(k, s)) for s in (0, 1000)]
