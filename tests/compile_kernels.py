@@ -8,14 +8,16 @@ launch intercepted: each launch's arguments, constexprs and options are exactly 
 Triton's own binder turns them into the signature and specialization it would compile. Each distinct one is then
 compiled to a cubin for an H100/H200 (sm_90), an A100 (sm_80), a B200 (sm_100) and the GPUs with 99 KB of shared
 memory per block (sm_86: an RTX 3090 or an A10; sm_120: an RTX 5090; sm_89 has as little), and its resources
-checked against the hardware: shared memory per block (``metadata.shared``) and registers per block. Its stack frame
-(where registers that do not fit spill) is reported. The launches for a target are recorded as on that GPU: with less shared memory than an A100,
-the launchers take their smaller configurations (:func:`lavo.ops.common.small_shared_memory`).
+checked against the hardware: shared memory per block (``metadata.shared``) and registers per block. Its stack
+frame (where registers that do not fit spill) is reported. The launches for a target are recorded as on that GPU:
+with less shared memory than an A100, the launchers take their smaller configurations
+(:func:`lavo.ops.common.small_shared_memory`).
 
 Cases: float32 and bfloat16 inputs, ``D`` in 32, 64, 128 and 60 (a padded block), with the launcher's switches
 (causal, bias, its gradient, padding mask; full rank, per-token rows, basis gradient; a wide window, bias, read
 scale, dissection) each on and off in each dtype, the first one on at ``D = 128`` (the largest tiles).
-``--fast`` compiles one case per launcher: bfloat16, ``D = 128`` (the largest tiles), every switch on, so every
+``--fast`` compiles one case per launcher: bfloat16, ``D = 128`` (the largest tiles; ``--head-dim 256`` shows why
+wider heads stay on torch), every switch on, so every
 branch of every kernel is compiled once per target (the ``else`` branches are not). Both modes also compile that
 case of the window and memory-read launchers in their form for tensors past 2^31 elements (``WIDE``, int64
 positions), forced at a small size.
@@ -119,12 +121,13 @@ EXTRA = [(memory_read_case, dtype, 128, (False, per_token, True)) for dtype in D
 WIDE_CASES = (window_attention_case, memory_read_case)  # the launchers with a form for offsets past 2^31
 
 
-def settings(switch_count: int, fast: bool):
+def settings(switch_count: int, fast: bool, fast_head_dim: int = 128):
     """``(dtype, D, switches)`` for one launcher. Per dtype, over its four ``D``: a setting, its complement, another
     and its complement (the settings counting up in binary over the dtypes), so that every switch is on and off in
-    each dtype. ``fast``: every switch on, bfloat16, ``D = 128`` (all of a kernel's code, the largest tiles)."""
+    each dtype. ``fast``: every switch on, bfloat16, ``D = fast_head_dim`` (all of a kernel's code; 128, the
+    largest tiles the kernels are sized for)."""
     if fast:
-        return [(torch.bfloat16, 128, (True,) * switch_count)]
+        return [(torch.bfloat16, fast_head_dim, (True,) * switch_count)]
     chosen = []
     for dtype_index, dtype in enumerate(DTYPES):
         for index, d in enumerate(HEAD_DIMS):
@@ -158,17 +161,17 @@ def shared_memory_of(arch: str):
             module.small_shared_memory = original
 
 
-def recorded(arch: str, fast: bool) -> list[tuple]:
+def recorded(arch: str, fast: bool, fast_head_dim: int = 128) -> list[tuple]:
     """The launches of every case, as on a GPU of ``arch``: ``(kernel, args, kwargs)``."""
     with recorded_launches() as launches, shared_memory_of(arch):
         for case, switch_count in CASES.items():
-            for dtype, head_dim, switches in settings(switch_count, fast):
+            for dtype, head_dim, switches in settings(switch_count, fast, fast_head_dim):
                 case(dtype, head_dim, switches)
         for case, dtype, head_dim, switches in [] if fast else EXTRA:
             case(dtype, head_dim, switches)
         with wide_offsets_forced():
             for case in WIDE_CASES:
-                case(*settings(CASES[case], fast=True)[0])
+                case(*settings(CASES[case], True, fast_head_dim)[0])
     return launches
 
 
@@ -246,8 +249,11 @@ def all_kernels() -> set[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", action="store_true", help="one case per launcher, every switch on")
-    fast = parser.parse_args().fast
-    launches = {arch: recorded(arch, fast) for arch in TARGETS}
+    parser.add_argument("--head-dim", type=int, default=128,
+                        help="D of the --fast case (128; the kernels are not sized for more: backend='auto' keeps "
+                        "wider heads on torch)")
+    args = parser.parse_args()
+    launches = {arch: recorded(arch, args.fast, args.head_dim) for arch in TARGETS}
     reached = {f"{kernel.fn.__module__}.{kernel.fn.__name__}" for kernel, _, _ in launches["sm_90"]}
     failures = [f"never launched by a case: {name}" for name in sorted(all_kernels() - reached)]
     seen, compiled_count = set(), 0

@@ -33,7 +33,7 @@ def test_lavo_matches_naive(T, window, D, rank, causal, dissection, bias, paddin
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_sequence_shorter_than_its_window_is_computed_in_blocks_of_its_length(monkeypatch, causal):
-    """Was: blocks of w, a w x 2w score table for any T (16 tokens under a window of 8192 took 5.5 GB). The
+    """Was: blocks of w, a w x 2w score table for any T (its float32 [H, w, 2w] bias 2 GiB at H = 4, w = 8192). The
     results, the cache (the layer's window) and its continuation are the references'."""
     from lavo.ops.local import blocked
     windows = []

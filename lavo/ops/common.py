@@ -199,8 +199,9 @@ def constant_scale(scale: float | None, head_dim: int) -> float:
 BACKENDS = ("auto", "triton", "torch")
 # Input dtypes the Triton kernels take (they accumulate in float32, so float64 stays on the torch path).
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The widest head the kernels' tiles are sized for: at D = 256 the memory read needs up to 410 KB of shared memory
-# and the float32 window kernels more than an A100 has (tests/compile_kernels.py), so wider heads stay on torch.
+# The widest head the kernels' tiles are sized for: at D = 256 the memory read needs up to 409,600 bytes of shared
+# memory per block, more than any GPU allows (tests/compile_kernels.py --fast --head-dim 256), so wider heads stay
+# on torch.
 TRITON_MAX_HEAD_DIM = 128
 
 

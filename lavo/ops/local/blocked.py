@@ -51,8 +51,9 @@ class _BlockedLocalAttention(torch.autograd.Function):
     """Softmax attention of each block of queries over its neighbouring key blocks, computed a few blocks at a
     time: scores never exist for the whole sequence. Backward recomputes them (as in FlashAttention) unless the
     whole sequence's weights fit in ``SAVED_WEIGHTS_LIMIT`` elements, so long inputs keep only the inputs and each
-    query's score maximum and weight sum (``dO . O`` comes from the weights and ``dO V^T``, not the output). With these two (rather than their log-sum-exp) the
-    recomputation repeats the forward's arithmetic, so its weights equal the saved ones in every dtype.
+    query's score maximum and weight sum (``dO . O`` comes from the weights and ``dO V^T``, not the output). With
+    these two (rather than their log-sum-exp) the recomputation repeats the forward's arithmetic, so its weights
+    equal the saved ones in every dtype.
 
     16-bit inputs get the softmax in float32, as in FlashAttention and the Triton kernels: scores, weights and
     score gradients are float32 (from float32 copies of a few blocks at a time: torch has no 16-bit matmul with a
@@ -180,7 +181,8 @@ def blocking_window(window: int, length: int, pos_bias: torch.Tensor | None,
     """The block length to compute a sequence of ``length`` positions in, and the part of the position table it
     uses. A sequence shorter than its window lies in one window, where every query sees every key the rule allows
     (the earlier ones, causal; all, non-causal) at offsets below ``length``: blocks of ``length`` give the same
-    result on a ``T x 2T`` score table instead of ``w x 2w`` (16 tokens under a window of 8192 took 5.5 GB)."""
+    result on a ``T x 2T`` score table instead of ``w x 2w`` (whose float32 ``[H, w, 2w]`` bias alone is 2 GiB at
+    ``H = 4, w = 8192``)."""
     if length >= window:
         return window, pos_bias
     if pos_bias is not None:  # causal: offsets t - j from 0; non-causal: j - t from -(T - 1), at 2w - 1 + (j - t)

@@ -27,8 +27,8 @@ def apply_rotary(x: torch.Tensor, start: int = 0, base: float = 10000.0) -> torc
         x: ``[B, T, H, D]`` with even ``D``, tokens at absolute positions ``start .. start + T - 1``.
     Returns:
         ``[B, T, H, D]`` in ``x``'s dtype; dot products of rotated queries and keys depend only on their relative
-        position. 16-bit inputs are rotated in float32 and rounded once (rounding the cosines, the sines and each
-        product to bfloat16 gave rotary attention 10 times SDPA's error on sharp heads).
+        position. 16-bit inputs are rotated in float32 and rounded once (the cosines, the sines and each product
+        rounded to 16 bits put features many roundings off where the two products cancel).
     """
     D = x.shape[-1]
     if D % 2:
