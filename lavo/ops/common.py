@@ -307,9 +307,9 @@ def uses_triton(backend: str, q: torch.Tensor) -> bool:
 
     ``auto`` takes them for CUDA tensors of a dtype they handle with heads of at most 128 features, on a GPU of
     compute capability 8.0 or later, when Triton 3.3 or later is installed, the torch path otherwise; ``triton``
-    insists, and says why it cannot where it cannot. Under ``torch.use_deterministic_algorithms(True)``, for a ``q`` that requires a gradient with grad
-    mode on, ``auto`` takes the torch path and ``triton`` raises (warns, with ``warn_only=True``): the kernels'
-    backward adds some gradients atomically.
+    insists, and says why it cannot where it cannot. Under ``torch.use_deterministic_algorithms(True)``, for a
+    ``q`` that requires a gradient with grad mode on, ``auto`` takes the torch path and ``triton`` raises (warns,
+    with ``warn_only=True``): the kernels' backward adds some gradients atomically.
     """
     check_backend(backend)
     if backend == "torch":

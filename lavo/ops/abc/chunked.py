@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import Cache
-from ..common import accumulation_dtype, check_matching, check_padding_mask, neg_inf, query_scale
+from ..common import accumulation_dtype, check_matching, check_padding_mask, neg_inf, query_scale, without_autocast
 
 
 @dataclass(frozen=True)
@@ -126,10 +126,10 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, control: to
     if cache is not None and not causal:
         raise ValueError("a cache exists only for causal attention (causal=False was given)")
     scale = query_scale(scale, D)
-    with torch.autocast(q.device.type, enabled=False):  # bfloat16 autocast would undo the float32 casts inside
-        return _abc_attention(q, k, v, control, causal, padding_mask, cache, scale, chunk)
+    return _abc_attention(q, k, v, control, causal, padding_mask, cache, scale, chunk)
 
 
+@without_autocast  # bfloat16 autocast would undo the float32 casts inside
 def _abc_attention(q, k, v, control, causal, padding_mask, cache, scale, chunk):
     """:func:`abc_attention` after its checks."""
     B, T, H, D = q.shape

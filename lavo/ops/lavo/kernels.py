@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common import launching_on, small_shared_memory
-from ..local.kernels import _shared_strides, _wide, dot_options, pipelining, wide_offsets
+from ..local.kernels import _grid_row, _shared_strides, _wide, dot_options, pipelining, wide_offsets
 
 # Programs per (batch, head) row at most: enough to fill a GPU, few enough that the basis gradient's atomic adds
 # (one [r, D] tile per program) stay cheap.
@@ -61,18 +61,11 @@ def _read(Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group,
 
 
 @triton.jit
-def _program(programs):
-    """This program's ``(batch, head)`` row, in int64 (offsets into tensors past 2^31 elements must not overflow),
-    and its first block: the grid is one axis of ``programs`` per row (CUDA allows 2^31 - 1 programs there, 65,535
-    on the others), and a program walks every ``programs``-th block of its row."""
-    return (tl.program_id(0) // programs).to(tl.int64), tl.program_id(0) % programs
-
-
-@triton.jit
 def _forward(Q, COEF, BASIS, O, stride_b, stride_t, stride_h, heads, group, length, head_dim, rank, blocks, scale,
              PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
              PRECISION: tl.constexpr, FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
-    bh, block = _program(blocks)  # a block each
+    bh, block = _grid_row(blocks)  # a block each
+    bh = bh.to(tl.int64)  # offsets into tensors past 2^31 elements must not overflow
     b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(
         Q, COEF, BASIS, block, bh, heads, stride_b, stride_t, stride_h, group, length, head_dim, rank, scale,
         PER_TOKEN, BLOCK, BLOCK_D, BLOCK_R, PRECISION, FLOAT32_DOTS, WIDE)
@@ -88,7 +81,8 @@ def _backward(Q, COEF, BASIS, DO, DQ, DCOEF, DBASIS, stride_b, stride_t, stride_
               FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
     """``DO``, ``DQ`` contiguous ``[B, T, H, D]``; ``DCOEF`` float32 ``[B * H, T, r]`` per token, else one row per
     block ``[B * H, blocks, r]``; ``DBASIS`` float32 ``[H, r, D]``, added to atomically."""
-    bh, first = _program(programs)
+    bh, first = _grid_row(programs)  # the program walks every programs-th block of its row
+    bh = bh.to(tl.int64)
     grad_basis = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for block in range(first, blocks, programs):
         b, h, t, valid, d, slot, q, basis, proj, coef, weights = _read(
@@ -159,8 +153,8 @@ def _read_forward(q: Tensor, coefficients: Tensor, basis: Tensor, scale: float, 
     out = _read_forward_fake(q, coefficients, basis, scale, group)
     with launching_on(q):
         _forward[(blocks * B * H,)](q, coefficients.contiguous(), basis.to(coefficients.dtype).contiguous(), out,
-                                  *q.stride()[:3], H, kernel_group, T, D, basis.shape[1], blocks, scale,
-                                  PER_TOKEN=per_token, **config)
+                                    *q.stride()[:3], H, kernel_group, T, D, basis.shape[1], blocks, scale,
+                                    PER_TOKEN=per_token, **config)
     return out
 
 

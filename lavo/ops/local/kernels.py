@@ -108,15 +108,20 @@ def _tile(ptr, rows, d, row_stride, length, head_dim, FLOAT32_DOTS: tl.constexpr
 
 
 @triton.jit
+def _grid_row(per_row):
+    """This program's ``(batch, head)`` row and its index among the row's ``per_row`` programs. The kernels' grids
+    are one axis, the programs of each row in turn: CUDA allows 2^31 - 1 programs there, 65,535 on the others."""
+    return tl.program_id(0) // per_row, tl.program_id(0) % per_row
+
+
+@triton.jit
 def _program(heads, length, stride_b, stride_h, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
     """This program's ``[B * H, T]`` row, batch ``b``, head ``h``, its block's first position and positions, the
     ``D`` lanes and the input offset (``b`` and ``h`` in int64, so offsets into tensors past 2^31 elements do not
-    overflow, whatever the layout; positions too when ``WIDE``). The grid is one axis, the blocks of each row in
-    turn: CUDA allows 2^31 - 1 programs there, 65,535 on the others."""
-    blocks = tl.cdiv(length, BLOCK)
-    row = tl.program_id(0) // blocks
+    overflow, whatever the layout; positions too when ``WIDE``); a program per block."""
+    row, block = _grid_row(tl.cdiv(length, BLOCK))
     b, h = (row // heads).to(tl.int64), (row % heads).to(tl.int64)
-    first = _wide(tl.program_id(0) % blocks * BLOCK, WIDE)
+    first = _wide(block * BLOCK, WIDE)
     return row, b, h, first, first + tl.arange(0, BLOCK), tl.arange(0, BLOCK_D), b * stride_b + h * stride_h
 
 

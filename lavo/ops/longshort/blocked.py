@@ -20,7 +20,7 @@ import torch
 from einops import rearrange
 from torch.nn.functional import layer_norm, pad
 
-from ..common import accumulation_dtype, check_window_inputs, neg_inf, query_scale
+from ..common import accumulation_dtype, check_window_inputs, neg_inf, query_scale, without_autocast
 from ..local.blocked import block_bias
 
 DualNorm = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -95,12 +95,12 @@ def longshort_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, proje
     wide = accumulation_dtype(q.dtype)
     if dual_norm is not None:
         dual_norm = tuple(tuple(x.to(wide) for x in pair) for pair in dual_norm)
-    with torch.autocast(q.device.type, enabled=False):  # autocast would round the float32 products back
-        out = _longshort_attention(*(x.to(wide) for x in (q, k, v, projection)), window, causal, padding_mask, scale,
-                                   dual_norm)
+    out = _longshort_attention(*(x.to(wide) for x in (q, k, v, projection)), window, causal, padding_mask, scale,
+                               dual_norm)
     return out.to(q.dtype)
 
 
+@without_autocast  # autocast would round the float32 products back
 def _longshort_attention(q, k, v, projection, window, causal, padding_mask, scale, dual_norm):
     """:func:`longshort_attention` after its checks, in one dtype with autocast off."""
     B, T, H, D = q.shape

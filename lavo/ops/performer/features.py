@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ...cache import Cache
-from ..common import accumulation_dtype, neg_inf
+from ..common import accumulation_dtype, neg_inf, without_autocast
 from ..feature_attention import causal_feature_attention, check_sums, feature_attention
 
 
@@ -72,7 +72,7 @@ def key_exponents(k: torch.Tensor, projection: torch.Tensor, padding_mask: torch
 
 def widened(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` and ``k`` in float32 when 16-bit: the exponents reach tens (bfloat16's spacing there is 0.25 to 0.5),
-    and float16 key features underflow; call with autocast off, which would round the products back."""
+    and float16 key features underflow. What follows runs with autocast off, which would round the products back."""
     return q.to(accumulation_dtype(q.dtype)), k.to(accumulation_dtype(k.dtype))
 
 
@@ -97,10 +97,10 @@ def performer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if cache is None:
         B, _, H, D = v.shape
         cache = PerformerCache.empty(B, H, projection.shape[0], D, dtype=v.dtype, device=v.device)
-    with torch.autocast(q.device.type, enabled=False):
-        return _performer_attention_causal(*widened(q, k), v, projection, padding_mask, cache, chunk)
+    return _performer_attention_causal(*widened(q, k), v, projection, padding_mask, cache, chunk)
 
 
+@without_autocast
 def _performer_attention_causal(q, k, v, projection, padding_mask, cache, chunk):
     """:func:`performer_attention_causal` from its cache, ``q`` and ``k`` widened, autocast off."""
     exponents = key_exponents(k, projection, padding_mask)
