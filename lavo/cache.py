@@ -233,8 +233,8 @@ class LavoCache(_LavoState):
         keys = torch.zeros(batch, 0, heads, head_dim, dtype=dtype, device=device)
         memory = torch.zeros(batch, heads, rank, dtype=accumulation_dtype(dtype), device=device)
         count = torch.zeros(batch, dtype=memory.dtype, device=device)
-        return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), memory, count, memory, count, 0,
-                   window, dissection=dissection, **PAPER_MEMORY)
+        return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), memory, count, memory.clone(),
+                   count.clone(), 0, window, dissection=dissection, **PAPER_MEMORY)
 
     def check_fits(self, batch: int, heads: int, head_dim: int, rank: int, **settings: Any) -> None:
         """Raise ``ValueError`` naming what differs when this cache was not made by a layer of this shape and
@@ -258,8 +258,9 @@ class LavoCache(_LavoState):
         slots = torch.zeros(batch, heads, rank, 1, dtype=accumulation_dtype(dtype), device=device)
         top = torch.full_like(slots, torch.finfo(slots.dtype).min)
         total = slots.expand(-1, -1, -1, head_dim if memory == "vector" else 1).clone()
-        return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), total, slots, total, slots, 0,
-                   window=window, memory_top=top, window_top=top, dissection=True, write=write, memory=memory)
+        return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), total, slots, total.clone(),
+                   slots.clone(), 0, window=window, memory_top=top, window_top=top.clone(), dissection=True,
+                   write=write, memory=memory)
 
     @staticmethod
     def max_nbytes(batch: int, heads: int, head_dim: int, rank: int, window: int,

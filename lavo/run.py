@@ -92,6 +92,8 @@ def read_run_config(run_dir: str | os.PathLike) -> RunConfig:
         return run_config_at(values, run_dir)
     except UnknownAttention:
         raise  # the config is fine; the package that registers its mechanism is not imported or installed
+    except FileNotFoundError as error:
+        raise RunError(f"{path} is missing: restore it, or train the run again with --overwrite") from error
     except (ValueError, TypeError, AttributeError) as error:
         raise RunError(f"{path} is not a valid run config ({error}): restore it, or train the run again "
                        "with --overwrite") from error
@@ -152,7 +154,8 @@ def checkpoint_id(path: Path) -> tuple[str | None, str | None]:
         with safe_open(str(path), "pt") as weights:
             metadata = weights.metadata() or {}
     except Exception as error:
-        raise RunError(f"{path} is not a readable safetensors file ({error}): it is damaged") from error
+        raise RunError(f"{path} is not a readable safetensors file ({error}): it is damaged; restore it, or "
+                       "train the run again with --overwrite") from error
     return metadata.get("step"), metadata.get("checkpoint")
 
 
@@ -352,13 +355,27 @@ class MetricsLog:
             kept = [line for line in self.path.read_text().splitlines() if self.step_of(line) <= step]
             write_text(self.path, "".join(line + "\n" for line in kept))
 
+    def final_step(self) -> int | None:
+        """The step of the last summary record (``"final": true``), None when there is none."""
+        if not self.path.exists():
+            return None
+        finals = [entry["step"] for line in self.path.read_text().splitlines()
+                  if (entry := self.parse(line)) and entry.get("final")]
+        return finals[-1] if finals else None
+
     @staticmethod
-    def step_of(line: str) -> float:
-        """A record's step; infinite for a line a killed process left half written (so it is dropped)."""
+    def parse(line: str) -> dict | None:
+        """A record, or None for a line a killed process left half written."""
         try:
-            return json.loads(line).get("step", 0)
+            return json.loads(line)
         except ValueError:
-            return float("inf")
+            return None
+
+    @classmethod
+    def step_of(cls, line: str) -> float:
+        """A record's step; infinite for a line a killed process left half written (so it is dropped)."""
+        entry = cls.parse(line)
+        return float("inf") if entry is None else entry.get("step", 0)
 
     def write(self, entry: dict) -> None:
         if self.file is None:

@@ -280,6 +280,7 @@ class Trainer:
         saved = self.check_resumed_settings()
         state = load_checkpoint(self.run_dir, self.model)
         self.check_same_data(state)
+        self.check_same_world_size(state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state.get("scaler", {}))
         self.sampler.load_state_dict(state["sampler"])
@@ -320,6 +321,16 @@ class Trainer:
                     f"{self.run_dir} was trained with another {what} ({key} {state[key][:12]}) than the one "
                     f"prepared now in {data.directory} ({now[:12]}): {self.describe_data_change()}, or start "
                     "again with --overwrite")
+
+    def check_same_world_size(self, state: dict) -> None:
+        """Refuse another number of processes: each takes ``batch_size`` windows of the sampler's order, so the
+        batch and the data each step sees depend on it."""
+        world = state.get("world_size", self.env.world)  # checkpoints from before it was saved: not checked
+        if world != self.env.world:
+            how = "python -m lavo train" if world == 1 else f"torchrun --nproc_per_node {world}"
+            raise RunError(f"{self.run_dir} was trained by {world} process{'es' if world > 1 else ''}, and is "
+                           f"resumed by {self.env.world}: each takes train.batch_size windows a step, so its batches "
+                           f"and data order would change. Resume it with {how}")
 
     def describe_data_change(self) -> str:
         """What differs between the documents the run recorded and those prepared now, and what to do about it."""
@@ -434,7 +445,7 @@ class Trainer:
         save_checkpoint(self.run_dir, self.model, {
             "step": p.step, "tokens": p.tokens, "elapsed": p.elapsed, "loss": p.loss,
             "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-            "sampler": self.sampler.state_dict(), "rng": rng,
+            "sampler": self.sampler.state_dict(), "rng": rng, "world_size": self.env.world,
             "tokenizer_sha256": self.data.tokenizer.sha256, "data_fingerprint": self.data.manifest["fingerprint"]})
 
     def stop_reason(self, stops: StopRequests) -> str | None:
@@ -458,8 +469,10 @@ class Trainer:
         if p.step >= end:
             self.log(f"{self.run_dir} is already trained to step {p.step} (train.steps is {tc.steps}): nothing "
                      "to do; raise train.steps to train further")
-            self.metrics.close()
-            return self.summary()
+            if self.metrics.final_step() == p.step:
+                self.metrics.close()
+                return self.summary()
+            return self.finish()  # a call stopped between its last checkpoint and its summary
         if self.env.main and tc.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=tc.steps, initial=p.step, desc=self.run_dir.name, unit="step", dynamic_ncols=True)
@@ -472,19 +485,19 @@ class Trainer:
                 while p.step < end:
                     self.take_step(end, started)
                     stop = self.stop_reason(stops)
-                    if stop == "interrupt":
+                    if stop == "interrupt" and p.step < end:
                         self.say(f"interrupted after step {p.step}; saving a checkpoint (resume with --resume)")
                         self.checkpoint()
                         raise KeyboardInterrupt
-                    if stop == "time":
+                    if stop is not None:
                         break
                     if tc.checkpoint_interval and p.step % tc.checkpoint_interval == 0 and p.step < end:
                         self.off_the_clock(self.checkpoint)
+                self.checkpoint()  # still under the handlers: a Ctrl-C now waits for the checkpoint
         finally:
             if self.bar is not None:
                 self.bar.close()
                 self.bar = None
-        self.checkpoint()
         return self.finish()
 
     def take_step(self, end: int, started: float) -> None:

@@ -709,8 +709,11 @@ def test_ctrl_c_on_a_benchmark_script_keeps_its_tables_in_the_partial_files(tmp_
     script = (f"source benchmarks/common.sh && bench_into {out} --quick --no-progress --sections attention "
               "--attentions '' --ops sdpa --passes fwd --lengths 128,4K,8K,16K,32K --max-quadratic-length 32K "
               "--repeats 50")
+    # a terminal's foreground job gets Ctrl-C; a suite run in the background (`&`) ignores SIGINT, and so would its
+    # children unless the handler is reset
     shell = subprocess.Popen(["bash", "-c", script], env={**os.environ, "PYTHON": sys.executable},
-                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     partial = tmp_path / "cpu.partial.json"
     deadline = time.monotonic() + 120
     while not (partial.exists() and json.loads(partial.read_text() or "{}").get("records")):

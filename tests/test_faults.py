@@ -140,6 +140,53 @@ def test_ctrl_c_saves_the_exact_position_and_resume_continues_exactly(setup, tmp
     assert f"resumed {tmp_path / 'run'} at step 16" in lines
 
 
+def final_steps(run_dir: Path) -> list[int]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if r.get("final")]
+
+
+def test_ctrl_c_during_the_last_step_ends_the_run_as_if_uninterrupted(setup, tmp_path):
+    """Nothing is left to stop: the run checkpoints, writes its summary and exits 0 (before, it exited 130 without
+    a summary, and --resume found nothing to do and wrote none either)."""
+    config = config_for(setup, tmp_path)
+    process = start(config, tmp_path, pause_after=STEPS - 1)
+    wait_for_step(tmp_path / "run", process, STEPS - 1)
+    process.send_signal(signal.SIGINT)  # while it waits before the last step
+    resume_paused(tmp_path)
+    code, output = finish(process)
+    assert code == 0 and "interrupted" not in output, output
+    assert final_steps(tmp_path / "run") == [STEPS]
+    assert run_digest(tmp_path / "run") == setup["digest"] and step_losses(tmp_path / "run") == setup["losses"]
+
+
+def test_resuming_a_trained_run_without_its_summary_writes_it_once(setup, tmp_path):
+    """A process killed between its final checkpoint and its summary record: --resume has no step to train, but
+    the run's summary (what reports read) is written then, and only then."""
+    run_dir = tmp_path / "run"
+    config = RunConfig.from_dict(config_for(setup, tmp_path, steps=3))
+    summary = train(config, log=quiet)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[:-1]))  # the summary dropped
+    assert final_steps(run_dir) == []
+    for _ in range(2):
+        assert train(config, resume=True, log=quiet) == summary
+        assert (run_dir / "metrics.jsonl").read_text().splitlines() == lines
+
+
+def test_resume_refuses_another_number_of_processes(setup, tmp_path):
+    config = RunConfig.from_dict(config_for(setup, tmp_path, steps=4))
+    train(config, stop_after=2, log=quiet)
+    state_path = tmp_path / "run" / "state.pt"
+    state = torch.load(state_path, weights_only=True)
+    assert state["world_size"] == 1
+    torch.save({**state, "world_size": 2}, state_path)  # as if trained by torchrun --nproc_per_node 2
+    with pytest.raises(RunError, match=re.escape(
+            f"{tmp_path / 'run'} was trained by 2 processes, and is resumed by 1: each takes train.batch_size "
+            "windows a step, so its batches and data order would change. Resume it with torchrun "
+            "--nproc_per_node 2")):
+        train(config, resume=True, log=quiet)
+
+
 def test_kill_9_mid_training_and_a_second_trainer_meanwhile(setup, tmp_path):
     config = config_for(setup, tmp_path)
     process = start(config, tmp_path, pause_after=15)
@@ -322,6 +369,10 @@ def test_damaged_run_files_are_named(setup, tmp_path):
     (run_dir / "config.json").write_text(json.dumps({"model": {"dim": -1}}))
     with pytest.raises(RunError, match=r"config.json is not a valid run config \(model.dim must be an integer >= 1"):
         load_run(run_dir)
+    (run_dir / "config.json").unlink()
+    with pytest.raises(RunError, match=re.escape(f"{run_dir / 'config.json'} is missing: restore it, or train the "
+                                                 "run again with --overwrite")):
+        train(RunConfig.from_dict(config_for(setup, tmp_path, steps=1)), resume=True, log=quiet)
 
 
 def test_a_lock_is_exclusive_until_released(tmp_path):

@@ -103,6 +103,27 @@ def test_cache_size_is_constant_in_context_length():
     assert sizes == {LavoCache.max_nbytes(2, 4, 8, 8, 16)}
 
 
+def _storage_bytes(cache):
+    """Bytes of the distinct storages the cache's tensors keep alive (views included)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in cache.tensors()}.values())
+
+
+@pytest.mark.parametrize("options", [{}, {"write": "decay"}, {"write": "gated"}, {"memory": "vector"}],
+                         ids=["paper", "decay", "gated", "vector"])
+def test_a_cache_keeps_alive_no_more_than_its_bound_whatever_the_context(options):
+    """Views into a whole call's scan or a chunk's concatenation would pin storage that grows with the context
+    while ``nbytes()`` stays constant."""
+    layer, window = _layer(window=16, **options), 16
+    empty = layer.empty_cache(2)
+    assert _storage_bytes(empty) == empty.nbytes()
+    with torch.no_grad():
+        for length in (46, 494, 4846):
+            _, cache = layer(torch.randn(2, length, 32))
+            for chunk in (window, 2 * window, 1):  # pieces that end on a window boundary, then one token
+                _, cache = layer(torch.randn(2, chunk, 32), cache=cache)
+                assert _storage_bytes(cache) <= layer.cache_nbytes(2, cache.position), (length, chunk)
+
+
 def test_learned_basis_stays_orthonormal_through_training():
     layer = _layer(rank=6, basis="learned", window=4)  # T = 20 spans 5 windows: the memory is used
     optimizer = torch.optim.Adam(layer.parameters(), lr=0.05)

@@ -145,10 +145,12 @@ def cache_after(k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | N
 def variant_cache_states(windows: SlotState, upto: SlotState, done: int) -> dict[str, torch.Tensor]:
     """The cache fields of a variant's memory after ``done`` complete windows: the state of those windows
     (``upto[done - 1]``, referenced to the last one's start) and of the unfinished one (referenced to its start).
-    ``windows``: per-window states; ``upto``: their inclusive scan."""
+    ``windows``: per-window states; ``upto``: their inclusive scan. Copies, so a cache does not pin every
+    window's state."""
     nothing = empty_state(windows.top[0], windows.total.shape[-1])
     memory = rows(upto, done - 1) if done > 0 else nothing
     unfinished = rows(windows, done) if done < windows.top.shape[0] else nothing
-    return dict(memory_top=memory.top, memory_sum=memory.total, memory_count=memory.norm,
-                window_top=unfinished.top, window_sum=unfinished.total, window_count=unfinished.norm)
+    fields = dict(memory_top=memory.top, memory_sum=memory.total, memory_count=memory.norm,
+                  window_top=unfinished.top, window_sum=unfinished.total, window_count=unfinished.norm)
+    return {name: state.clone() for name, state in fields.items()}
 

@@ -15,10 +15,11 @@ def keep_visible(position: int, window: int, *tensors: torch.Tensor) -> tuple[to
         position: tokens seen so far; each tensor's time axis (dim 1) ends at ``position - 1``.
         tensors: e.g. keys ``[B, L, H, D]`` and their mask ``[B, L]``.
     Returns:
-        each tensor from the start of the previous window on: its last ``<= 2w - 1`` positions.
+        each tensor from the start of the previous window on: its last ``<= 2w - 1`` positions; a copy when
+        positions are dropped (once a window), so a cache never pins the positions it no longer holds.
     """
     keep = visible_length(position, window)
-    return tuple(t[:, t.shape[1] - keep:] for t in tensors)
+    return tuple(t[:, t.shape[1] - keep:].clone() if keep < t.shape[1] else t for t in tensors)
 
 
 def visible_keys(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, window: int
@@ -27,7 +28,8 @@ def visible_keys(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, wi
     after the ``T`` positions of ``k, v [B, T, H, D]``; copies, so a cache does not pin the whole sequence."""
     B, T = k.shape[:2]
     key_mask = torch.ones(B, T, dtype=torch.bool, device=k.device) if real is None else real
-    return tuple(x.clone() for x in keep_visible(T, window, k, v, key_mask))
+    keep = visible_length(T, window)
+    return tuple(x[:, T - keep:].clone() for x in (k, v, key_mask))
 
 
 def visible_length(position: int, window: int) -> int:
