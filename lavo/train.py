@@ -464,7 +464,7 @@ class Trainer:
     def run(self, end: int) -> dict:
         """Train up to step ``end`` (or the time limit), logging, validating and checkpointing on the way; save a
         final checkpoint and return the summary. Ctrl-C (or SIGTERM) finishes the current step, saves a
-        checkpoint there and raises ``KeyboardInterrupt``."""
+        checkpoint and the summary there, and raises ``KeyboardInterrupt``."""
         tc, p = self.tc, self.progress
         if p.step >= end:
             self.log(f"{self.run_dir} is already trained to step {p.step} (train.steps is {tc.steps}): nothing "
@@ -480,25 +480,26 @@ class Trainer:
         self.window_start, self.window_tokens = time.perf_counter(), 0
         self.call_started = time.perf_counter()
         started = self.call_started - p.elapsed
+        stop = None
         try:
             with StopRequests() as stops:
-                while p.step < end:
+                while p.step < end and stop is None:
                     self.take_step(end, started)
                     stop = self.stop_reason(stops)
-                    if stop == "interrupt" and p.step < end:
-                        self.say(f"interrupted after step {p.step}; saving a checkpoint (resume with --resume)")
-                        self.checkpoint()
-                        raise KeyboardInterrupt
-                    if stop is not None:
-                        break
-                    if tc.checkpoint_interval and p.step % tc.checkpoint_interval == 0 and p.step < end:
+                    due = tc.checkpoint_interval and p.step % tc.checkpoint_interval == 0 and p.step < end
+                    if due and stop is None:
                         self.off_the_clock(self.checkpoint)
+                if stop == "interrupt":
+                    self.say(f"interrupted after step {p.step}; saving a checkpoint (resume with --resume)")
                 self.checkpoint()  # still under the handlers: a Ctrl-C now waits for the checkpoint
         finally:
             if self.bar is not None:
                 self.bar.close()
                 self.bar = None
-        return self.finish()
+        summary = self.finish()
+        if stop == "interrupt":
+            raise KeyboardInterrupt
+        return summary
 
     def take_step(self, end: int, started: float) -> None:
         """One training step and its bookkeeping: the counters, the log record (every ``log_interval`` steps and

@@ -145,16 +145,16 @@ def final_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in records if r.get("final")]
 
 
-def test_ctrl_c_during_the_last_step_ends_the_run_as_if_uninterrupted(setup, tmp_path):
-    """Nothing is left to stop: the run checkpoints, writes its summary and exits 0 (before, it exited 130 without
-    a summary, and --resume found nothing to do and wrote none either)."""
+def test_ctrl_c_during_the_last_step_leaves_a_finished_run(setup, tmp_path):
+    """The run's checkpoint and summary are written, as for any Ctrl-C (before, an interrupted call wrote no
+    summary, and --resume found nothing to do and wrote none either, so reports failed on the run)."""
     config = config_for(setup, tmp_path)
     process = start(config, tmp_path, pause_after=STEPS - 1)
     wait_for_step(tmp_path / "run", process, STEPS - 1)
     process.send_signal(signal.SIGINT)  # while it waits before the last step
     resume_paused(tmp_path)
     code, output = finish(process)
-    assert code == 0 and "interrupted" not in output, output
+    assert code == 130 and f"interrupted after step {STEPS}; saving a checkpoint" in output, output
     assert final_steps(tmp_path / "run") == [STEPS]
     assert run_digest(tmp_path / "run") == setup["digest"] and step_losses(tmp_path / "run") == setup["losses"]
 

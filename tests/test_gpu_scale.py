@@ -1,9 +1,12 @@
 """experiments/gpu_scale: the plan holds the whole protocol with like-for-like models, and its driver's dry run
 trains, scores and resumes end to end (a finished run is never redone, an interrupted one continues)."""
 import json
+import os
 import re
+import signal
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +150,77 @@ def test_a_run_that_cannot_finish_within_one_call_is_not_started(dry, capsys):
         lavo["train_seconds_this_machine"] + lavo["eval_seconds"])
     assert driver.estimate_seconds(planned["abc-s0"], [lavo], {"abc": 1.0}) == pytest.approx(
         4 * 1.0 + 1.5 * lavo["eval_seconds"])
+
+def time_limit_during(monkeypatch, name: str, calls: int = 1):
+    """Make the ``calls``-th call of the driver's function ``name`` receive SIGTERM, as ``timeout`` sends it
+    when a GPU call's time is up."""
+    original, count = getattr(driver, name), [0]
+
+    def ended_during(*args, **kwargs):
+        count[0] += 1
+        if count[0] == calls:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)  # the handler raises first
+        return original(*args, **kwargs)
+    monkeypatch.setattr(driver, name, ended_during)
+
+
+def last_call(results: Path) -> dict:
+    return json.loads((results / "calls.jsonl").read_text().splitlines()[-1])
+
+
+def test_a_call_ended_by_its_time_limit_while_scoring_says_so_and_what_scoring_takes(dry, monkeypatch):
+    """Killed at its limit, a call used to bring back nothing and the next one did the same again."""
+    run, out = dry
+    results, archive = out / "results", out / "results.tar"
+    handler = signal.getsignal(signal.SIGTERM)
+    time_limit_during(monkeypatch, "evaluate")
+    assert run("--only", "local-s0", "--pack", str(archive)) == 130
+    assert signal.getsignal(signal.SIGTERM) == handler  # restored
+    call = last_call(results)
+    assert call["ended"]["run"] == "local-s0" and call["ended"]["phase"] == "scoring"
+    assert call["step_seconds"]["local"] > 0 and call["scoring_cut_off"] == {"local": call["ended"]["seconds"]}
+    with tarfile.open(archive) as tar:
+        assert json.loads(tar.extractfile("results/calls.jsonl").read().splitlines()[-1]) == call
+    # a later call keeps one and a half times that for scoring, at least
+    planned = {r.name: r for r in driver.planned_runs(PLAN, dry_run=True)}
+    (results / "calls.jsonl").write_text(json.dumps({"scoring_cut_off": {"local": 100.0}}) + "\n")
+    assert driver.estimate_eval_seconds(planned["local-s1"], [], driver.scoring_cut_off(results)) == 150.0
+
+
+def test_a_call_ended_by_its_time_limit_while_training_leaves_its_pace(dry, monkeypatch):
+    import torch
+    from lavo.train import Trainer
+    run, out = dry
+    train_step, count = Trainer.train_step, [0]
+
+    def ended_during_step_2(self, lr):
+        count[0] += 1
+        if count[0] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # training's own handler: this step ends, then a checkpoint
+        return train_step(self, lr)
+    monkeypatch.setattr(Trainer, "train_step", ended_during_step_2)
+    assert run("--only", "local-s0") == 130
+    call = last_call(out / "results")
+    assert call["ended"]["run"] == "local-s0" and call["ended"]["phase"] == "training"
+    assert call["step_seconds"]["local"] > 0 and "scoring_cut_off" not in call
+    assert torch.load(out / "runs" / "local-s0" / "state.pt", weights_only=True)["step"] == 2
+
+
+def test_a_long_evaluation_cut_off_by_the_time_limit_keeps_the_runs_scores(dry, monkeypatch, capsys):
+    run, out = dry
+    results = out / "results"
+    time_limit_during(monkeypatch, "evaluate", calls=2)  # lavo's long evaluation, after its main one
+    assert run("--only", "lavo-s0") == 130
+    record = json.loads((results / "lavo-s0.json").read_text())
+    assert set(record["eval"]) == {"books", "code"}
+    assert record["long_eval"] == {"failed": "not finished: the call's time limit ended it"}
+    call = last_call(results)
+    assert call["ended"]["phase"] == "long evaluation" and call["scoring_cut_off"]["lavo"] >= record["eval_seconds"]
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert run("--only", "lavo-s0") == 0 and "[train]" not in capsys.readouterr().out
+
 
 def test_a_run_that_fails_is_recorded_and_cannot_hold_up_the_others(dry, capsys, monkeypatch):
     run, out = dry
@@ -293,13 +367,14 @@ def test_gpu_utilization_is_the_mean_of_its_samples():
 
 def test_spend_counts_the_workers_of_one_call_once(tmp_path):
     report = load_script("gpu_scale_report", "experiments/gpu_scale/report.py")
-    calls = [{"call": "c1", "started": "a", "wall_s": 300.0, "gpu_utilization": 80.0},
-             {"call": "c1", "started": "b", "wall_s": 360.0, "gpu_utilization": 90.0},
+    calls = [{"call": "c1", "started": "a", "wall_s": 300.0, "gpu_utilization": 80.0, "ended": {"phase": "x"}},
+             {"call": "c1", "started": "b", "wall_s": 360.0, "gpu_utilization": 90.0, "ended": {"phase": "y"}},
              {"started": "d", "wall_s": 60.0}]
     (tmp_path / "calls.jsonl").write_text("".join(json.dumps(call) + "\n" for call in calls))
     rows = dict(line.strip("|").split("|")[:2] for line in report.spend_table(tmp_path, {}).splitlines()[2:])
     rows = {key.strip(): value.strip() for key, value in rows.items()}
     assert rows["GPU calls"] == "2" and rows["GPU minutes (the calls' wall time)"] == "7.0"  # (360 + 60) / 60
+    assert rows["calls ended by their time limit"] == "1"
     assert rows["GPU utilisation, mean over the calls (nvidia-smi)"] == "85%"
 
 

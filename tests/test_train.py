@@ -123,7 +123,7 @@ def test_checkpoint_files(corpus, tmp_path):
     assert {(out / name).stat().st_mode for name in os.listdir(out)} == {(tmp_path / "probe").stat().st_mode}
     state = torch.load(out / "state.pt", weights_only=True)
     assert set(state) == {"step", "tokens", "elapsed", "loss", "optimizer", "scaler", "sampler", "rng", "checkpoint",
-                          "tokenizer_sha256", "data_fingerprint"}
+                          "tokenizer_sha256", "data_fingerprint", "world_size"}
     assert load_file(str(out / "model.safetensors")) is not None
     from safetensors import safe_open
     with safe_open(str(out / "model.safetensors"), "pt") as f:

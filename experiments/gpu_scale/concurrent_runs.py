@@ -35,14 +35,33 @@ def run_workers(command: list[str], workers: int, results_dir: Path, pack: Calla
     results_dir.mkdir(parents=True, exist_ok=True)
     children = [subprocess.Popen(command + ["--worker", f"{k}/{workers}"]) for k in range(1, workers + 1)]
     packed = None
-    while any(child.poll() is None for child in children):
-        time.sleep(1)
-        names = sorted(path.name for path in results_dir.glob("*.json"))
-        if names != packed:
-            pack()
-            packed = names
-    pack()
+    try:
+        while any(child.poll() is None for child in children):
+            time.sleep(1)
+            names = sorted(path.name for path in results_dir.glob("*.json"))
+            if names != packed:
+                pack()
+                packed = names
+    except BaseException:  # the call ends: the workers had the signal too (their process group), else they get it
+        stop_workers(children)
+        raise
+    finally:
+        pack()
     return max(child.returncode for child in children)
+
+
+def stop_workers(children: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """Let the workers write what they were doing and exit; SIGTERM those still running after ``grace``
+    seconds, and wait for them."""
+    deadline = time.monotonic() + grace
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(max(0.0, deadline - time.monotonic()))
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    for child in children:
+        child.wait()
 
 
 def _wait_for(ready: Callable[[], bool], seconds: float, children: list[subprocess.Popen], what: str) -> None:

@@ -148,7 +148,8 @@ def spend_table(results_dir: Path, results: dict) -> str:
         wall[key] = max(wall.get(key, 0.0), c["wall_s"])
     utilization = [c["gpu_utilization"] for c in calls if c.get("gpu_utilization") is not None]
     tokens = sum(r["tokens"] for r in results.values())
-    rows = [["GPU calls", len(wall)],
+    ended = {c.get("call") or c["started"] for c in calls if "ended" in c}
+    rows = [["GPU calls", len(wall)], ["calls ended by their time limit", len(ended)],
             ["GPU minutes (the calls' wall time)", f"{sum(wall.values()) / 60:.1f}"],
             ["GPU utilisation, mean over the calls (nvidia-smi)",
              f"{statistics.mean(utilization):.0f}%" if utilization else "not measured"],

@@ -18,13 +18,15 @@ import contextlib
 import hashlib
 import json
 import shutil
+import signal
 import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -38,6 +40,50 @@ from lavo.files import write_json  # noqa: E402
 DEFAULT_BUDGET = 7 * 60  # seconds of work in one 8-minute GPU call; the rest is start-up and packing
 MAX_PROBED_WORKERS = 3  # --workers auto tries 1..3 runs at once
 PROBE_SECONDS = 5.0
+
+
+class CallEnded(BaseException):
+    """SIGTERM: the call's time limit (run_device.sh's ``timeout``) is up. A BaseException, like Ctrl-C's, so
+    that no ``except Exception`` takes it for a failed run."""
+
+
+@contextlib.contextmanager
+def sigterm_ends_the_call():
+    """While active, SIGTERM raises :class:`CallEnded` (training turns it into a checkpoint and a
+    KeyboardInterrupt itself), so that the call records what it was doing before it goes."""
+    def end(number, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the call's line is then written in peace
+        raise CallEnded
+    previous = signal.signal(signal.SIGTERM, end)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass
+class Activity:
+    """What a call is doing, for the line a call ended at its time limit leaves in ``calls.jsonl``."""
+
+    run: PlannedRun | None = None
+    phase: str = ""  # "training", "scoring" or "long evaluation"
+    since: float = field(default_factory=time.monotonic)
+    step_seconds: float | None = None  # the run's training pace, once measured
+
+    def enter(self, run: PlannedRun, phase: str) -> None:
+        self.run, self.phase, self.since = run, phase, time.monotonic()
+
+    def ended(self) -> dict:
+        """The call-line entries of a call ended now: what it was doing, for how long, and what that measured."""
+        if self.run is None:
+            return {"ended": {"phase": "between runs"}}
+        seconds = round(time.monotonic() - self.since, 2)
+        entries = {"ended": {"run": self.run.name, "phase": self.phase, "seconds": seconds}}
+        if self.step_seconds is not None:
+            entries["step_seconds"] = {self.run.model: round(self.step_seconds, 4)}
+        if self.phase != "training":  # its scoring takes at least this long: the next call plans for it
+            entries["scoring_cut_off"] = {self.run.model: seconds}
+        return entries
 
 
 @dataclass
@@ -138,10 +184,13 @@ def check_corpus(plan: dict, data_dir: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- training
 
-def train_within(config: RunConfig, deadline: float, step_limit: int | None, log) -> tuple[bool, float | None]:
+def train_within(config: RunConfig, deadline: float, step_limit: int | None, log,
+                 activity: Activity) -> tuple[bool, float | None]:
     """Train (or resume) one run, whose directory the caller has locked, until it is finished, ``deadline``
     (``time.monotonic()``) is near or ``step_limit`` steps were done in this call; checkpoints on the way. Returns
-    whether the run is finished and its seconds per step (:func:`train_within`'s pace; None if it trained none)."""
+    whether the run is finished and its seconds per step (:func:`train_within`'s pace; None if it trained none).
+    Ended by the call's time limit (a checkpoint, then KeyboardInterrupt), it leaves the pace so far in
+    ``activity``."""
     from lavo.train import Distributed, Trainer, check_run_directory, prepare_run, resolve_device
 
     env, steps, interval = Distributed(), config.train.steps, config.train.checkpoint_interval or config.train.steps
@@ -151,16 +200,22 @@ def train_within(config: RunConfig, deadline: float, step_limit: int | None, log
     trainer.start()
     budget = steps if step_limit is None else step_limit
     timings = []  # seconds per step of each chunk
-    while trainer.progress.step < steps and budget > 0:
-        chunk = min(interval, steps - trainer.progress.step, budget)
-        if timings:  # the next chunk must end before the deadline, at the last chunk's pace
-            chunk = min(chunk, int((deadline - time.monotonic()) / timings[-1]))
-            if chunk < 1:
-                break
-        started, first = time.monotonic(), trainer.progress.step
-        trainer.run(first + chunk)  # checkpoints at its end
-        timings.append((time.monotonic() - started) / max(1, trainer.progress.step - first))
-        budget -= trainer.progress.step - first
+    call_started, call_first = time.monotonic(), trainer.progress.step
+    try:
+        while trainer.progress.step < steps and budget > 0:
+            chunk = min(interval, steps - trainer.progress.step, budget)
+            if timings:  # the next chunk must end before the deadline, at the last chunk's pace
+                chunk = min(chunk, int((deadline - time.monotonic()) / timings[-1]))
+                if chunk < 1:
+                    break
+            started, first = time.monotonic(), trainer.progress.step
+            trainer.run(first + chunk)  # checkpoints at its end
+            timings.append((time.monotonic() - started) / max(1, trainer.progress.step - first))
+            budget -= trainer.progress.step - first
+    except KeyboardInterrupt:
+        if trainer.progress.step > call_first:
+            activity.step_seconds = (time.monotonic() - call_started) / (trainer.progress.step - call_first)
+        raise
     # the model's pace: the fastest chunk after the first, which also compiles and warms up (all there is of one)
     pace = min(timings[1:] or timings) if timings else None
     return trainer.progress.step >= steps, pace
@@ -199,12 +254,14 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def estimate_seconds(run: PlannedRun, done: list[dict], step_seconds: dict[str, float]) -> float | None:
+def estimate_seconds(run: PlannedRun, done: list[dict], step_seconds: dict[str, float],
+                     cut_off: dict[str, float] | None = None) -> float | None:
     """How long ``run`` should take (training and scoring), from finished runs of the same model; else from the
-    seconds per step a stopped run of that model measured (``step_seconds``, by model); else from finished runs of
-    any model; None before any run has finished or measured its model."""
+    seconds per step a stopped run of that model measured (``step_seconds``, by model) and its scoring
+    (:func:`estimate_eval_seconds`); else from finished runs of any model; None before any run has finished or
+    measured its model."""
     if run.model in step_seconds and not any(r["model"] == run.model for r in done):
-        return step_seconds[run.model] * run.values["train"]["steps"] + estimate_eval_seconds(run, done)
+        return step_seconds[run.model] * run.values["train"]["steps"] + estimate_eval_seconds(run, done, cut_off)
     same = same_model_first(run, done)
     if not same:
         return None
@@ -225,6 +282,15 @@ def measured_step_seconds(results_dir: Path) -> dict[str, float]:
         for model, seconds in call.get("step_seconds", {}).items():
             step_seconds[model] = min(seconds, step_seconds.get(model, seconds))
     return step_seconds
+
+
+def scoring_cut_off(results_dir: Path) -> dict[str, float]:
+    """Seconds a scoring of each model ran before its call's time limit ended it: the longest on record."""
+    seconds: dict[str, float] = {}
+    for call in past_calls(results_dir):
+        for model, value in call.get("scoring_cut_off", {}).items():
+            seconds[model] = max(value, seconds.get(model, value))
+    return seconds
 
 
 def failed_before(results_dir: Path) -> set[str]:
@@ -270,46 +336,54 @@ def current_results(results_dir: Path, runs: list[PlannedRun]) -> dict[str, dict
 
 
 def train_and_score(run: PlannedRun, runs_dir: Path, plan_eval: dict, long_eval: dict, deadline: float,
-                    step_limit: int | None, log) -> tuple[dict | None, float | None]:
+                    step_limit: int | None, log, activity: Activity,
+                    save: Callable[[dict], None]) -> tuple[dict | None, float | None]:
     """Train ``run`` (its directory locked by the caller) until done or ``deadline`` less the time its scoring
     needs, then score it. Returns its results record (None when training stopped first) and its seconds per
-    step (:func:`train_within`'s pace)."""
+    step (:func:`train_within`'s pace). The record is also saved (``save``) before the long evaluation, which a
+    call's time limit may then cut off without losing the run."""
     from lavo.train import resolve_device
 
     config = run_config(run, runs_dir)
     device = resolve_device(config.train.device)
     t0 = time.monotonic()
-    done, seconds_per_step = train_within(config, deadline, step_limit, log)
+    activity.enter(run, "training")
+    done, seconds_per_step = train_within(config, deadline, step_limit, log, activity)
+    activity.step_seconds = seconds_per_step
     if not done:
         return None, seconds_per_step
     train_seconds, t0 = time.monotonic() - t0, time.monotonic()
     # every run at the plan's multiples with the same settings; the long evaluation apart, so that it can fail
     # without losing those
+    activity.enter(run, "scoring")
     scores = evaluate(runs_dir / run.name, plan_eval, plan_eval, None, device, log)
-    long_scores = None
-    if run.long_eval:
-        try:
-            long_scores = evaluate(runs_dir / run.name, plan_eval, long_eval, long_eval["lengths"], device, log)
-        except Exception as error:  # e.g. out of memory at 128K
-            log(f"[failed] {run.name}'s long evaluation:\n{traceback.format_exc()}")
-            long_scores = {"failed": f"{type(error).__name__}: {error}"[:500]}
     summary = last_summary(runs_dir / run.name)
     record = {"name": run.name, "model": run.model, "seed": run.seed, "config": run.values,
               "parameters": summary["parameters"], "steps": summary["step"], "tokens": summary["tokens"],
               "final_train_loss": summary["loss"], "train_seconds": summary["elapsed"],
               "train_seconds_this_machine": round(train_seconds, 2),
               "eval_seconds": round(time.monotonic() - t0, 2), "device": device_name(device),
-              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "digest": run.digest, "eval": scores,
-              **({"long_eval": long_scores} if run.long_eval else {})}
+              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "digest": run.digest,
+              "eval": scores}
+    if run.long_eval:
+        save({**record, "long_eval": {"failed": "not finished: the call's time limit ended it"}})
+        activity.phase = "long evaluation"  # its seconds still count from the scoring's start
+        try:
+            record["long_eval"] = evaluate(runs_dir / run.name, plan_eval, long_eval, long_eval["lengths"], device,
+                                           log)
+        except Exception as error:  # e.g. out of memory at 128K
+            log(f"[failed] {run.name}'s long evaluation:\n{traceback.format_exc()}")
+            record["long_eval"] = {"failed": f"{type(error).__name__}: {error}"[:500]}
+        record["eval_seconds"] = round(time.monotonic() - t0, 2)
     log(f"[done] {run.name}: " + ", ".join(
         f"{name} ppl {s[str(config.train.train_length)]['ppl']:.2f} at 1x" for name, s in scores.items()))
     return record, seconds_per_step
 
 
-def not_now(run: PlannedRun, done: list[dict], step_seconds: dict[str, float], budget: float, left: float,
-            resuming: bool) -> str | None:
+def not_now(run: PlannedRun, done: list[dict], step_seconds: dict[str, float], cut_off: dict[str, float],
+            budget: float, left: float, resuming: bool) -> str | None:
     """Why ``run`` is not started in this call, as a log line, or None to start (or resume) it."""
-    estimate = estimate_seconds(run, done, step_seconds)
+    estimate = estimate_seconds(run, done, step_seconds, cut_off)
     if estimate is None or resuming:
         return None
     if estimate > budget:  # it would stop unfinished in every call, and a fresh machine starts it from step 0
@@ -346,70 +420,87 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
     under its directory's lock, so workers of one call (:func:`run_workers`) share the plan: a run another
     process holds is passed over. A run that raises is logged, recorded under ``failed`` and passed over; in
     later calls the runs that failed come last, so that one cannot stop the others. ``call_budget``: a whole
-    call's seconds (default ``budget``), what a run must fit in to be started at all."""
+    call's seconds (default ``budget``), what a run must fit in to be started at all. A call ended by its time
+    limit (SIGTERM, :func:`sigterm_ends_the_call`, or Ctrl-C) writes its line too, with what it was doing then
+    (``ended``) and what that measured, which later calls plan with (``step_seconds``, ``scoring_cut_off``)."""
     from lavo.run import clear_run
     from lavo.train import resolve_device
 
     started, start_time = time.monotonic(), datetime.now(timezone.utc).isoformat(timespec="seconds")
     deadline = started + budget
     results_dir.mkdir(parents=True, exist_ok=True)
-    step_seconds, measured = measured_step_seconds(results_dir), {}
+    step_seconds, cut_off = measured_step_seconds(results_dir), scoring_cut_off(results_dir)
     failed_earlier = failed_before(results_dir)
     runs = sorted(runs, key=lambda run: run.name in failed_earlier)  # stable: the plan's order otherwise
-    finished, stopped, failed, device = [], None, {}, None
+    finished, stopped, failed, device, measured, ended, activity = [], None, {}, None, {}, {}, Activity()
     with GpuUtilization() as utilization:
-        for run in runs:
-            results = current_results(results_dir, runs)  # other workers' too
-            if run.name in results:
-                continue
-            if max_runs is not None and len(finished) >= max_runs:
-                break
-            eval_reserve = estimate_eval_seconds(run, list(results.values()))
-            left = deadline - time.monotonic()
-            if left <= eval_reserve:
-                break
-            resuming = (runs_dir / run.name / "state.pt").exists()
-            reason = not_now(run, list(results.values()), step_seconds, call_budget or budget, left, resuming)
-            if reason is not None:
-                log(reason)
-                continue
-            with claimed(runs_dir / run.name) as mine:
-                if not mine:
-                    log(f"[busy] {run.name}: another worker is training it")
+        try:
+            for run in runs:
+                activity = Activity()
+                results = current_results(results_dir, runs)  # other workers' too
+                if run.name in results:
                     continue
-                if run.name in current_results(results_dir, [run]):  # finished by another worker meanwhile
+                if max_runs is not None and len(finished) >= max_runs:
+                    break
+                eval_reserve = estimate_eval_seconds(run, list(results.values()), cut_off)
+                left = deadline - time.monotonic()
+                if left <= eval_reserve:
+                    break
+                resuming = (runs_dir / run.name / "state.pt").exists()
+                reason = not_now(run, list(results.values()), step_seconds, cut_off, call_budget or budget, left,
+                                 resuming)
+                if reason is not None:
+                    log(reason)
                     continue
-                if (results_dir / f"{run.name}.json").exists():  # made by another plan: trained again, from step 0
-                    log(f"[stale] {run.name}: its results were made with other settings; training it again")
-                    clear_run(runs_dir / run.name)
-                    resuming = False
-                log(f"[train] {run.name}" + (" (resuming)" if resuming else ""))
-                device = device_name(resolve_device(run.values["train"]["device"]))
-                try:
-                    record, seconds_per_step = train_and_score(run, runs_dir, plan_eval, long_eval,
-                                                               deadline - eval_reserve, step_limit, log)
-                except Exception as error:  # e.g. out of memory: the other runs still get their turn
-                    log(f"[failed] {run.name}:\n{traceback.format_exc()}")
-                    failed[run.name] = f"{type(error).__name__}: {error}"[:500]
-                    continue
-                if record is not None:  # written under the lock: no other worker starts the run again
-                    write_json(results_dir / f"{run.name}.json", record)
-            if record is None:
-                stopped = run.name
-                if seconds_per_step is not None:
-                    measured[run.model] = round(seconds_per_step, 4)
-                log(f"[stopped] {run.name}: checkpointed in {runs_dir / run.name}; the next call on this machine "
-                    "resumes it")
-                break
-            finished.append(run.name)
-            pack(results_dir, archive)
-    done = current_results(results_dir, runs)
-    call = {**(call or {}), "started": start_time, "wall_s": round(time.monotonic() - started, 1),
-            "budget_s": budget, "device": device, "gpu_utilization": utilization.mean(),
-            "finished": finished, "stopped": stopped, "failed": failed, "step_seconds": measured,
-            "remaining": [r.name for r in runs if r.name not in done]}
-    add_call(results_dir, call, archive)
+                with claimed(runs_dir / run.name) as mine:
+                    if not mine:
+                        log(f"[busy] {run.name}: another worker is training it")
+                        continue
+                    if run.name in current_results(results_dir, [run]):  # finished by another worker meanwhile
+                        continue
+                    if (results_dir / f"{run.name}.json").exists():  # another plan's: trained again, from step 0
+                        log(f"[stale] {run.name}: its results were made with other settings; training it again")
+                        clear_run(runs_dir / run.name)
+                        resuming = False
+                    log(f"[train] {run.name}" + (" (resuming)" if resuming else ""))
+                    device = device_name(resolve_device(run.values["train"]["device"]))
+                    try:
+                        record, seconds_per_step = train_and_score(
+                            run, runs_dir, plan_eval, long_eval, deadline - eval_reserve, step_limit, log, activity,
+                            lambda record: save_result(results_dir, record, archive))
+                    except Exception as error:  # e.g. out of memory: the other runs still get their turn
+                        log(f"[failed] {run.name}:\n{traceback.format_exc()}")
+                        failed[run.name] = f"{type(error).__name__}: {error}"[:500]
+                        continue
+                    if record is not None:  # written under the lock: no other worker starts the run again
+                        save_result(results_dir, record, archive)
+                if record is None:
+                    stopped = run.name
+                    if seconds_per_step is not None:
+                        measured[run.model] = round(seconds_per_step, 4)
+                    log(f"[stopped] {run.name}: checkpointed in {runs_dir / run.name}; the next call on this "
+                        "machine resumes it")
+                    break
+                finished.append(run.name)
+        except (KeyboardInterrupt, CallEnded):
+            ended = activity.ended()
+            log(f"[ended] by the call's time limit: {json.dumps(ended)}")
+            raise
+        finally:
+            done = current_results(results_dir, runs)
+            call = {**(call or {}), "started": start_time, "wall_s": round(time.monotonic() - started, 1),
+                    "budget_s": budget, "device": device, "gpu_utilization": utilization.mean(),
+                    "finished": finished, "stopped": stopped, "failed": failed, **ended,
+                    "step_seconds": measured | ended.get("step_seconds", {}),
+                    "remaining": [r.name for r in runs if r.name not in done]}
+            add_call(results_dir, call, archive)
     return call
+
+
+def save_result(results_dir: Path, record: dict, archive: Path | None) -> None:
+    """Write a run's results file, then pack the results folder."""
+    write_json(results_dir / f"{record['name']}.json", record)
+    pack(results_dir, archive)
 
 
 def call_with_workers(workers: str, command: list[str], limits: list[str], runs: list[PlannedRun], results_dir: Path,
@@ -422,24 +513,30 @@ def call_with_workers(workers: str, command: list[str], limits: list[str], runs:
     done = current_results(results_dir, runs)
     todo = [run for run in runs if run.name not in done]
     count = int(workers) if workers != "auto" else last_probe_choice(results_dir)
-    if count is None:
-        count = 1
-        if todo:  # a failed probe is kept too (one worker): a probe is not retried at every call's expense
-            train = todo[0].values["train"]
-            step_tokens = train["batch_size"] * train.get("grad_accum", 1) * train["train_length"]
-            throughput = probe_throughput(command + ["--only", todo[0].name], MAX_PROBED_WORKERS, probe_seconds,
-                                          step_tokens, log)
-            count = choose_workers(throughput, step_tokens * train["steps"],
-                                   estimate_eval_seconds(todo[0], list(done.values())), budget)
-            call["probe"] = {"run": todo[0].name, "tokens_per_s": {str(n): round(v) for n, v in throughput.items()}}
-            log(f"[probe] {count} worker(s)")
-    call["workers"] = count
-    left = budget - (time.monotonic() - started)
-    status = run_workers(command + limits + ["--budget", f"{left:.0f}", "--call-budget", f"{budget:.0f}", "--call",
-                                             call_id], count, results_dir, lambda: pack(results_dir, archive))
-    call |= {"started": call_id, "wall_s": round(time.monotonic() - started, 1), "budget_s": budget}
-    add_call(results_dir, call, archive)
-    return status
+    try:
+        if count is None:
+            count = 1
+            if todo:  # a failed probe is kept too (one worker): a probe is not retried at every call's expense
+                train = todo[0].values["train"]
+                step_tokens = train["batch_size"] * train.get("grad_accum", 1) * train["train_length"]
+                throughput = probe_throughput(command + ["--only", todo[0].name], MAX_PROBED_WORKERS, probe_seconds,
+                                              step_tokens, log)
+                scoring = estimate_eval_seconds(todo[0], list(done.values()), scoring_cut_off(results_dir))
+                count = choose_workers(throughput, step_tokens * train["steps"], scoring, budget)
+                call["probe"] = {"run": todo[0].name,
+                                 "tokens_per_s": {str(n): round(v) for n, v in throughput.items()}}
+                log(f"[probe] {count} worker(s)")
+        call["workers"] = count
+        left = budget - (time.monotonic() - started)
+        return run_workers(command + limits + ["--budget", f"{left:.0f}", "--call-budget", f"{budget:.0f}",
+                                               "--call", call_id], count, results_dir,
+                           lambda: pack(results_dir, archive))
+    except (KeyboardInterrupt, CallEnded):
+        call["ended"] = {"phase": "probing" if "workers" not in call else "waiting for the workers"}
+        raise
+    finally:  # the workers have written their own lines (run_workers waits for them)
+        call |= {"started": call_id, "wall_s": round(time.monotonic() - started, 1), "budget_s": budget}
+        add_call(results_dir, call, archive)
 
 
 def add_call(results_dir: Path, call: dict, archive: Path | None) -> None:
@@ -466,11 +563,13 @@ def run_probe_worker(run: PlannedRun, spec: str, folder: Path) -> None:
     probe_worker(trainer, config.train.lr, index, count, folder)
 
 
-def estimate_eval_seconds(run: PlannedRun, done: list[dict]) -> float:
+def estimate_eval_seconds(run: PlannedRun, done: list[dict], cut_off: dict[str, float] | None = None) -> float:
     """Time to keep for scoring after training: the longest scoring of a finished run of the same model (else
-    of any), plus a half; 60 s before any run has been scored."""
+    of any), plus a half; 60 s before any run has been scored; and at least one and a half times what a scoring
+    of the model ran before a call's time limit cut it off (``cut_off``, by model: :func:`scoring_cut_off`)."""
     same = same_model_first(run, done)
-    return 1.5 * max(r["eval_seconds"] for r in same) if same else 60.0
+    estimate = 1.5 * max(r["eval_seconds"] for r in same) if same else 60.0
+    return max(estimate, 1.5 * (cut_off or {}).get(run.model, 0.0))
 
 
 # ----------------------------------------------------------------------------------------------- listing
@@ -548,21 +647,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe_worker:
         run_probe_worker(runs[0], args.probe_worker, args.probe_dir)
         return 0
-    if args.workers != "1":  # the workers themselves run with the default, 1
-        shared = {"--data-dir": data_dir, "--runs-dir": runs_dir, "--results-dir": results_dir}
-        command = [sys.executable, str(Path(__file__).resolve()), *["--dry-run"] * args.dry_run,
-                   *(str(x) for option, value in shared.items() for x in (option, value))]
-        limits = {"--only": args.only, "--max-runs": args.max_runs, "--step-limit": args.step_limit}
-        limited = [str(x) for option, value in limits.items() if value is not None for x in (option, value)]
-        return call_with_workers(args.workers, command, limited, runs, results_dir, archive, args.budget,
-                                 args.probe_seconds)
-    plan_eval, long_eval = eval_settings(plan, args.dry_run)
-    log, call = print, None
-    if args.worker:
-        log = lambda message: print(f"[worker {args.worker}] {message}", flush=True)  # noqa: E731
-        call = {"call": args.call, "worker": args.worker}
-    call = run_plan(runs, plan_eval, long_eval, runs_dir, results_dir, args.budget, args.max_runs, args.step_limit,
-                    archive, log, call, args.call_budget)
+    try:
+        with sigterm_ends_the_call():
+            if args.workers != "1":  # the workers themselves run with the default, 1
+                shared = {"--data-dir": data_dir, "--runs-dir": runs_dir, "--results-dir": results_dir}
+                command = [sys.executable, str(Path(__file__).resolve()), *["--dry-run"] * args.dry_run,
+                           *(str(x) for option, value in shared.items() for x in (option, value))]
+                limits = {"--only": args.only, "--max-runs": args.max_runs, "--step-limit": args.step_limit}
+                limited = [str(x) for option, value in limits.items() if value is not None for x in (option, value)]
+                return call_with_workers(args.workers, command, limited, runs, results_dir, archive, args.budget,
+                                         args.probe_seconds)
+            plan_eval, long_eval = eval_settings(plan, args.dry_run)
+            log, call = print, None
+            if args.worker:
+                log = lambda message: print(f"[worker {args.worker}] {message}", flush=True)  # noqa: E731
+                call = {"call": args.call, "worker": args.worker}
+            call = run_plan(runs, plan_eval, long_eval, runs_dir, results_dir, args.budget, args.max_runs,
+                            args.step_limit, archive, log, call, args.call_budget)
+    except (KeyboardInterrupt, CallEnded):  # its line is in calls.jsonl, and the results are packed
+        return 130
     print(json.dumps({key: call[key] for key in ("wall_s", "finished", "stopped")}
                      | {"remaining": len(call["remaining"])}))
     return 0

@@ -6,6 +6,9 @@
 # --prepare`, 30 MiB) and carried as experiments/gpu_scale/data; lavo comes from this source tree.
 # WORKERS=N trains N runs at once, each in a process of its own; the default, auto, takes the number a probe
 # measured (see REPORT.md, "Running it").
+# LIMIT_S (default BUDGET_S + 120) ends the call with SIGTERM, then SIGKILL 30 s later: run.py then writes what
+# it was doing and what that measured into calls.jsonl (later calls plan with it) and packs, so give the device
+# command a limit of at least LIMIT_S + 40 s.
 # Extra arguments go to run.py (e.g. --only lavo-s0,local-s0).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -16,6 +19,8 @@ E=experiments/gpu_scale
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 # run.py rewrites results.tar after every finished run, so a call cut off at its time limit still returns them
-python3 "$E/run.py" --budget "${BUDGET_S:-420}" --workers "${WORKERS:-auto}" --pack "$OUT/results.tar" "$@" 2>&1 \
+budget=${BUDGET_S:-420}
+timeout -s TERM -k 30 "${LIMIT_S:-$((budget + 120))}" \
+    python3 "$E/run.py" --budget "$budget" --workers "${WORKERS:-auto}" --pack "$OUT/results.tar" "$@" 2>&1 \
     | tee "$OUT/run.log"
 exit "${PIPESTATUS[0]}"
