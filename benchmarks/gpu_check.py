@@ -7,7 +7,9 @@ no time for is the least needed one, recorded as not run.
 Decoding is measured per token at 1K..128K of context, against softmax's key/value cache through SDPA, in each form
 LAVO decodes: through its cache (torch), the fixed-layout step with the fused kernel (``decode``) and with torch ops
 (``decode_torch``), each also replayed from a CUDA graph; with each form's cache bytes. Writes ``<gpu>_bf16.json``
-and ``<gpu>_bf16.md`` (and each step's log) into the output directory.
+and ``<gpu>_bf16.md`` into the output directory, again after every step (so a check cut off keeps what it
+measured), and every step's tables, JSON and log in one archive there, ``steps.tar.gz``: three files, since a
+machine lent for the check may give back only a few.
 
 Run through ``scripts/gpu_check.sh OUT_DIR``. ``--dry-run`` takes the same steps on the CPU at tiny sizes, with
 the kernels in Triton's interpreter: a check of this script, not a measurement.
@@ -22,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import zipfile
@@ -32,7 +35,7 @@ import torch
 from lavo.bench.measure import source_commit
 from lavo.bench.output import markdown
 from lavo.bench.settings import Settings
-from lavo.files import write_json, write_text
+from lavo.files import atomic_write, write_json, write_text
 from lavo.report import length_label, markdown_table, number
 
 LENGTHS = "1K,2K,4K,8K,16K,32K,64K,128K"
@@ -71,9 +74,12 @@ def steps(dry_run: bool, fla: bool) -> list[tuple[str, float, list[str]]]:
     # the Triton path by name: were it unavailable, LAVO's rows fail instead of silently timing the torch path
     gpu = bench + ["--device", "cuda", "--backend", "triton", "--time-limit", "20", "--repeats", "10", "--warmup", "3"]
     attention = gpu + ["--sections", "attention", "--attentions", ""]
-    # fla's ops (autotuned at each new shape) in a step of their own, last: however long they take, the rows
-    # the targets need are measured by then
-    anchors = [("anchors", 60, attention + ["--ops", "sdpa,fla_window,fla_linear", "--lengths", "1K,16K,64K"])]
+    # fla's ops as anchors, each in a step of its own (SDPA beside them for the ratios): the sliding window right
+    # after the targets' rows; the chunked linear attention, which autotunes some 100 configurations at each new
+    # shape, last, with what is left
+    anchor = attention + ["--lengths", "1K,16K,64K", "--ops"]
+    fla_window = [("fla_window", 30, anchor + ["sdpa,fla_window"])] if fla else []
+    fla_linear = [("fla_linear", 90, anchor + ["sdpa,fla_linear"])] if fla else []
     # where the time goes, for the targets above that are missed: LAVO's op and SDPA at 16K and 64K, and the
     # training step at 4K and 16K
     profile = gpu + ["--sections", "profile", "--attentions", "", "--ops", "lavo_attention,sdpa", "--passes", "fwd+bwd",
@@ -89,18 +95,22 @@ def steps(dry_run: bool, fla: bool) -> list[tuple[str, float, list[str]]]:
             ("model", 65, gpu + ["--sections", "model", "--model-preset", "small", "--model-attentions",
                                  "lavo,local,softmax", "--model-lengths", "1K,4K,16K", "--model-repeats", "3",
                                  "--max-quadratic-length", "16K"]),
+            *fla_window,
             ("decode_torch", 40, gpu + ["--sections", "decode", "--decode-attentions", "lavo", "--backend", "torch",
                                         "--decode-lengths", LENGTHS]),
             ("ops_torch", 30, attention + ["--ops", "lavo_attention", "--backend", "torch", "--lengths", "1K,4K,16K"]),
-            ("profile", 35, profile)] + (anchors if fla else [])
+            ("profile", 35, profile),
+            *fla_linear]
 
 
-def unpack_wheels(folder: Path, site: Path) -> Path:
+def unpack_wheels(folder: Path, site: Path) -> Path | None:
     """Every ``*.whl`` in ``folder`` unpacked into ``site``: a folder to put on the path. A pure-Python wheel is a
-    zip of the importable files, so this is what installing it would do, less its scripts and records."""
+    zip of the importable files, so this is what installing it would do, less its scripts and records. None,
+    with a warning, when there are none: the check runs without them (the anchor rows are optional)."""
     wheels = sorted(folder.glob("*.whl"))
     if not wheels:
-        raise SystemExit(f"--wheels: no .whl files in {folder}")
+        print(f"[gpu_check] warning: --wheels: no .whl files in {folder}; running without them", file=sys.stderr)
+        return None
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as archive:
             archive.extractall(site)
@@ -108,7 +118,8 @@ def unpack_wheels(folder: Path, site: Path) -> Path:
 
 
 def split_tests(command: list[str], shards: int, env: dict) -> list[list[str]]:
-    """A pytest ``command`` as up to ``shards`` commands over consecutive runs of its test ids, to run at once.
+    """A pytest ``command`` as up to ``shards`` commands, to run at once, dealing its test ids round-robin (the
+    heavy tests stand together in the files: dealt, no command gets them all).
 
     Triton compiles each kernel specialization on the CPU, one at a time in a process; the kernel tests launch
     229 of them (``tests/count_specializations.py``), most of the step's time in one process."""
@@ -121,8 +132,7 @@ def split_tests(command: list[str], shards: int, env: dict) -> list[list[str]]:
     if not ids:  # nothing to split (or collection failed: the one command says why)
         return [command]
     options = [arg for arg in command[len(pytest()):] if not arg.startswith("tests/")]
-    size = -(-len(ids) // shards)
-    return [pytest(*options, *ids[start:start + size]) for start in range(0, len(ids), size)]
+    return [pytest(*options, *ids[first::shards]) for first in range(min(shards, len(ids)))]
 
 
 def pytest_summary(stdouts: list[str]) -> str:
@@ -240,6 +250,35 @@ def targets(rows: list[dict], contexts: int = len(LENGTHS.split(","))) -> list[l
     return table
 
 
+def write_summary(out: Path, work: Path, machine: dict, plan: list, done: list[dict]) -> Path:
+    """``<gpu>_bf16.{json,md}`` in ``out`` from the steps ``done`` so far (their files in ``work``), and those
+    files as ``steps.tar.gz``; returns the markdown's path."""
+    rows = records(work, [name for name, _, _ in plan])
+    stem = re.sub(r"[^a-z0-9]+", "_", machine["gpu"].lower()).strip("_") + "_bf16"
+    met = targets(rows)
+    write_json(out / f"{stem}.json", dict(machine=machine, steps=done, targets=met, records=rows))
+    text = [f"# GPU check: {machine['gpu']}, bf16", "",
+            f"torch {machine['torch']}, CUDA {machine['cuda']}, triton {machine['triton']}, fla "
+            f"{machine['fla'] or 'absent'}; {machine['date']}. Made by `scripts/gpu_check.sh`.", "",
+            "## Steps", "",
+            markdown_table(["step", "status", "seconds", "note"],
+                           [[s["name"], s["status"], s["seconds"], s.get("summary", "")] for s in done]), "",
+            "## Targets", "", markdown_table(["target", "measured", "met"], met), ""]
+    for name, _, _ in plan:
+        tables = step_tables(work / f"{name}.json")
+        if "## " in tables:
+            text += [f"## Step `{name}`", "", tables[tables.find("## "):].replace("\n## ", "\n### ").strip()
+                     .replace("## ", "### ", 1), ""]
+    write_text(out / f"{stem}.md", "\n".join(text))
+
+    def archive(tmp: Path) -> None:
+        with tarfile.open(tmp, "w:gz") as tar:
+            for path in sorted(work.iterdir()):
+                tar.add(path, arcname=f"steps/{path.name}")
+    atomic_write(out / "steps.tar.gz", archive)
+    return out / f"{stem}.md"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="output directory")
@@ -256,9 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.out} is not empty: give the check a new folder (an earlier run's files there would "
                          "be read as this run's)")
     args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_steps_"))  # each step's files; archived into the output
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    if args.wheels:
-        site = unpack_wheels(args.wheels, Path(tempfile.mkdtemp(prefix="gpu_check_site_")))
+    site = unpack_wheels(args.wheels, Path(tempfile.mkdtemp(prefix="gpu_check_site_"))) if args.wheels else None
+    if site is not None:
         sys.path.insert(0, str(site))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     if args.dry_run:
@@ -266,13 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     fla = importlib.util.find_spec("fla") is not None
     fla_version = next((importlib.metadata.version(name) for name in
                         importlib.metadata.packages_distributions().get("fla", [])), "present") if fla else None
-    gpu = "cpu-dry-run" if args.dry_run else torch.cuda.get_device_name(0)
     triton_version = None
     if importlib.util.find_spec("triton") is not None:
         import triton
         triton_version = triton.__version__
-    machine = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, triton=triton_version,
-                   fla=fla_version, date=time.strftime("%Y-%m-%d %H:%M:%S"), **source_commit())
+    machine = dict(gpu="cpu-dry-run" if args.dry_run else torch.cuda.get_device_name(0), torch=torch.__version__,
+                   cuda=torch.version.cuda, triton=triton_version, fla=fla_version,
+                   date=time.strftime("%Y-%m-%d %H:%M:%S"), **source_commit())
     plan = steps(args.dry_run, fla)
     shards = 2 if args.dry_run else min(8, os.cpu_count() or 1)
     done, deadline = [], time.monotonic() + args.budget
@@ -285,27 +325,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gpu_check] {name} (at most {seconds:.0f} s)", file=sys.stderr, flush=True)
             began = time.monotonic()  # listing the tests to split them counts against the step's time
             commands = split_tests(command, shards, env) if name == "tests" else [command]
-            done.append(run_step(name, seconds - (time.monotonic() - began), commands, args.out, env))
+            done.append(run_step(name, seconds - (time.monotonic() - began), commands, work, env))
             done[-1]["seconds"] = round(time.monotonic() - began, 1)
+            collected = sum("::" in arg for command in commands for arg in command)
+            if collected:  # a command killed at the limit prints no summary: its tests would go uncounted
+                done[-1]["summary"] += f" of {collected} collected"
         print(f"[gpu_check] {name}: {done[-1]['status']} in {done[-1]['seconds']} s", file=sys.stderr, flush=True)
-    rows = records(args.out, [name for name, _, _ in plan])
-    stem = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_") + "_bf16"
-    met = targets(rows)
-    write_json(args.out / f"{stem}.json", dict(machine=machine, steps=done, targets=met, records=rows))
-    text = [f"# GPU check: {gpu}, bf16", "",
-            f"torch {machine['torch']}, CUDA {machine['cuda']}, triton {machine['triton']}, fla "
-            f"{fla_version or 'absent'}; {machine['date']}. Made by `scripts/gpu_check.sh`.", "",
-            "## Steps", "",
-            markdown_table(["step", "status", "seconds", "note"],
-                           [[s["name"], s["status"], s["seconds"], s.get("summary", "")] for s in done]), "",
-            "## Targets", "", markdown_table(["target", "measured", "met"], met), ""]
-    for name, _, _ in plan:
-        tables = step_tables(args.out / f"{name}.json")
-        if "## " in tables:
-            text += [f"## Step `{name}`", "", tables[tables.find("## "):].replace("\n## ", "\n### ").strip()
-                     .replace("## ", "### ", 1), ""]
-    write_text(args.out / f"{stem}.md", "\n".join(text))
-    print(args.out / f"{stem}.md")
+        summary = write_summary(args.out, work, machine, plan, done)
+    print(summary)
     return 0
 
 

@@ -2,12 +2,14 @@
 and forward + backward, time and peak memory against the sequence length, each as a ratio to the SDPA op at the same length and pass."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..ops import lavo_attention, orthogonal_basis
 from ..registry import attention_class, build_attention
@@ -19,8 +21,16 @@ Inputs = Callable[[Settings, int, torch.device, bool], tuple[Callable[[], torch.
 
 
 def _sdpa(settings: Settings, length: int, device: torch.device, grad: bool):
+    """SDPA, and on CUDA in 16 bits FlashAttention by name: were it unusable, the row fails instead of timing
+    another backend under its name."""
     q, k, v = _qkv(settings, (settings.batch, settings.heads, length, settings.head_dim), device, grad)
-    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v]
+    flash = device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+    backend = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash else contextlib.nullcontext()
+
+    def attend():
+        with backend:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return attend, [q, k, v]
 
 
 def _lavo(settings: Settings, length: int, device: torch.device, grad: bool):
@@ -43,7 +53,7 @@ def _fla_op(module: str, name: str):
 
 def _fla_window(settings: Settings, length: int, device: torch.device, grad: bool):
     """fla's causal sliding-window softmax attention over the last ``--window`` keys (Triton): an anchor for
-    LAVO's local branch."""
+    LAVO's local branch, which sees from ``w + 1`` to ``2w`` keys (from the start of the previous window)."""
     attend = _fla_op("fla.ops.attn", "parallel_attn")
     q, k, v = _qkv(settings, (settings.batch, length, settings.heads, settings.head_dim), device, grad)
     return lambda: attend(q, k, v, window_size=settings.window), [q, k, v]

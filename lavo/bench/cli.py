@@ -17,7 +17,7 @@ from ..ops.common import BACKENDS, make_current
 from ..registry import attention_class, available_attentions, check_options
 from ..settings import SettingsError, flag_type
 from . import attention, decode, flops, model, profile
-from .measure import machine_info
+from .measure import machine_info, ramp_up
 from .output import markdown, plots, write_records
 from .runner import Runner
 from .settings import DEFAULT_SECTIONS, DTYPES, FULL, PASSES, QUICK, SECTIONS, Settings, having_option, quadratic
@@ -199,6 +199,7 @@ def run(settings: Settings, *, progress: bool = True, json_path: Path | None = N
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     make_current(settings.device)
+    ramp_up(torch.device(settings.device))
     torch.manual_seed(settings.seed)
     with contextlib.suppress(Exception):
         # torch imports its compiler stack on the first use of some ops; imported now, its objects are frozen

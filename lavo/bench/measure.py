@@ -140,9 +140,23 @@ def measure(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup
     return Measurement(statistics.median(times), times, peak.mib)
 
 
+def ramp_up(device: torch.device, seconds: float = 1.0) -> None:
+    """Keep a GPU busy for ``seconds`` of matrix products: an idle GPU runs at a low clock, at which the first
+    measurements would be timed."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            a @ a
+        torch.cuda.synchronize(device)
+
+
 def source_commit() -> dict:
     """The git commit of the code being measured and whether the package's files differ from it (``commit``
-    None outside a git checkout)."""
+    None outside a git checkout, unless the environment names it: ``LAVO_SOURCE_COMMIT``, for a copy of a
+    commit's files made without its git history, as on a machine the tree is sent to)."""
     package = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str | None:
@@ -153,6 +167,8 @@ def source_commit() -> dict:
         return None
 
     commit = git("rev-parse", "HEAD")
+    if commit is None and os.environ.get("LAVO_SOURCE_COMMIT"):
+        return {"commit": os.environ["LAVO_SOURCE_COMMIT"], "dirty": None}
     changes = git("status", "--porcelain", "--untracked-files=no", "--", ".")
     return {"commit": commit, "dirty": None if commit is None or changes is None else bool(changes)}
 
