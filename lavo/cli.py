@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -371,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"lavo {args.command}: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as stop:  # 130 after Ctrl-C, 143 after SIGTERM
+        return 128 + getattr(stop, "signal", signal.SIGINT)
     return status or 0
 
 

@@ -205,20 +205,31 @@ def prepare_run(config: RunConfig, env: Distributed, log) -> Prepared:
     return prepared
 
 
+class Stopped(KeyboardInterrupt):
+    """Training stopped by a signal, after its checkpoint; ``signal``: which (SIGINT or SIGTERM), for the exit
+    status (128 + its number)."""
+
+    def __init__(self, number: int):
+        super().__init__(number)
+        self.signal = number
+
+
 class StopRequests:
-    """While active, SIGINT (Ctrl-C) and SIGTERM only set :attr:`requested`, so training stops between two
-    steps and saves exactly where it is; a second Ctrl-C interrupts at once (the previous checkpoint stays)."""
+    """While active, SIGINT (Ctrl-C) and SIGTERM only set :attr:`requested` (and :attr:`signal`), so training
+    stops between two steps and saves exactly where it is; a second Ctrl-C interrupts at once (the previous
+    checkpoint stays)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
+        self.signal = signal.SIGINT  # another process's request, agreed on, stops this one as Ctrl-C would
         self.previous = {}
 
     def handle(self, number, frame) -> None:
         if self.requested and number == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self.signal = True, number
 
     def __enter__(self) -> "StopRequests":
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
@@ -464,7 +475,7 @@ class Trainer:
     def run(self, end: int) -> dict:
         """Train up to step ``end`` (or the time limit), logging, validating and checkpointing on the way; save a
         final checkpoint and return the summary. Ctrl-C (or SIGTERM) finishes the current step, saves a
-        checkpoint and the summary there, and raises ``KeyboardInterrupt``."""
+        checkpoint and the summary there, and raises :class:`Stopped` (a ``KeyboardInterrupt``)."""
         tc, p = self.tc, self.progress
         if p.step >= end:
             self.log(f"{self.run_dir} is already trained to step {p.step} (train.steps is {tc.steps}): nothing "
@@ -498,7 +509,7 @@ class Trainer:
                 self.bar = None
         summary = self.finish()
         if stop == "interrupt":
-            raise KeyboardInterrupt
+            raise Stopped(stops.signal)
         return summary
 
     def take_step(self, end: int, started: float) -> None:

@@ -125,14 +125,15 @@ def finish(process: subprocess.Popen) -> tuple[int, str]:
     return process.returncode, output
 
 
-def test_ctrl_c_saves_the_exact_position_and_resume_continues_exactly(setup, tmp_path):
+@pytest.mark.parametrize("number,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_saves_the_exact_position_and_resume_continues_exactly(setup, tmp_path, number, status):
     config = config_for(setup, tmp_path)
     process = start(config, tmp_path, pause_after=15)
     wait_for_step(tmp_path / "run", process, 15)
-    process.send_signal(signal.SIGINT)  # while it waits before step 16: that step still runs, then it stops
+    process.send_signal(number)  # while it waits before step 16: that step still runs, then it stops
     resume_paused(tmp_path)
     code, output = finish(process)
-    assert code == 130, output
+    assert code == status, output
     state = torch.load(tmp_path / "run" / "state.pt", weights_only=True)
     assert f"interrupted after step {state['step']}; saving a checkpoint" in output
     assert state["step"] == 16 and state["sampler"]["draws"] == 16  # one draw per step
