@@ -338,7 +338,7 @@ class Trainer:
         batch and the data each step sees depend on it."""
         world = state.get("world_size", self.env.world)  # checkpoints from before it was saved: not checked
         if world != self.env.world:
-            how = "python -m lavo train" if world == 1 else f"torchrun --nproc_per_node {world}"
+            how = "lavo train" if world == 1 else f"torchrun --nproc_per_node {world} -m lavo.cli train"
             raise RunError(f"{self.run_dir} was trained by {world} process{'es' if world > 1 else ''}, and is "
                            f"resumed by {self.env.world}: each takes train.batch_size windows a step, so its batches "
                            f"and data order would change. Resume it with {how}")
@@ -503,6 +503,10 @@ class Trainer:
                 if stop == "interrupt":
                     self.say(f"interrupted after step {p.step}; saving a checkpoint (resume with --resume)")
                 self.checkpoint()  # still under the handlers: a Ctrl-C now waits for the checkpoint
+                if stop != "interrupt" and agree(self.env, stops.requested)[0]:  # asked for during it
+                    stop = "interrupt"
+                    self.say(f"interrupted during the checkpoint of step {p.step}, which is saved (resume with "
+                             "--resume)")
         finally:
             if self.bar is not None:
                 self.bar.close()

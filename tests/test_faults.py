@@ -160,6 +160,24 @@ def test_ctrl_c_during_the_last_step_leaves_a_finished_run(setup, tmp_path):
     assert run_digest(tmp_path / "run") == setup["digest"] and step_losses(tmp_path / "run") == setup["losses"]
 
 
+def test_a_stop_asked_for_during_the_final_checkpoint_waits_for_it_then_stops(setup, tmp_path, monkeypatch):
+    """The request is neither lost (a driver calling train again would go on) nor allowed to cut the write."""
+    import lavo.train
+    save_checkpoint, lines = lavo.train.save_checkpoint, []
+
+    def signalled_during(run_dir, model, state):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler only takes note; the write goes on
+        save_checkpoint(run_dir, model, state)
+    monkeypatch.setattr(lavo.train, "save_checkpoint", signalled_during)
+    config = RunConfig.from_dict(config_for(setup, tmp_path, steps=3, checkpoint_interval=0))
+    with pytest.raises(lavo.train.Stopped) as stopped:
+        train(config, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    assert stopped.value.signal == signal.SIGTERM
+    assert "interrupted during the checkpoint of step 3, which is saved (resume with --resume)" in lines
+    assert torch.load(tmp_path / "run" / "state.pt", weights_only=True)["step"] == 3
+    assert final_steps(tmp_path / "run") == [3]
+
+
 def test_resuming_a_trained_run_without_its_summary_writes_it_once(setup, tmp_path):
     """A process killed between its final checkpoint and its summary record: --resume has no step to train, but
     the run's summary (what reports read) is written then, and only then."""
@@ -184,7 +202,7 @@ def test_resume_refuses_another_number_of_processes(setup, tmp_path):
     with pytest.raises(RunError, match=re.escape(
             f"{tmp_path / 'run'} was trained by 2 processes, and is resumed by 1: each takes train.batch_size "
             "windows a step, so its batches and data order would change. Resume it with torchrun "
-            "--nproc_per_node 2")):
+            "--nproc_per_node 2 -m lavo.cli train")):
         train(config, resume=True, log=quiet)
 
 

@@ -216,10 +216,41 @@ def test_a_long_evaluation_cut_off_by_the_time_limit_keeps_the_runs_scores(dry, 
     assert set(record["eval"]) == {"books", "code"}
     assert record["long_eval"] == {"failed": "not finished: the call's time limit ended it"}
     call = last_call(results)
-    assert call["ended"]["phase"] == "long evaluation" and call["scoring_cut_off"]["lavo"] >= record["eval_seconds"]
+    assert call["ended"]["phase"] == "long evaluation" and "scoring_cut_off" not in call  # its scores are saved
     monkeypatch.undo()
     capsys.readouterr()
     assert run("--only", "lavo-s0") == 0 and "[train]" not in capsys.readouterr().out
+
+
+def test_a_run_whose_scoring_cannot_fit_in_a_call_is_passed_over_not_waited_for(dry, capsys):
+    run, out = dry
+    results = out / "results"
+    results.mkdir(parents=True)
+    (results / "calls.jsonl").write_text(json.dumps({"scoring_cut_off": {"lavo": 1000.0}}) + "\n")
+    assert run("--only", "lavo-s0,local-s0", "--budget", "420") == 0
+    log = capsys.readouterr().out
+    assert ("[too long] lavo-s0: its scoring needs about 1500 s (it was cut off before), more than a call's budget "
+            "of 420 s") in log
+    assert "[train] local-s0" in log and (results / "local-s0.json").exists()  # the runs after it still run
+
+
+def test_a_trained_run_without_its_summary_is_scored_with_the_right_one(dry, monkeypatch):
+    """A call killed between a run's last checkpoint and its summary record: the next one writes the summary,
+    then scores, instead of taking an earlier chunk's summary (or none)."""
+    run, out = dry
+    original = driver.evaluate
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(driver, "evaluate", fails)
+    assert run("--only", "local-s0") == 0  # trained, then failed while scoring
+    metrics = out / "runs" / "local-s0" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("".join(line + "\n" for line in lines if '"final": true' not in line or '"step": 4' not in line))
+    monkeypatch.setattr(driver, "evaluate", original)
+    assert run("--only", "local-s0") == 0
+    record = json.loads((out / "results" / "local-s0.json").read_text())
+    assert (record["steps"], record["tokens"]) == (4, 4 * 2 * 128)
 
 
 def test_a_run_that_fails_is_recorded_and_cannot_hold_up_the_others(dry, capsys, monkeypatch):

@@ -119,9 +119,14 @@ def test_a_cache_keeps_alive_no_more_than_its_bound_whatever_the_context(options
     with torch.no_grad():
         for length in (46, 494, 4846):
             _, cache = layer(torch.randn(2, length, 32))
+            assert _storage_bytes(cache) <= layer.cache_nbytes(2, length), length
             for chunk in (window, 2 * window, 1):  # pieces that end on a window boundary, then one token
                 _, cache = layer(torch.randn(2, chunk, 32), cache=cache)
                 assert _storage_bytes(cache) <= layer.cache_nbytes(2, cache.position), (length, chunk)
+        cache = empty
+        for chunk in (window, window, 2 * window, 2 * window):  # from the start, in whole windows
+            _, cache = layer(torch.randn(2, chunk, 32), cache=cache)
+            assert _storage_bytes(cache) <= layer.cache_nbytes(2, cache.position), chunk
 
 
 def test_learned_basis_stays_orthonormal_through_training():

@@ -81,8 +81,8 @@ class Activity:
         entries = {"ended": {"run": self.run.name, "phase": self.phase, "seconds": seconds}}
         if self.step_seconds is not None:
             entries["step_seconds"] = {self.run.model: round(self.step_seconds, 4)}
-        if self.phase != "training":  # its scoring takes at least this long: the next call plans for it
-            entries["scoring_cut_off"] = {self.run.model: seconds}
+        if self.phase == "scoring":  # it takes at least this long: the next call plans for it (a long evaluation
+            entries["scoring_cut_off"] = {self.run.model: seconds}  # cut off leaves its run's scores saved)
         return entries
 
 
@@ -198,6 +198,8 @@ def train_within(config: RunConfig, deadline: float, step_limit: int | None, log
     trainer = Trainer(config, env, resolve_device(config.train.device), prepare_run(config, env, log), log)
     trainer.restore()
     trainer.start()
+    if trainer.progress.step >= steps:  # trained; its summary is written, should a killed call have left none
+        trainer.run(steps)
     budget = steps if step_limit is None else step_limit
     timings = []  # seconds per step of each chunk
     call_started, call_first = time.monotonic(), trainer.progress.step
@@ -443,6 +445,10 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
                 if max_runs is not None and len(finished) >= max_runs:
                     break
                 eval_reserve = estimate_eval_seconds(run, list(results.values()), cut_off)
+                if eval_reserve >= (call_budget or budget):  # its scoring alone would not fit in any call
+                    log(f"[too long] {run.name}: its scoring needs about {eval_reserve:.0f} s (it was cut off "
+                        f"before), more than a call's budget of {call_budget or budget:.0f} s")
+                    continue
                 left = deadline - time.monotonic()
                 if left <= eval_reserve:
                     break
@@ -474,6 +480,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
                         continue
                     if record is not None:  # written under the lock: no other worker starts the run again
                         save_result(results_dir, record, archive)
+                        activity = Activity()  # done with it
                 if record is None:
                     stopped = run.name
                     if seconds_per_step is not None:
@@ -483,6 +490,7 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
                     break
                 finished.append(run.name)
         except (KeyboardInterrupt, CallEnded):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # another (the workers' parent's) would cut the line
             ended = activity.ended()
             log(f"[ended] by the call's time limit: {json.dumps(ended)}")
             raise
