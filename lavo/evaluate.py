@@ -120,7 +120,7 @@ def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch
     if spread and n == math.lcm(*lengths):
         warnings.warn(f"spread: only one window of {n} targets (the lengths' least common multiple) is scored, so "
                       "it is the text's first; allow more tokens (--max-tokens) or shorter lengths to spread them",
-                      stacklevel=2)
+                      stacklevel=3)  # the caller's line: torch.no_grad's wrapper stands between
     stream = torch.from_numpy(np.asarray(tokens if spread else tokens[:n + 1], dtype=np.int64))
     was_training = model.training
     model.eval()

@@ -115,14 +115,18 @@ def load_weights(model: LanguageModel, path: Path, config_path: Path) -> None:
     unexpected = sorted(set(weights) - set(expected))
     resized = sorted(f"{name} {tuple(weights[name].shape)} (model: {tuple(expected[name].shape)})"
                      for name in set(weights) & set(expected) if weights[name].shape != expected[name].shape)
-    if missing or unexpected or resized:
-        problems = [f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
-                    for label, names in (("missing", missing), ("unexpected", unexpected), ("resized", resized))
-                    if names]
+    problems = weight_differences(missing, unexpected, resized)
+    if problems:
         raise RunError(f"{path} does not hold the weights of the model {config_path} describes "
-                       f"({model.config.attention}, dim {model.config.dim}, depth {model.config.depth}): "
-                       f"{'; '.join(problems)}")
+                       f"({model.config.attention}, dim {model.config.dim}, depth {model.config.depth}): {problems}")
     model.load_state_dict(weights)
+
+
+def weight_differences(missing: list[str], unexpected: list[str], resized: list[str]) -> str:
+    """``"missing a, b, c ...; unexpected ..."``: the first names of each kind; empty when all lists are."""
+    return "; ".join(f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                     for label, names in (("missing", missing), ("unexpected", unexpected), ("resized", resized))
+                     if names)
 
 
 def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu"
@@ -133,6 +137,9 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu"
     if missing and (trainer := RunLock.holder(run_dir)) is not None:
         raise FileNotFoundError(f"{run_dir} is being trained (pid {trainer}) and has no checkpoint yet: wait for its "
                                 "first one (train.checkpoint_interval steps)")
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} is not a directory: give one that `lavo train` (its train.out_dir) or "
+                                "`lavo export` wrote")
     if missing:
         raise FileNotFoundError(f"{run_dir} is not a trained run (it has no {', '.join(missing)}): train one with "
                                 f"`lavo train --set train.out_dir={run_dir}`")

@@ -108,8 +108,9 @@ def test_errors_are_one_clear_line(tmp_path, capsys):
     assert main(["data", "--source", str(tmp_path / "empty"), "--data-dir", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert "lavo data: error: no .txt files in" in err and "Traceback" not in err
-    assert main(["eval", str(tmp_path / "missing")]) == 2
-    assert "is not a trained run" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "missing")]) == 2  # a mistyped path
+    assert (f"{tmp_path / 'missing'} is not a directory: give one that `lavo train` (its train.out_dir) or `lavo "
+            "export` wrote") in capsys.readouterr().err
     (tmp_path / "starting").mkdir()
     with RunLock(tmp_path / "starting"):  # a trainer before its first checkpoint
         assert main(["generate", str(tmp_path / "starting")]) == 2

@@ -1,5 +1,6 @@
 """lavo.hf: the native model under transformers' AutoModelForCausalLM, generate(), save/load and pipelines."""
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ from lavo.data import EOT, train_bpe  # noqa: E402
 from lavo.generate import generate  # noqa: E402
 from lavo.model import build_model  # noqa: E402
 from lavo.registry import available_attentions, attention_class  # noqa: E402
+from lavo.run import RunError  # noqa: E402
 from lm_corpus import WORDS  # noqa: E402
 from reference_checks import forward_calls  # noqa: E402
 
@@ -453,6 +455,33 @@ def test_the_tokenizer_round_trips_and_a_missing_file_is_an_error(saved, tokeniz
         (directory / "moved.json").rename(directory / "tokenizer.json")
 
 
+def test_an_export_missing_weights_or_holding_others_is_refused_by_name(saved, tmp_path):
+    """transformers loads a missing weight as the memory it allocated (NaN, say), and `lavo eval` scored it."""
+    from safetensors.torch import load_file, save_file
+    directory, _ = saved
+    weights = load_file(str(directory / "model.safetensors"))
+    for name, change in (("missing", lambda w: w.pop("lavo.blocks.0.mlp.0.weight")),
+                         ("unexpected", lambda w: w.__setitem__("lavo.extra", torch.zeros(2)))):
+        damaged = tmp_path / name
+        shutil.copytree(directory, damaged)
+        edited = dict(weights)
+        change(edited)
+        save_file(edited, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(RunError, match=re.escape(f"{damaged} does not hold the weights of the model its "
+                                                     "config.json describes (lavo, dim 32, depth 2): ") + name):
+            H.load_exported(damaged)
+
+
+def test_input_ids_of_another_shape_or_outside_the_vocabulary_are_refused_by_name():
+    model = wrapped(native())
+    with pytest.raises(ValueError, match=re.escape("input_ids must have shape [B, T], got (3,)")):
+        model(torch.tensor([1, 2, 3]))
+    for call in (lambda ids: model(ids), lambda ids: model.generate(ids, max_new_tokens=2, pad_token_id=0)):
+        with pytest.raises(ValueError, match=re.escape("input_ids hold ids outside the model's vocabulary of 61: "
+                                                       "[-1, 99]")):
+            call(torch.tensor([[1, 99, -1]]))
+
+
 def test_the_command_line_keeps_the_hub_offline_unless_told_otherwise():
     script = "import lavo.cli\nfrom huggingface_hub import constants\nprint(constants.HF_HUB_OFFLINE)\n"
     environment = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
@@ -496,7 +525,7 @@ def test_export_refuses_its_own_run_folder_an_exported_folder_and_a_file(trained
     assert "is already an exported model directory: copy it, or export the run it came from" in (
         capsys.readouterr().err)
     assert main(["export", str(tmp_path / "no-run"), str(tmp_path / "out" / "deep")]) == 2
-    assert "is not a trained run" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert "no-run is not a directory" in capsys.readouterr().err and not (tmp_path / "out").exists()
     (tmp_path / "notes.txt").write_text("")
     for target in ("notes.txt", "notes.txt/model"):
         assert main(["export", run, str(tmp_path / target)]) == 2

@@ -19,7 +19,8 @@ from ..config import RunConfig
 from ..data import Tokenizer, load_tokenizer_file
 from ..files import give_default_mode, make_directory, write_json
 from ..model import LanguageModel
-from ..run import DOCUMENTS, TOKENIZER, is_exported, load_run, recorded_documents, run_config_at
+from ..run import (DOCUMENTS, TOKENIZER, RunError, is_exported, load_run, recorded_documents, run_config_at,
+                   weight_differences)
 from .modeling import LavoLMForCausalLM
 from .tokenization import hub_tokenizer
 
@@ -71,7 +72,13 @@ def load_exported(directory: str | os.PathLike, device: str | torch.device = "cp
         raise FileNotFoundError(f"{directory} has no {TOKENIZER}: export the run again (`lavo export RUN_DIR "
                                 f"{directory} --overwrite`) or copy the run's {TOKENIZER} there")
     with no_progress_bars():  # the CLI reports its own progress; a small model loads at once
-        wrapped = LavoLMForCausalLM.from_pretrained(directory)
+        wrapped, loading = LavoLMForCausalLM.from_pretrained(directory, output_loading_info=True)
+    resized = [" ".join(map(str, mismatch)) for mismatch in loading.get("mismatched_keys", [])]
+    problems = weight_differences(sorted(loading["missing_keys"]), sorted(loading["unexpected_keys"]), resized)
+    if problems:  # transformers would leave missing weights as they were allocated, uninitialised
+        raise RunError(f"{directory} does not hold the weights of the model its config.json describes "
+                       f"({wrapped.config.attention}, dim {wrapped.config.dim}, depth {wrapped.config.depth}): "
+                       f"{problems}")
     run = wrapped.config.lavo_run
     config = None if run is None else run_config_at(run, directory)
     tokenizer = load_tokenizer_file(directory / TOKENIZER, "exported" if run is None else run["data"]["tokenizer"])

@@ -142,6 +142,7 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
                                  f"consumed {state.columns} and input_ids adds {input_ids.shape[1]}: pass the mask "
                                  "of the whole sequence and only the new input_ids")
             real = attention_mask[:, -input_ids.shape[1]:].bool()
+        refuse_outside_vocabulary(input_ids, real, self.config.vocab_size)
         if cache is None and real is not None and not use_cache and bool(real[:, 0].all()):
             # right padding and no state wanted (use_cache=False): one call over the batch, whose real tokens start at
             # position 0 as alone, instead of one per row length
@@ -153,6 +154,16 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
             logits = state.feed(self.lavo, input_ids, real)
         loss = None if labels is None else next_token_loss(logits, labels, num_items_in_batch, real)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=state if use_cache else None)
+
+
+def refuse_outside_vocabulary(input_ids: torch.Tensor, real: torch.Tensor | None, vocab_size: int) -> None:
+    """An error naming the real tokens' ids (``real [B, T]``, None: all) outside ``0 .. vocab_size - 1``; on a GPU
+    the embedding would stop the process with a device-side assertion. Padding ids are never embedded."""
+    ids = input_ids if real is None else input_ids[real]
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.numel():
+        raise ValueError(f"input_ids hold ids outside the model's vocabulary of {vocab_size}: "
+                         f"{sorted(set(outside.tolist()))[:5]}")
 
 
 def merge_cache_names(cache: HubCache | None, past_key_values: HubCache | None) -> LavoState | None:
@@ -172,11 +183,14 @@ def merge_cache_names(cache: HubCache | None, past_key_values: HubCache | None) 
 
 
 def refuse_unsupported(input_ids: torch.Tensor | None, kwargs: dict) -> None:
-    """Errors for the ``transformers`` options that would change what forward returns but that it lacks."""
+    """Errors for ids of another shape and for the ``transformers`` options that would change what forward
+    returns but that it lacks."""
     if kwargs.get("inputs_embeds") is not None:
         raise ValueError("LavoLMForCausalLM takes input_ids only, not inputs_embeds")
     if input_ids is None:
         raise ValueError("input_ids are required")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape [B, T], got {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids has no positions; generate() takes the whole sequence so far (the positions a "
                          "state passed with it has consumed, then the new ones), a call of the model only the new ones")
