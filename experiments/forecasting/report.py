@@ -182,6 +182,47 @@ def longer_table(main: dict, longer: dict) -> str:
                                  "brackets, the step of the best validation score (the weights kept)."])
 
 
+def facts_table(grouped: dict, main: dict, longer: dict | None, input_len: int) -> str:
+    """The figures the reading quotes that no other table shows: LAVO against softmax in standard errors of the
+    difference of their means, how the 80-step budget ended the transformer cells, and, from the longer check,
+    how they ended with 400 steps and where LAVO and the best transformer then stand."""
+    gaps = []
+    for data in DATASETS:
+        for h in horizons_of(grouped, data, input_len):
+            lavo, softmax = grouped.get((data, input_len, h, "lavo")), grouped.get((data, input_len, h, "softmax"))
+            if lavo and softmax and len(lavo) > 1 and len(softmax) > 1:
+                (m1, s1), (m2, s2) = summary(lavo, "mse"), summary(softmax, "mse")
+                gaps.append((abs(m1 - m2) / (s1 ** 2 / len(lavo) + s2 ** 2 / len(softmax)) ** 0.5, data, h))
+    budget = main["settings"]["max_steps"]
+    cells = [c for (d, L, h, m), runs in grouped.items() if L == input_len and m in CROSS for c in runs]
+    rows = []
+    if gaps:
+        most, data, h = max(gaps)
+        rows.append(["LAVO against softmax: largest difference of the mean MSEs, in standard errors",
+                     f"{most:.1f} ({data}, {h})"])
+    rows += [[f"transformer cells (input {input_len}) ended by early stopping before step {budget}",
+              f"{sum(c['steps'] < budget for c in cells)} of {len(cells)}"],
+             ["... with their best validation score at their last evaluation",
+              f"{sum(c['best_step'] == c['steps'] for c in cells)} of {len(cells)}"]]
+    if longer is not None:
+        limit = longer["settings"]["max_steps"]
+        trained = [(key, c) for key, c in longer["cells"].items() if key.split("|")[3] in CROSS]
+        stopped = [c["steps"] for _, c in trained if c["steps"] < limit]
+        rows.append([f"longer check: transformer cells ended by early stopping before step {limit}",
+                     f"{len(stopped)} of {len(trained)}, after {min(stopped)} to {max(stopped)} steps" if stopped
+                     else f"0 of {len(trained)}"])
+        horizons = sorted({key.split("|")[2] for key, _ in trained})
+        lavo_best = ahead = 0
+        for h in horizons:
+            mse = {key.split("|")[3]: c["mse"] for key, c in longer["cells"].items() if key.split("|")[2] == h}
+            best = min((m for m in CROSS if m in mse), key=mse.get)
+            lavo_best += best == "lavo"
+            ahead += "dlinear" in mse and mse[best] < mse["dlinear"]
+        rows += [["longer check: horizons where LAVO is the best transformer", f"{lavo_best} of {len(horizons)}"],
+                 ["longer check: horizons where the best transformer beats DLinear", f"{ahead} of {len(horizons)}"]]
+    return markdown_table(["what", "value"], rows)
+
+
 def plot_examples(grouped: dict, exp: Path, input_len: int) -> list[Path]:
     """One plot per dataset: the example variable's last inputs, the truth and the forecasts of :data:`PLOTTED`
     (seed 0; every method's example forecast is in results.json)."""
@@ -216,8 +257,10 @@ def main(exp: Path) -> None:
     tables["verdict"] = verdict_table(grouped, input_len)
     tables["ranking"] = ranking_table(grouped, input_len)
     tables["wall"] = wall_table(grouped, input_len)
-    if (exp / LONGER).exists():
-        tables["longer"] = longer_table(results, json.loads((exp / LONGER).read_text()))
+    longer = json.loads((exp / LONGER).read_text()) if (exp / LONGER).exists() else None
+    if longer is not None:
+        tables["longer"] = longer_table(results, longer)
+    tables["facts"] = facts_table(grouped, results, longer, input_len)
     write_text(exp / "tables.md", "".join(f"## {name}\n\n{table}\n\n" for name, table in tables.items()))
     fill(exp / "REPORT.md", tables)
     plots = plot_examples(grouped, exp, input_len)
