@@ -487,7 +487,8 @@ def test_gpu_check_dry_run_writes_its_summary(tmp_path):
                                                           "steps.tar.gz"]
     with tarfile.open(tmp_path / "steps.tar.gz") as tar:
         names = set(tar.getnames())
-        assert {f"steps/{step}.{kind}" for step in ("ops", "decode", "model") for kind in ("json", "md", "log")} <= names
+        steps = ("ops", "decode", "model")
+        assert {f"steps/{step}.{kind}" for step in steps for kind in ("json", "md", "log")} <= names
         assert json.loads(tar.extractfile("steps/ops.json").read())["records"] == [
             {k: v for k, v in r.items() if k != "step"} for r in summary["records"] if r["step"] == "ops"]
 
