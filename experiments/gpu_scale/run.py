@@ -276,23 +276,24 @@ def past_calls(results_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def by_model(results_dir: Path, entry: str, pick: Callable[[float, float], float]) -> dict[str, float]:
+    """The ``{model: seconds}`` entry ``entry`` of every call line, ``pick`` (min or max) of each model's values."""
+    seconds: dict[str, float] = {}
+    for call in past_calls(results_dir):
+        for model, value in call.get(entry, {}).items():
+            seconds[model] = pick(value, seconds.get(model, value))
+    return seconds
+
+
 def measured_step_seconds(results_dir: Path) -> dict[str, float]:
     """Seconds per training step by model: the fastest any call that stopped a run of it measured (a slower one
     shared the GPU with more workers, or timed a run's first chunk)."""
-    step_seconds: dict[str, float] = {}
-    for call in past_calls(results_dir):
-        for model, seconds in call.get("step_seconds", {}).items():
-            step_seconds[model] = min(seconds, step_seconds.get(model, seconds))
-    return step_seconds
+    return by_model(results_dir, "step_seconds", min)
 
 
 def scoring_cut_off(results_dir: Path) -> dict[str, float]:
     """Seconds a scoring of each model ran before its call's time limit ended it: the longest on record."""
-    seconds: dict[str, float] = {}
-    for call in past_calls(results_dir):
-        for model, value in call.get("scoring_cut_off", {}).items():
-            seconds[model] = max(value, seconds.get(model, value))
-    return seconds
+    return by_model(results_dir, "scoring_cut_off", max)
 
 
 def failed_before(results_dir: Path) -> set[str]:

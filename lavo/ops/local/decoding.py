@@ -28,8 +28,8 @@ def visible_keys(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, wi
     after the ``T`` positions of ``k, v [B, T, H, D]``; copies, so a cache does not pin the whole sequence."""
     B, T = k.shape[:2]
     key_mask = torch.ones(B, T, dtype=torch.bool, device=k.device) if real is None else real
-    keep = visible_length(T, window)
-    return tuple(x[:, T - keep:].clone() for x in (k, v, key_mask))
+    kept = keep_visible(T, window, k, v, key_mask)  # copies when it drops positions
+    return kept if visible_length(T, window) < T else tuple(x.clone() for x in kept)
 
 
 def visible_length(position: int, window: int) -> int:
