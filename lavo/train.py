@@ -480,10 +480,11 @@ class Trainer:
         if p.step >= end:
             self.log(f"{self.run_dir} is already trained to step {p.step} (train.steps is {tc.steps}): nothing "
                      "to do; raise train.steps to train further")
-            if self.metrics.final_step() == p.step:
-                self.metrics.close()
-                return self.summary()
-            return self.finish()  # a call stopped between its last checkpoint and its summary
+            # a call stopped between its last checkpoint and its summary: write it (every process, as one)
+            if agree(self.env, self.metrics.final_step() != p.step)[0]:
+                return self.finish()
+            self.metrics.close()
+            return self.summary()
         if self.env.main and tc.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=tc.steps, initial=p.step, desc=self.run_dir.name, unit="step", dynamic_ncols=True)
