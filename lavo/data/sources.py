@@ -55,7 +55,7 @@ def source_texts(source: str, data_dir: str | os.PathLike, fetch: bool = True, l
         if not texts.is_dir():
             log(f"fetching {source} into {root / source} (once; this can take a minute)")
         root.mkdir(parents=True, exist_ok=True)
-        return BUILTIN_SOURCES[source][0](root)
+        return BUILTIN_SOURCES[source][0](root, log)
     check_source(source)
     return Path(source)
 
