@@ -148,6 +148,10 @@ def test_a_run_that_cannot_finish_within_one_call_is_not_started(dry, capsys):
     # a finished run of the model is a better guide than a measured rate
     assert driver.estimate_seconds(planned["lavo-s1"], [lavo], {"lavo": 1e6}) == pytest.approx(
         lavo["train_seconds_this_machine"] + lavo["eval_seconds"])
+    # and a scoring of the model cut off by a call's time limit says how long scoring takes at least
+    cut_off = {"lavo": 10 * lavo["eval_seconds"] + 100}
+    assert driver.estimate_seconds(planned["lavo-s1"], [lavo], {}, cut_off) == pytest.approx(
+        lavo["train_seconds_this_machine"] + 1.5 * cut_off["lavo"])
     assert driver.estimate_seconds(planned["abc-s0"], [lavo], {"abc": 1.0}) == pytest.approx(
         4 * 1.0 + 1.5 * lavo["eval_seconds"])
 

@@ -261,13 +261,15 @@ def estimate_seconds(run: PlannedRun, done: list[dict], step_seconds: dict[str, 
     """How long ``run`` should take (training and scoring), from finished runs of the same model; else from the
     seconds per step a stopped run of that model measured (``step_seconds``, by model) and its scoring
     (:func:`estimate_eval_seconds`); else from finished runs of any model; None before any run has finished or
-    measured its model."""
+    measured its model. Scoring counts at least one and a half times what a scoring of the model ran before a
+    call's time limit cut it off (``cut_off``), in either case."""
     if run.model in step_seconds and not any(r["model"] == run.model for r in done):
         return step_seconds[run.model] * run.values["train"]["steps"] + estimate_eval_seconds(run, done, cut_off)
     same = same_model_first(run, done)
     if not same:
         return None
-    return statistics.median(r["train_seconds_this_machine"] + r["eval_seconds"] for r in same)
+    floor = 1.5 * (cut_off or {}).get(run.model, 0.0)
+    return statistics.median(r["train_seconds_this_machine"] + max(r["eval_seconds"], floor) for r in same)
 
 
 def past_calls(results_dir: Path) -> list[dict]:
