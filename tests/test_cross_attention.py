@@ -71,6 +71,17 @@ def test_cross_op_matches_reference(name, T, S, padded):
     assert_same_outputs_and_grads(fast(q, k, v, mask, p), reference(q, k, v, mask, p), inputs)
 
 
+@pytest.mark.parametrize("T, S", [(7, 11), (3, 1), (1, 4)])
+def test_cosformer_cross_op_with_padded_queries_matches_reference(T, S):
+    q, k, v, mask = _inputs(T, S)
+    queries = torch.ones(2, T, dtype=torch.bool)
+    queries[0, : T // 2] = False  # left padding in one row, right padding in the other
+    queries[1, T - T // 3:] = False
+    assert_same_outputs_and_grads(
+        cosformer_cross_attention(q, k, v, padding_mask=mask, query_padding_mask=queries),
+        cosformer_cross_attention_naive(q, k, v, padding_mask=mask, query_padding_mask=queries), [q, k, v])
+
+
 def test_cosformer_cross_with_equal_lengths_is_the_self_attention_form():
     q, k, v, _ = _inputs(6, 6)
     torch.testing.assert_close(cosformer_cross_attention(q, k, v), cosformer_attention(q, k, v))
@@ -117,6 +128,30 @@ def test_padded_source_positions_change_nothing(name):
 
 
 @pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))
+def test_padded_queries_change_nothing_and_read_zeros(name):
+    """cosFormer places a query by its fraction of the queries, which once counted the padded ones."""
+    layer = _trained(name)
+    g = torch.Generator().manual_seed(6)
+    y, source = _queries_and_source(g)
+    y.requires_grad_(True)
+    expected = layer(y, source)
+    padded = torch.randn(2, 10, 24, generator=g, dtype=torch.float64) * 100
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    real = torch.tensor([2, 3, 5, 6, 7, 9])
+    padded[:, real], mask[:, real] = y.detach(), True
+    padded[:, 0] = torch.nan  # a missing value beside its mask
+    padded.requires_grad_(True)
+    out = layer(padded, source, query_padding_mask=mask)
+    torch.testing.assert_close(out[:, real], expected)
+    assert torch.equal(out[~mask], torch.zeros_like(out[~mask]))
+    weights = torch.randn(2, 6, 24, generator=g, dtype=torch.float64)
+    out[:, real].mul(weights).sum().backward()
+    expected.mul(weights).sum().backward()
+    torch.testing.assert_close(padded.grad[:, real], y.grad)
+    assert torch.equal(padded.grad[~mask], torch.zeros_like(padded.grad[~mask]))
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))
 def test_permuting_the_source(name):
     layer = _trained(name)
     g = torch.Generator().manual_seed(5)
@@ -134,6 +169,8 @@ def test_cross_layers_share_the_call(name):
     assert layer(torch.randn(3, 4, 16), torch.randn(3, 7, 16), torch.ones(3, 7, dtype=torch.bool)).shape == (3, 4, 16)
     with pytest.raises(ValueError, match=r"source must have shape \[B, T, 16\], got \(3, 7, 8\)"):
         layer(torch.randn(3, 4, 16), torch.randn(3, 7, 8))
+    with pytest.raises(ValueError, match=re.escape("query_padding_mask must have shape [B, T] = (3, 4), got (3, 7)")):
+        layer(torch.randn(3, 4, 16), torch.randn(3, 7, 16), query_padding_mask=torch.ones(3, 7, dtype=torch.bool))
     with pytest.raises(ValueError, match="y and source must have the same batch size, got 3 and 2"):
         layer(torch.randn(3, 4, 16), torch.randn(2, 7, 16))
     with pytest.raises(ValueError, match=r"^y has an empty time axis, shape \(3, 0, 16\); a call needs at least one "

@@ -354,12 +354,16 @@ class AttentionLayer(Mechanism):
 
 class CrossAttentionLayer(nn.Module):
     r"""Base of the cross attentions (a decoder reading an encoder's output):
-    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None,
+    query_padding_mask [B, Tq] | None) -> [B, Tq, dim]``, zero at padded queries.
 
     ``y`` gives per-head queries ``q [B, Tq, H, D]``; the source gives ``source_projections`` per-head tensors
     ``[B, S, H, D]`` (keys and values: 2; LAVO's features: 1). Subclasses implement :meth:`attend`
-    ``(q, *source_heads, source_padding_mask) -> [B, Tq, H, D]``.
+    ``(q, *source_heads, source_padding_mask) -> [B, Tq, H, D]``; one whose weights depend on a query's place
+    (:attr:`query_positions`) also takes ``query_padding_mask``, so that padding the queries changes nothing.
     """
+
+    query_positions = False
 
     def __init__(self, dim: int, heads: int, *, source_projections: int = 2):
         super().__init__()
@@ -383,8 +387,8 @@ class CrossAttentionLayer(nn.Module):
                source_padding_mask: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, y: torch.Tensor, source: torch.Tensor,
-                source_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, source: torch.Tensor, source_padding_mask: torch.Tensor | None = None,
+                query_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         for name, t in (("y", y), ("source", source)):
             if t.dim() != 3 or t.shape[-1] != self.dim:
                 raise ValueError(f"{name} must have shape [B, T, {self.dim}], got {tuple(t.shape)}")
@@ -394,11 +398,14 @@ class CrossAttentionLayer(nn.Module):
             raise ValueError(f"y has an empty time axis, shape {tuple(y.shape)}; a call needs at least one query")
         check_padding_mask(source_padding_mask, source.shape[0], source.shape[1], "source_padding_mask",
                            device=source.device)
+        check_padding_mask(query_padding_mask, y.shape[0], y.shape[1], "query_padding_mask", device=y.device)
         check_input_dtype(self, y, "y")
         check_input_dtype(self, source, "source")
-        q = rearrange(self.to_q(y), "b t (h d) -> b t h d", h=self.heads)
-        source = zero_padded(source, source_padding_mask)  # a NaN at a padded position would reach every query
+        # a NaN at a padded position would reach every query (a padded query: only itself, but its gradient too)
+        q = rearrange(self.to_q(zero_padded(y, query_padding_mask)), "b t (h d) -> b t h d", h=self.heads)
+        source = zero_padded(source, source_padding_mask)
         source_heads = rearrange(self.to_source(source), "b s (n h d) -> n b s h d", n=self.source_projections,
                                  h=self.heads)
-        out = self.attend(q, *source_heads, source_padding_mask=source_padding_mask)
-        return self.to_out(rearrange(out, "b t h d -> b t (h d)"))
+        query_mask = {"query_padding_mask": query_padding_mask} if self.query_positions else {}
+        out = self.attend(q, *source_heads, source_padding_mask=source_padding_mask, **query_mask)
+        return zero_padded(self.to_out(rearrange(out, "b t h d -> b t (h d)")), query_padding_mask)

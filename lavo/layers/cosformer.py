@@ -52,12 +52,16 @@ class CosformerAttention(AttentionLayer):
 
 
 class CosformerCrossAttention(CrossAttentionLayer):
-    r"""cosFormer cross attention: query ``i`` of ``Tq`` and real source token ``j`` of ``n`` re-weighted by
-    ``cos(pi/2 (i / Tq - j / n))`` (:func:`~lavo.ops.cosformer.cosformer_cross_attention`). Not invariant to
+    r"""cosFormer cross attention: real query ``i`` of ``m`` and real source token ``j`` of ``n`` re-weighted by
+    ``cos(pi/2 (i / m - j / n))`` (:func:`~lavo.ops.cosformer.cosformer_cross_attention`). Not invariant to
     permuting the source: the re-weighting is positional.
 
-    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None,
+    query_padding_mask [B, Tq] | None) -> [B, Tq, dim]``.
     """
 
-    def attend(self, q, k, v, source_padding_mask):
-        return cosformer_cross_attention(q, k, v, padding_mask=source_padding_mask)
+    query_positions = True
+
+    def attend(self, q, k, v, source_padding_mask, query_padding_mask):
+        return cosformer_cross_attention(q, k, v, padding_mask=source_padding_mask,
+                                         query_padding_mask=query_padding_mask)

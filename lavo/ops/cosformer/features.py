@@ -64,8 +64,8 @@ def cosformer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 def source_fractions(padding_mask: torch.Tensor | None, batch: int, length: int,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each source token's place among the real ones and their number: positions ``[B, S]`` (a padded token
-    repeats its predecessor's; its features are zeroed anyway) and counts ``[B, 1]`` (at least 1)."""
+    """Each token's place among the real ones of its sequence and their number: positions ``[B, S]`` (a padded
+    token repeats its predecessor's; its features are zeroed anyway) and counts ``[B, 1]`` (at least 1)."""
     if padding_mask is None:
         return torch.arange(length, device=device).expand(batch, length), torch.full((batch, 1), length,
                                                                                       device=device)
@@ -74,18 +74,20 @@ def source_fractions(padding_mask: torch.Tensor | None, batch: int, length: int,
 
 
 def cosformer_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                              padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    r"""cosFormer cross attention. Query ``i`` of ``Tq`` and real source token ``j`` of ``n`` are re-weighted
-    by ``cos(pi/2 (i / Tq - j / n))``: each side's position is its fraction of its own sequence, so weights stay
-    non-negative whatever the two lengths and, for ``Tq = n``, equal the self-attention form with ``M = T``.
-    Positions count real source tokens only, so padding changes nothing.
+                              padding_mask: torch.Tensor | None = None,
+                              query_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    r"""cosFormer cross attention. Real query ``i`` of ``m`` and real source token ``j`` of ``n`` are re-weighted
+    by ``cos(pi/2 (i / m - j / n))``: each side's position is its fraction of its own sequence, so weights stay
+    non-negative whatever the two lengths and, for ``m = n``, equal the self-attention form with ``M = T``.
+    Positions count real tokens only, so padding either side changes nothing; a padded query reads zeros.
 
-    ``q [B, Tq, H, D]``, ``k, v [B, S, H, D]``, ``padding_mask [B, S]`` -> ``[B, Tq, H, D]``.
+    ``q [B, Tq, H, D]``, ``k, v [B, S, H, D]``, ``padding_mask [B, S]``, ``query_padding_mask [B, Tq]``
+    -> ``[B, Tq, H, D]``.
     """
-    B, S = k.shape[:2]
-    length = q.shape[1]
+    (B, Tq), S = q.shape[:2], k.shape[1]
+    query_positions, queries = source_fractions(query_padding_mask, B, Tq, q.device)
     positions, counts = source_fractions(padding_mask, B, S, k.device)
-    return feature_attention(cosformer_features(q, torch.arange(length, device=q.device), length),
+    return feature_attention(cosformer_features(q, query_positions, queries, query_padding_mask),
                              cosformer_features(k, positions, counts, padding_mask), v, eps=EPS)
 
 

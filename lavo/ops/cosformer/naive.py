@@ -35,20 +35,21 @@ def cosformer_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def cosformer_cross_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                                    padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                                    padding_mask: torch.Tensor | None = None,
+                                    query_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Reference for :func:`cosformer_cross_attention`: explicit weights
-    ``relu(q_i) . relu(k_j) cos(pi/2 (i / Tq - j / n))`` over the real source tokens (``j`` counts real tokens,
-    ``n`` their number), one batch element at a time."""
-    length = q.shape[1]
-    outputs = []
+    ``relu(q_i) . relu(k_j) cos(pi/2 (i / m - j / n))`` between the real queries and the real source tokens
+    (``i`` and ``j`` count real ones, ``m`` and ``n`` their numbers), one batch element at a time; zeros at
+    padded queries."""
+    out = torch.zeros_like(q)
     for b in range(q.shape[0]):
         real = torch.ones(k.shape[1], dtype=torch.bool) if padding_mask is None else padding_mask[b]
-        keys, values = k[b, real], v[b, real]  # [n, H, D]
-        count = max(1, keys.shape[0])
-        query_place = torch.arange(length, dtype=q.dtype) / length
-        key_place = torch.arange(keys.shape[0], dtype=q.dtype) / count
-        weights = torch.einsum("thd,shd->hts", torch.relu(q[b]), torch.relu(keys))
+        asking = torch.ones(q.shape[1], dtype=torch.bool) if query_padding_mask is None else query_padding_mask[b]
+        queries, keys, values = q[b, asking], k[b, real], v[b, real]  # [m, H, D], [n, H, D]
+        query_place = torch.arange(queries.shape[0], dtype=q.dtype) / max(1, queries.shape[0])
+        key_place = torch.arange(keys.shape[0], dtype=q.dtype) / max(1, keys.shape[0])
+        weights = torch.einsum("thd,shd->hts", torch.relu(queries), torch.relu(keys))
         weights = weights * torch.cos(math.pi / 2 * (query_place[:, None] - key_place[None, :]))
-        out = torch.einsum("hts,shd->thd", weights, values)
-        outputs.append(out / weights.sum(-1).transpose(0, 1).clamp(min=EPS)[..., None])
-    return torch.stack(outputs)
+        read = torch.einsum("hts,shd->thd", weights, values)
+        out[b, asking] = read / weights.sum(-1).transpose(0, 1).clamp(min=EPS)[..., None]
+    return out
