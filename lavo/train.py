@@ -385,9 +385,11 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)  # an optimiser state saved without scales has none
         total = torch.zeros((), device=self.device)
+        # one draw a step, dealt out by micro-batch, then process: every split of the step's windows into
+        # batch_size x grad_accum x processes trains on the same windows
+        offsets = self.sampler.next_offsets(tc.batch_size * env.world * tc.grad_accum).reshape(tc.grad_accum, -1)
         for micro in range(tc.grad_accum):
-            offsets = self.sampler.next_offsets(tc.batch_size * env.world)
-            x, y = windows(self.data.train.tokens, offsets[env.rank::env.world], tc.train_length, self.device)
+            x, y = windows(self.data.train.tokens, offsets[micro, env.rank::env.world], tc.train_length, self.device)
             sync = micro == tc.grad_accum - 1 or not env.enabled  # DDP averages gradients on the last one only
             with (contextlib.nullcontext() if sync else self.replica.no_sync()):
                 with self.autocast():
@@ -550,7 +552,7 @@ class Trainer:
             ways.append("train under autocast, train.dtype=bfloat16 (float16 on GPUs before Ampere)")
         if tc.batch_size > 1:
             ways.append(f"start again with a smaller train.batch_size ({tc.batch_size}) and a train.grad_accum "
-                        f"({tc.grad_accum}) as much larger, the same batch in smaller pieces")
+                        f"({tc.grad_accum}) as much larger, the same windows in smaller pieces")
         else:
             ways.append(f"start again with a shorter train.train_length ({tc.train_length})")
         windows = f"{tc.batch_size} window{'s' if tc.batch_size > 1 else ''}"

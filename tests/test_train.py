@@ -50,7 +50,7 @@ def test_the_first_step_logs_the_next_token_loss_and_gradient_norm_of_its_window
     torch.manual_seed(config.train.seed)
     model = LanguageModel(config.model_config(vocab_size=data.tokenizer.vocab_size))
     sampler = WindowSampler(len(data.train), 32, config.train.seed)
-    offsets = [o for _ in range(2) for o in sampler.next_offsets(2)]
+    offsets = sampler.next_offsets(2 * 2)  # one draw a step, both micro-batches' windows
     tokens = torch.as_tensor(data.train.tokens.astype("int64"))
     inputs = torch.stack([tokens[o:o + 32] for o in offsets])
     targets = torch.stack([tokens[o + 1:o + 33] for o in offsets])
@@ -59,6 +59,16 @@ def test_the_first_step_logs_the_next_token_loss_and_gradient_norm_of_its_window
     norm = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm()
     assert logged["step"] == 1 and logged["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert logged["grad_norm"] == pytest.approx(norm.item(), abs=1e-4)
+
+
+def test_a_batch_split_into_micro_batches_trains_on_the_same_windows(corpus, tmp_path):
+    """What the out-of-memory advice promises: each micro-batch once drew windows of its own."""
+    whole = train(run(corpus, tmp_path, "whole", steps=3, batch_size=4, grad_accum=1), log=quiet)
+    split = train(run(corpus, tmp_path, "split", steps=3, batch_size=2, grad_accum=2), log=quiet)
+    assert split["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+    first, second = (load_run(tmp_path / name)[0].state_dict() for name in ("whole", "split"))
+    for name, weights in first.items():
+        torch.testing.assert_close(second[name], weights, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_training_tells_the_mechanisms_of_each_optimizer_step(corpus, tmp_path):
@@ -81,7 +91,7 @@ def test_interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one(corp
     first = train(parted, stop_after=4, log=quiet)
     assert first["step"] == 4
     state = torch.load(tmp_path / "parted" / "state.pt", weights_only=True)
-    assert state["step"] == 4 and state["sampler"]["draws"] == 8
+    assert state["step"] == 4 and state["sampler"]["draws"] == 4  # one draw a step
     resumed = train(parted, resume=True, log=quiet)
 
     assert resumed["step"] == straight["step"] == 6
@@ -371,7 +381,7 @@ def test_running_out_of_gpu_memory_says_how_to_fit(corpus, tmp_path, monkeypatch
         "training step 3 ran out of GPU memory with 4 windows of 32 tokens per micro-batch. To fit: set "
         "train.activation_checkpointing=true (a resumed run may turn it on: --resume goes on from the last "
         "checkpoint); or train under autocast, train.dtype=bfloat16 (float16 on GPUs before Ampere); or start "
-        "again with a smaller train.batch_size (4) and a train.grad_accum (1) as much larger, the same batch in "
+        "again with a smaller train.batch_size (4) and a train.grad_accum (1) as much larger, the same windows in "
         "smaller pieces")
     assert torch.load(tmp_path / "oom" / "state.pt", weights_only=True)["step"] == 2  # the last whole step's
     with pytest.raises(RunError) as raised:  # what is already done is not advised
