@@ -173,10 +173,8 @@ def run_demo(name: str | None = None, overrides: list[str] = (), log=print) -> d
     log("\n== training curves ==")
     show_curves(runs, out_dir=out, log=log)
     log("\n== held-out perplexity by evaluation length ==")
-    ev = demo.eval
-    results = evaluate_runs(runs, multiples=ev.multiples, lengths=ev.lengths, batch_size=ev.batch_size,
-                            chunk_size=ev.chunk_size, max_tokens=ev.max_tokens, device=tc.device, out_dir=str(out),
-                            log=log)
+    # every eval setting, so that none is accepted and then dropped
+    results = evaluate_runs(runs, **asdict(demo.eval), device=tc.device, out_dir=str(out), log=log)
     for run_name, summary in summaries.items():
         log(f"{run_name}: {summary['parameters'] / 1e6:.2f}M parameters, {summary['tokens']:,} training tokens, "
             f"{summary['elapsed']:.0f}s")

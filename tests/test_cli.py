@@ -206,7 +206,8 @@ def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, mon
         return {"step": step, "tokens": step * 100, "loss": 1.0, "elapsed": 1.0, "parameters": 10}
 
     monkeypatch.setattr(lavo.train, "train", fake_train)
-    monkeypatch.setattr(lavo.evaluate, "evaluate_runs", lambda runs, **kwargs: {})
+    scored = []
+    monkeypatch.setattr(lavo.evaluate, "evaluate_runs", lambda runs, **kwargs: scored.append(kwargs) or {})
     monkeypatch.setattr(lavo.demo, "seconds_per_step",
                         lambda config, vocab: {"lavo": 2.0, "softmax": 1.0}[config.model["attention"]])
     lines = []
@@ -221,3 +222,10 @@ def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, mon
                               f"data.data_dir={tmp_path / 'data'}", "seconds_per_model=100", "train.steps=3"],
                        log=lambda *a, **k: None)
     assert [steps for _, steps, _, _ in calls] == [3, 3]
+    calls.clear()  # the eval section reaches the scoring whole (eval.dtype was dropped)
+    lavo.demo.run_demo(None, [f"out_dir={tmp_path / 'demo'}", f"data.source={corpus}", "data.tokenizer=bpe300",
+                              f"data.data_dir={tmp_path / 'data'}", "seconds_per_model=100", "train.steps=3",
+                              "eval.dtype=bfloat16", "eval.chunk_size=5", "eval.lengths=[8, 16]"],
+                       log=lambda *a, **k: None)
+    assert {key: scored[-1][key] for key in ("dtype", "chunk_size", "lengths")} == {
+        "dtype": "bfloat16", "chunk_size": 5, "lengths": [8, 16]}

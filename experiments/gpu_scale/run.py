@@ -227,8 +227,8 @@ def evaluate(run_dir: Path, plan_eval: dict, settings: dict, lengths: list[int] 
     """``{set: {length: {"loss", "ppl", "tokens", "segments"}}}`` on each held-out set of the plan (the
     held-out documents of those parts of the mix) with ``settings`` (the plan's ``eval`` or ``long_eval``), at
     ``lengths`` (None: the plan's multiples of the training length). The targets, the same at every length, are
-    windows spread over the whole set, so that every held-out document counts (one window, from the start, where
-    the longest length takes them all)."""
+    windows spread evenly over the whole set, so that it is sampled throughout rather than by its first documents
+    (one window, from the start, where the longest length takes them all)."""
     from lavo.data import split_tokens
     from lavo.evaluate import perplexity_by_length
     from lavo.run import load_run
