@@ -126,8 +126,8 @@ def add_eval(commands) -> None:
     p.add_argument("--max-tokens", type=_flag("eval", "max_tokens"), default=None,
                    help="score at most this many tokens")
     p.add_argument("--spread", action="store_true", help="take the scored tokens as windows spread evenly over the "
-                   "whole text instead of its first --max-tokens, so that a held-out set is sampled throughout (a document "
-                   "shorter than the gap between two windows may still get no target)")
+                   "whole text instead of its first --max-tokens, so that a held-out set is sampled throughout (a "
+                   "document shorter than the gap between two windows may still get no target)")
     p.add_argument("--device", default="auto", type=_flag("train", "device"), help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", type=_flag("eval", "dtype"),
                    help="float32, or bfloat16 or float16 to score under autocast (default: float32)")
