@@ -118,6 +118,8 @@ class KVCache(Cache):
         buffers = self.buffers
         if buffers is None or any(t.requires_grad for t in (*new, buffers.keys, buffers.values)):
             return None  # autograd may have saved the buffers: writing into them would change what it saved
+        if torch.compiler.is_compiling():
+            return None  # Dynamo cannot trace a storage's address; a compiled step copies instead
         if self.keys.untyped_storage().data_ptr() != buffers.keys.untyped_storage().data_ptr():
             return None  # a copy (to, select): the views are no longer in these buffers
         end = self.keys.storage_offset() // self.keys.shape[-1] + self.keys.shape[1]
@@ -152,6 +154,15 @@ class KVCache(Cache):
         """The cache of the last ``count`` positions only (views: nothing is copied)."""
         drop = max(0, self.keys.shape[1] - count)
         return replace(self, keys=self.keys[:, drop:], values=self.values[:, drop:], key_mask=self.key_mask[:, drop:])
+
+
+def in_autocast_dtype(cache: KVCache | LavoCache, dtype: torch.dtype) -> KVCache | LavoCache:
+    """``cache`` with its keys and values in ``dtype``, the chunk's, when a cache made outside autocast (float32)
+    is continued under it, as autocast casts a float32 tensor that enters a matmul; else ``cache`` itself. The
+    ops that continue a cache run with autocast off, so they would meet the two dtypes."""
+    if cache.keys.dtype == dtype or not torch.is_autocast_enabled(cache.keys.device.type):
+        return cache
+    return replace(cache, keys=cache.keys.to(dtype), values=cache.values.to(dtype))
 
 
 def check_made_by(cache: LavoCache | LavoStepCache, **asked: Any) -> None:

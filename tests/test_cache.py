@@ -86,6 +86,24 @@ def test_under_autocast_an_empty_cache_is_the_one_a_first_call_makes(name):
 
 
 @pytest.mark.parametrize("name", DECODING)
+def test_a_cache_made_outside_autocast_continues_under_it(name):
+    """As a user's float32 prompt, then bfloat16 generation: LAVO refused the cache, telling to call under
+    autocast, and local attention met float32 keys with bfloat16 queries."""
+    layer = _build(name).float()
+    x = torch.randn(2, 11, DIM, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        empty = layer.empty_cache(2)
+        _, prompt = layer(x[:, :7])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            whole, _ = layer(x)
+            from_empty, _ = layer(x, cache=empty)
+            rest, _ = _decode(layer, x[:, 7:], prompt, sizes=(1, 3))
+    torch.testing.assert_close(from_empty, whole, atol=1e-2, rtol=1e-2)
+    # the prompt's float32 keys, rounded to bfloat16 once they meet the chunk's
+    torch.testing.assert_close(rest, whole[:, 7:], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("name", DECODING)
 def test_nbytes_is_the_bytes_of_every_tensor_field(name):
     _, _, _, cache = _prefix(_build(name))
     tensors = [value for f in fields(cache) if isinstance(value := getattr(cache, f.name), torch.Tensor)]

@@ -30,6 +30,24 @@ def test_compiled_layer_matches_eager(name, causal, request):
     assert_compiled_matches_eager(layer, x, lambda module, x: module(x, padding_mask=mask)[0], name=name, **TOLERANCE)
 
 
+@pytest.mark.parametrize("name", [name for name in available_attentions()
+                                  if registered_layer(name, DIM, HEADS, causal=True, window=WINDOW).supports_decoding])
+def test_compiled_decoding_matches_eager(name):
+    """A prompt, then steps on its cache, in one graph each: the key-value cache's in-place append read a storage
+    address, which Dynamo cannot trace."""
+    layer = registered_layer(name, DIM, HEADS, causal=True, window=WINDOW)
+    torch._dynamo.reset()  # the layers share forward's code: another test's graphs count toward its recompile limit
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(2, WINDOW + 2, DIM)
+    with torch.no_grad():
+        expected, _ = layer(x)
+        outputs, cache = [], None
+        for start, end in ((0, WINDOW), (WINDOW, WINDOW + 1), (WINDOW + 1, WINDOW + 2)):
+            out, cache = compiled(x[:, start:end], cache=cache)
+            outputs.append(out)
+    torch.testing.assert_close(torch.cat(outputs, 1), expected, **TOLERANCE)
+
+
 @pytest.mark.parametrize("name", sorted(CROSS_ATTENTIONS))
 def test_compiled_cross_attention_matches_eager(name):
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..cache import LavoCache, LavoStepCache, check_made_by
+from ..cache import LavoCache, LavoStepCache, check_made_by, in_autocast_dtype
 from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, lavo_decode_step, orthogonal_basis
 from ..ops.common import check_backend, check_window
 from ..ops.lavo.variants import check_variant, is_variant
@@ -93,7 +93,7 @@ class LavoAttention(AttentionLayer):
         if isinstance(cache, LavoStepCache):
             return self._steps(q, k, v, padding_mask, cache, options)
         if cache is not None:
-            return lavo_attention_cached(q, k, v, self.basis, cache, **options)
+            return lavo_attention_cached(q, k, v, self.basis, in_autocast_dtype(cache, q.dtype), **options)
         if self.causal:
             return lavo_attention(q, k, v, self.basis, causal=True, return_cache=True, backend=self.backend,
                                   **options)

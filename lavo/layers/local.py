@@ -6,7 +6,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..cache import KVCache
+from ..cache import KVCache, in_autocast_dtype
 from ..ops.common import check_backend, check_window, pos_bias_size, zero_padding
 from ..ops.local import local_attention, local_attention_chunk, visible_keys, visible_length
 from .base import AttentionLayer, add_initialised
@@ -54,7 +54,7 @@ class LocalAttention(AttentionLayer):
             raise ValueError(f"the cache holds {cache.keys.shape[1]} keys at position {start}, but a local layer with "
                              f"window {self.window} needs the last {needed}: it was made by a layer with a smaller "
                              "window; continue with the cache this layer returned")
-        cache = cache.append(k, v, padding_mask)
+        cache = in_autocast_dtype(cache, k.dtype).append(k, v, padding_mask)
         out = local_attention_chunk(q, cache.keys, cache.values, start=start, key_mask=cache.key_mask, **options)
         return zero_padding(padding_mask, out)[0], cache.keep_last(visible_length(cache.position, self.window))
 
