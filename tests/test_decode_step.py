@@ -140,6 +140,15 @@ def test_step_errors():
         lavo_decode_step(q, k, v, basis, fixed)
     with pytest.raises(ValueError, match="run it under torch.no_grad"):
         lavo_decode_step(q[:, :1].requires_grad_(), k[:, :1], v[:, :1], basis, fixed)
+    # a layer whose projections are frozen but whose position bias trains: the step ran, and its backward met the
+    # overwritten cache with torch's in-place error
+    layer = LavoAttention(48, 3, window=4, rank=8).to(DEVICE)
+    layer.to_qkv.requires_grad_(False)
+    with torch.no_grad():
+        _, prompt = layer(torch.randn(2, 5, 48, device=DEVICE))
+    with pytest.raises(ValueError, match="^a decoding step updates its cache in place and has no backward; run it "
+                                         r"under torch.no_grad\(\) \(or decode through LavoCache to differentiate\)$"):
+        layer(torch.randn(2, 1, 48, device=DEVICE), cache=layer.step_cache(prompt))
     with pytest.raises(ValueError, match=r"the cache holds \(batch, heads, head_dim, rank\) = \(2, 3, 16, 8\), the "
                                          r"inputs \(1, 3, 16, 8\)"):
         lavo_decode_step(q[:1, :1], k[:1, :1], v[:1, :1], basis, fixed)

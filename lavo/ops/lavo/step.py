@@ -45,7 +45,9 @@ def lavo_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: t
     B, T, H, D = q.shape
     if T != 1:
         raise ValueError(f"a decoding step takes one position, got q of shape {tuple(q.shape)}")
-    if any(t.requires_grad for t in (q, k, v)):
+    # the weights too: a trainable position bias alone once ran, and its backward met the overwritten cache
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (q, k, v, basis, pos_bias, read_scale)):
         raise ValueError("a decoding step updates its cache in place and has no backward; run it under "
                          "torch.no_grad() (or decode through LavoCache to differentiate)")
     fits = (cache.batch_size, cache.keys.shape[1], cache.keys.shape[3], cache.memory_sum.shape[2])
