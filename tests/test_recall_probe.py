@@ -134,3 +134,17 @@ def test_passkey_results_are_kept_per_model_and_a_rerun_with_other_settings_is_r
     assert passkey.finished_runs(tmp_path / "missing.json", settings) == {}
     with pytest.raises(ValueError, match="holds a run with other settings; choose another --out"):
         passkey.finished_runs(tmp_path / "results.json", {**settings, "steps": 6})
+
+
+@pytest.mark.parametrize("sweep", ["", "single"])
+def test_the_probe_models_are_within_4_percent_and_the_sizes_recorded(sweep):
+    """The report compares models of 108,800 to 112,964 parameters; built again, each has its recorded count."""
+    from lavo.model import count_parameters
+    folder = ROOT / "experiments" / "recall" / sweep
+    config = json.loads((folder / "config.json").read_text())
+    vocab = recall.Vocabulary(**config["vocabulary"])
+    counts = {name: count_parameters(recall.probe_model(settings, config, vocab)[0])
+              for name, settings in config["models"].items()}
+    assert max(counts.values()) <= 1.04 * min(counts.values())
+    recorded = json.loads((folder / "results.json").read_text())["models"]
+    assert counts == {name: record["parameters"] for name, record in recorded.items()}

@@ -69,13 +69,18 @@ def accuracy(model, ids: torch.Tensor, targets: torch.Tensor) -> float:
     return (logits.argmax(-1)[scored] == targets[scored]).float().mean().item()
 
 
-def train_one(name: str, model_settings: dict, config: dict, vocab: Vocabulary, log=print) -> dict:
-    """Train one model on the mixture of cells and score it on every cell; returns its record. A model's
-    ``"train"`` entry overrides the shared training settings (e.g. a learning rate it needs)."""
+def probe_model(model_settings: dict, config: dict, vocab: Vocabulary) -> tuple[torch.nn.Module, dict]:
+    """The model of ``model_settings`` (seeded) and its training settings: a model's ``"train"`` entry overrides
+    the shared ones (e.g. a learning rate it needs)."""
     settings = dict(model_settings)
     train = {**config["train"], **settings.pop("train", {})}
     torch.manual_seed(train["seed"])
-    model = build_model({"vocab_size": vocab.size, **config["model"], **settings})
+    return build_model({"vocab_size": vocab.size, **config["model"], **settings}), train
+
+
+def train_one(name: str, model_settings: dict, config: dict, vocab: Vocabulary, log=print) -> dict:
+    """Train one model on the mixture of cells and score it on every cell; returns its record."""
+    model, train = probe_model(model_settings, config, vocab)
     optimizer = torch.optim.AdamW(model.parameter_groups(train["weight_decay"], train["lr"]), lr=train["lr"])
     cells = [(p, g) for p in config["pairs"] for g in config["gaps"]]
     rng = np.random.default_rng(train["seed"])  # the same training stream for every model
