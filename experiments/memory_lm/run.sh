@@ -30,9 +30,12 @@ probe() {  # probe NAME SCRIPT RUN_DIRS_AND_ARGS...: skipped when NAME/results.j
   mkdir -p "$E/$name"
   timed "$E" "probe $name" "$E/$name/$(basename "$script" .py).log" python "$script" "$@" --out "$E/$name"
 }
-# The held-out split has 131,148 tokens: 7 spans of 16,384 + 257 tokens fit (context_use-4k/ keeps the first
-# run, 16 spans with contexts 0..4,096).
+# The held-out split has 131,148 tokens: 7 spans of 16,384 + 257 tokens fit; the first run was 16 spans with
+# contexts 0..4,096 (context_use-4k).
+probe context_use-4k experiments/context_use/context_use.py "${RUNS[@]}" --contexts 0,256,1024,4096 --segments 16
 probe context_use experiments/context_use/context_use.py "${RUNS[@]}" --contexts 0,256,1024,4096,16384 --segments 7
+# Fine-tuning for 60 steps (the first run), then 400.
+probe passkey-60steps experiments/passkey/passkey.py "${RUNS[@]}" --multiples 1,4,16 --steps 60 --samples 16
 probe passkey experiments/passkey/passkey.py "${RUNS[@]}" --multiples 1,4,16 --steps 400 --samples 16
 # Longer fine-tuning at 1x..64x, every model.
 probe passkey-1000steps experiments/passkey/passkey.py "${RUNS[@]}" --multiples 1,4,16,32,64 --steps 1000 --samples 16
