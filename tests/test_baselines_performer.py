@@ -67,6 +67,22 @@ def test_growing_key_maximum_is_rescaled_exactly():
     torch.testing.assert_close(out, performer_attention_naive(q, k, v, _projection(), causal=True))
 
 
+def test_a_query_reads_its_keys_however_far_below_a_later_keys_exponents_they_lie():
+    """The keys were scaled by their chunk's largest exponent, so a query whose visible keys lay more than ~87 below
+    a later key's (float32) read nothing: one call gave zeros where token-by-token decoding gave the values."""
+    q, k, v = (t.detach().float() for t in _qkv(8, scale=1.0))
+    k[:, 0] *= 12  # -|k'|^2 / 2: the first key's exponents lie far below the later ones', in the same chunk
+    projection = _projection().float()
+    reference = performer_attention_naive(q.double(), k.double(), v.double(), projection.double(), causal=True)
+    out, _ = performer_attention_causal(q, k, v, projection)
+    torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=1e-4)
+    decoded, cache = [], None
+    for t in range(8):
+        step, cache = performer_attention_causal(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], projection, cache=cache)
+        decoded.append(step)
+    torch.testing.assert_close(out, torch.cat(decoded, 1), atol=1e-5, rtol=1e-5)
+
+
 def test_stabilised_features_survive_where_plain_exponentials_underflow():
     q, k, v = (t.detach().float() for t in _qkv(20))
     # Keys of scaled length 15: exponents -|k'|^2 / 2 + w.k' in about [-145, -79], below float32's smallest

@@ -44,7 +44,7 @@ def check_sums(sums: tuple[torch.Tensor, torch.Tensor], k_feat: torch.Tensor, v:
 
 def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor,
                              sums: tuple[torch.Tensor, torch.Tensor] | None = None, *, eps: float | None = None,
-                             chunk: int = 64, rescale: torch.Tensor | None = None
+                             chunk: int = 64, stabilizers: tuple[torch.Tensor, torch.Tensor] | None = None
                              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     r"""Causal, ``chunk`` tokens at a time: inside a chunk the masked ``[chunk, chunk]`` weights
     ``phi(q) phi(k)^T``, across chunks the carried sums ``S`` and ``z``. Time ``O(T (chunk + D) F)``; no per-token
@@ -53,8 +53,11 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
     Args:
         q_feat, k_feat: ``[B, T, H, F]``; v: ``[B, T, H, D]``.
         sums: ``(S [B, H, F, D], z [B, H, F])`` over earlier tokens (None: zeros, float32 for 16-bit inputs).
-        rescale: ``[B, n_chunks, H]``, a factor on the carried sums before each chunk (for stabilised features
-            whose scale changes between chunks).
+        stabilizers: for features stabilised by a running maximum, ``(m [B, T, H], m0 [B, H])``: key ``s``'s
+            features are ``phi(k_s) exp(-m_s)``, ``m`` never decreases, and the carried sums are scaled by
+            ``exp(-m0)``. Query ``t`` then reads every key at its own scale, ``exp(-m_t)``, so that a larger key
+            later in its chunk cannot make the ones it sees underflow. The sums returned are scaled by
+            ``exp(-m_T)``, the last position's.
     Returns:
         ``[B, T, H, D]`` and the sums after the last token.
     """
@@ -71,15 +74,29 @@ def causal_feature_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torc
         # head-major [B, H, T, F] once, so that each chunk's products are batched matmuls of views (einsums on
         # [B, T, H, F] chunks copied their operands into that layout, chunk by chunk)
         queries, keys, values = (x.transpose(1, 2).contiguous() for x in (queries, keys, values))
+        if stabilizers is None:
+            scales, before = [None] * -(-queries.shape[2] // chunk), None
+        else:
+            scales, before = stabilizers[0].transpose(1, 2).to(kv.dtype).split(chunk, 2), stabilizers[1].to(kv.dtype)
         # split(), not slicing: a slice's backward fills a zero tensor as long as the whole sequence (quadratic in T)
-        for index, (q, k, vs) in enumerate(zip(queries.split(chunk, 2), keys.split(chunk, 2), values.split(chunk, 2))):
-            if rescale is not None:
-                kv, k_sum = kv * rescale[:, index, :, None, None], k_sum * rescale[:, index, :, None]
-            weights = (q @ k.transpose(-1, -2)).tril()  # [B, H, t, s]
+        for q, k, vs, m in zip(queries.split(chunk, 2), keys.split(chunk, 2), values.split(chunk, 2), scales):
+            weights = q @ k.transpose(-1, -2)  # [B, H, t, s]
             carried = q.to(kv.dtype)  # the carried sums are read at their own precision
-            numerator = weights @ vs + carried @ kv  # [B, H, t, D]
-            denominator = weights.sum(-1) + (carried @ k_sum[..., None])[..., 0]
-            outputs.append(normalize(numerator, denominator, eps).to(v.dtype))
+            read, read_sum = carried @ kv, (carried @ k_sum[..., None])[..., 0]  # [B, H, t, D], [B, H, t]
+            if m is None:
+                weights = weights.tril()
+            else:  # key s at query t's scale: exp(m_s - m_t) <= 1 where s <= t, 0 after
+                upper = torch.ones(m.shape[-1], m.shape[-1], dtype=torch.bool, device=m.device).triu(1)
+                weights = weights * (m[..., None, :] - m[..., :, None]).masked_fill(upper, -torch.inf).exp()
+                earlier = torch.exp(before[..., None] - m)  # the carried sums at each query's scale
+                read, read_sum = read * earlier[..., None], read_sum * earlier
+                # the sums move to the chunk's last scale
+                last = m[..., -1]
+                k = k * torch.exp(m - last[..., None])[..., None].to(k.dtype)
+                kv, k_sum = kv * torch.exp(before - last)[..., None, None], k_sum * torch.exp(before - last)[..., None]
+                before = last
+            numerator = weights @ vs + read
+            outputs.append(normalize(numerator, weights.sum(-1) + read_sum, eps).to(v.dtype))
             kv = kv + k.transpose(-1, -2) @ vs
             k_sum = k_sum + k.sum(2)
     return torch.cat(outputs, 2).transpose(1, 2).contiguous(), (kv, k_sum)

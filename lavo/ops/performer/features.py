@@ -5,8 +5,9 @@ With ``x' = x / D^(1/4)`` and projection rows ``w_f``, ``phi(x)_f = exp(w_f . x'
 
 Stabilisation subtracts, before the exponential, a constant that cancels in the ratio (and carries no gradient):
 per query its largest exponent; for keys the largest real-key exponent so far, per head: over the sequence when
-non-causal, a running maximum over chunks when causal (the carried sums are rescaled when it grows). No key
-feature exceeds 1, so nothing overflows.
+non-causal, a running maximum over positions when causal (each query reads the keys it sees at its position's
+maximum, and the carried sums are rescaled as it grows). No key feature exceeds 1, so nothing overflows, and no
+later key can make the ones a query sees underflow.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ...cache import Cache
 from ..common import accumulation_dtype, neg_inf, without_autocast
@@ -108,13 +108,9 @@ def _performer_attention_causal(q, k, v, projection, padding_mask, cache, chunk)
     if cache.key_max.shape != cache.k_sum.shape[:2]:
         raise ValueError(f"cache key_max must have shape [B, H] = {tuple(cache.k_sum.shape[:2])}, "
                          f"got {tuple(cache.key_max.shape)}")
-    length = k.shape[1]
-    # each position's largest exponent first: padding [B, T, H] to whole chunks, not a copy of every exponent
-    chunk_max = F.pad(exponents.detach().amax(3), (0, 0, 0, -length % chunk), value=-math.inf)
-    chunk_max = chunk_max.unflatten(1, (-1, chunk)).amax(2)  # [B, n, H]
-    key_max = torch.maximum(chunk_max.cummax(1).values, cache.key_max[:, None])
-    previous = torch.cat([cache.key_max[:, None], key_max[:, :-1]], 1)
-    k_feat = torch.exp(exponents - key_max.repeat_interleave(chunk, 1)[:, :length, :, None])
+    # the largest exponent up to each position [B, T, H], and the cache's before them
+    key_max = torch.maximum(exponents.detach().amax(3).cummax(1).values, cache.key_max[:, None])
+    k_feat = torch.exp(exponents - key_max[..., None])
     out, (kv, k_sum) = causal_feature_attention(query_features(q, projection), k_feat, v, (cache.kv, cache.k_sum),
-                                                chunk=chunk, rescale=torch.exp(previous - key_max))
-    return out, PerformerCache(kv, k_sum, key_max[:, -1], cache.position + length)
+                                                chunk=chunk, stabilizers=(key_max, cache.key_max))
+    return out, PerformerCache(kv, k_sum, key_max[:, -1], cache.position + k.shape[1])
