@@ -112,6 +112,15 @@ class KVCache(Cache):
         keys = torch.zeros(batch, 0, heads, head_dim, dtype=dtype, device=device)
         return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), 0)
 
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None) -> KVCache:
+        """The cache after a first call's ``k, v [B, T, H, D]``: copies, so that it keeps no projection alive, and
+        no buffers (the first append makes them), so that it is built without writing in place (``torch.func``'s
+        transforms refuse in-place writes of their batched tensors into plain ones)."""
+        mask = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if padding_mask is None else padding_mask
+        return cls(k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format),
+                   mask.clone(), k.shape[1], padding_mask is not None)
+
     def _writable_end(self, *new: torch.Tensor) -> int | None:
         """Where this cache's positions end in its buffers when ``new`` may be written after them in place, else
         None."""

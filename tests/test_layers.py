@@ -1,11 +1,12 @@
 """LAVO layers: decoding in any chunking equals one call, constant-size cache, learned basis, clear errors."""
 import math
+import warnings
 from dataclasses import replace
 
 import pytest
 import torch
 
-from lavo import LavoAttention, LavoCache, LavoCrossAttention, build_attention
+from lavo import LavoAttention, LavoCache, LavoCrossAttention, available_attentions, build_attention
 from lavo.layers.orthonormal import register_orthonormal
 from lavo.ops import code_cross_attention, lavo_attention, lavo_attention_naive, orthogonal_basis
 
@@ -391,3 +392,28 @@ VARIANT_ERRORS = [
 def test_bad_variant_gets_a_clear_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# LAVO's and local attention's PyTorch path are autograd Functions without setup_context, which torch.func refuses
+# by name (docs/DESIGN.md, decision 22).
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", [n for n in available_attentions() if n not in ("lavo", "local")])
+def test_per_sample_gradients_through_torch_func_are_each_samples_own(name, causal):
+    """The causal softmax layer wrote a first call's keys into fresh buffers in place, which vmap refuses."""
+    from torch.func import functional_call, grad, vmap
+    torch.manual_seed(0)
+    try:
+        layer = build_attention(name, 16, 2, causal=causal)
+    except ValueError as error:  # a mechanism without this form
+        pytest.skip(str(error))
+    params = {key: value.detach() for key, value in layer.named_parameters()}
+    x = torch.randn(3, 9, 16)
+
+    def loss(p, sample):
+        return functional_call(layer, p, (sample[None],))[0].square().sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note that SDPA has no batching rule yet
+        batched = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    for index in range(3):
+        for key, value in grad(loss)(params, x[index]).items():
+            torch.testing.assert_close(batched[key][index], value, atol=1e-5, rtol=1e-4, msg=key)

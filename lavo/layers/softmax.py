@@ -38,7 +38,7 @@ class SoftmaxAttention(AttentionLayer):
             return softmax_attention(q, k, v, causal=False, key_mask=padding_mask, query_mask=padding_mask), None
         if cache is None:  # every key is in this call: None as the mask keeps the fused is_causal path
             out = softmax_attention(q, k, v, causal=True, key_mask=padding_mask, query_mask=padding_mask)
-            return out, self.empty_cache(q.shape[0], device=q.device, dtype=k.dtype).append(k, v, padding_mask)
+            return out, KVCache.of(k, v, padding_mask)
         if cache.keys.shape[1] != cache.position:
             raise ValueError(f"the cache holds the last {cache.keys.shape[1]} of {cache.position} positions (a "
                              "sliding-window layer's): softmax attends to every earlier position; pass the cache "
