@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from lavo import LavoAttention, LavoCache, LavoCrossAttention, available_attentions, build_attention
+from lavo.layers.abc import ABCAttention
+from lavo.layers.local import LocalAttention
+from lavo.layers.longshort import LongShortAttention
 from lavo.layers.orthonormal import register_orthonormal
+from lavo.layers.softmax import SoftmaxAttention
 from lavo.ops import code_cross_attention, lavo_attention, lavo_attention_naive, orthogonal_basis
 
 
@@ -284,6 +288,19 @@ ERRORS = [
     (lambda: build_attention("lavo", 16, 2, causal="false"), r"^LavoAttention causal must be True or False, got "
                                                               r"'false'$"),
     (lambda: LavoAttention(32, 4, window=True), r"^window must be a positive integer, got True$"),
+    # built directly, past the registry's check: "false" computed with the switch on, True as rank 1
+    (lambda: LavoAttention(16, 2, dissection="false"),
+     r"^LavoAttention dissection must be True or False, got 'false'$"),
+    (lambda: LavoAttention(16, 2, read_temperature=1),
+     r"^LavoAttention read_temperature must be True or False, got 1$"),
+    (lambda: SoftmaxAttention(16, 2, rotary="no"), r"^SoftmaxAttention rotary must be True or False, got 'no'$"),
+    (lambda: LocalAttention(16, 2, position_bias=None), r"^LocalAttention position_bias must be True or False, got "
+                                                        r"None$"),
+    (lambda: LongShortAttention(16, 2, dual_ln="yes"),
+     r"^LongShortAttention dual_ln must be True or False, got 'yes'$"),
+    (lambda: LavoAttention(16, 2, rank=True), r"^LavoAttention rank must be a positive integer, got True$"),
+    (lambda: LavoCrossAttention(16, 2, rank=2.0), r"^LavoCrossAttention rank must be a positive integer, got 2.0$"),
+    (lambda: ABCAttention(16, 2, slots=True), r"^ABCAttention slots must be a positive integer, got True$"),
     (lambda: lavo_attention(*torch.randn(3, 1, 4, 2, 8), orthogonal_basis(2, 4, 8)[:, :0], window=2),
      r"^basis has shape \(2, 0, 8\), rank 0: the memory needs at least one slot$"),
     (lambda: code_cross_attention(torch.randn(1, 4, 2, 8), torch.randn(1, 3, 2, 8), orthogonal_basis(2, 4, 8)[:, :0]),

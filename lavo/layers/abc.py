@@ -7,14 +7,13 @@ import torch
 from torch import nn
 
 from ..ops.abc import ABCCache, abc_attention, abc_cross_attention
-from ..ops.common import accumulation_dtype
+from ..ops.common import accumulation_dtype, check_positive
 from .base import AttentionLayer, CrossAttentionLayer, add_initialised, element_size, scaled_normal
 
 
 def add_control(module: nn.Module, slots: int) -> None:
     """Give ``module.control [H, slots, D]``, the learned control ``W_phi``, and ``module.slots``."""
-    if not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"slots must be a positive integer, got {slots!r}")
+    check_positive(type(module).__name__, slots=slots)
     module.slots = slots
     add_initialised(module, "control", partial(scaled_normal, module.heads, slots, module.head_dim,
                                                std=module.head_dim ** -0.5))

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..cache import Cache
-from ..ops.common import check_padding_mask, dtypes_may_differ, positive_int
+from ..ops.common import check_padding_mask, check_switches, dtypes_may_differ, positive_int
 
 
 def check_heads(dim: int, heads: int) -> int:
@@ -153,8 +153,7 @@ class Mechanism(nn.Module):
     def __init__(self, dim: int, heads: int, *, causal: bool = True):
         super().__init__()
         name = type(self).__name__
-        if not isinstance(causal, bool):  # "false" would build a causal layer
-            raise ValueError(f"{name} causal must be True or False, got {causal!r}")
+        check_switches(name, causal=causal)
         if causal and not self.supports_causal:
             raise ValueError(f"{name} has no causal form; build it with causal=False")
         if not causal and not self.supports_noncausal:

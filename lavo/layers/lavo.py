@@ -9,7 +9,7 @@ from torch import nn
 
 from ..cache import LavoCache, LavoStepCache, check_made_by, in_autocast_dtype
 from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, lavo_decode_step, orthogonal_basis
-from ..ops.common import check_backend, check_window
+from ..ops.common import check_backend, check_positive, check_switches, check_window
 from ..ops.lavo.variants import check_variant, is_variant
 from .base import AttentionLayer, CrossAttentionLayer, add_initialised
 from .local import add_position_bias
@@ -20,6 +20,7 @@ def add_basis(module: nn.Module, heads: int, rank: int, head_dim: int, kind: str
     """Give ``module.basis [H, r, D]``: a fixed random buffer, or a parameter kept exactly orthonormal."""
     if kind not in ("fixed", "learned"):
         raise ValueError(f"basis must be 'fixed' or 'learned', got {kind!r}")
+    check_positive(type(module).__name__, rank=rank)
     add_initialised(module, "basis", partial(orthogonal_basis, heads, rank, head_dim), buffer=kind == "fixed")
     if kind == "learned":
         register_orthonormal(module, "basis")
@@ -62,6 +63,8 @@ class LavoAttention(AttentionLayer):
         super().__init__(dim, heads, causal=causal)
         check_window(window)
         check_backend(backend)
+        check_switches("LavoAttention", position_bias=position_bias, dissection=dissection,
+                       read_temperature=read_temperature)
         self.backend = backend
         self.rank = self.head_dim if rank is None else rank
         self.window, self.dissection, self.write, self.memory = window, dissection, write, memory

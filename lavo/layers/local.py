@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, in_autocast_dtype
-from ..ops.common import check_backend, check_window, pos_bias_size, zero_padding
+from ..ops.common import check_backend, check_switches, check_window, pos_bias_size, zero_padding
 from ..ops.local import local_attention, local_attention_chunk, visible_keys, visible_length
 from .base import AttentionLayer, add_initialised
 
@@ -37,6 +37,7 @@ class LocalAttention(AttentionLayer):
         super().__init__(dim, heads, causal=causal)
         check_window(window)
         check_backend(backend)
+        check_switches("LocalAttention", position_bias=position_bias)
         self.window, self.backend = window, backend
         add_position_bias(self, heads, window, causal, position_bias)
 

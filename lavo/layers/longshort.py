@@ -5,7 +5,7 @@ from functools import partial
 
 from torch import nn
 
-from ..ops.common import check_window
+from ..ops.common import check_positive, check_switches, check_window
 from ..ops.longshort import longshort_attention
 from .base import AttentionLayer, add_initialised, scaled_normal
 
@@ -38,8 +38,8 @@ class LongShortAttention(AttentionLayer):
         super().__init__(dim, heads, causal=causal)
         check_window(window)
         landmarks = (1 if causal else 32) if landmarks is None else landmarks
-        if not isinstance(landmarks, int) or landmarks < 1:
-            raise ValueError(f"landmarks must be a positive integer, got {landmarks!r}")
+        check_positive("LongShortAttention", landmarks=landmarks)
+        check_switches("LongShortAttention", dual_ln=dual_ln)
         self.window, self.landmarks = window, landmarks
         add_initialised(self, "projection", partial(scaled_normal, heads, self.head_dim, landmarks,
                                                     std=self.head_dim ** -0.5))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache
+from ..ops.common import check_switches
 from ..ops.softmax import apply_rotary, softmax_attention
 from .base import AttentionLayer, CrossAttentionLayer
 
@@ -25,6 +26,7 @@ class SoftmaxAttention(AttentionLayer):
 
     def __init__(self, dim: int, heads: int, *, causal: bool = True, rotary: bool = False):
         super().__init__(dim, heads, causal=causal)
+        check_switches("SoftmaxAttention", rotary=rotary)
         if rotary and self.head_dim % 2:
             raise ValueError(f"rotary=True needs an even head dimension, got dim={dim} / heads={heads} "
                              f"= {self.head_dim}")

@@ -107,6 +107,13 @@ def check_positive(owner: str, **options: int) -> None:
             raise ValueError(f"{owner} {name} must be a positive integer, got {value!r}")
 
 
+def check_switches(owner: str, **switches: bool) -> None:
+    """Raise naming ``owner`` and the option unless every switch is True or False ("false" would count as on)."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{owner} {name} must be True or False, got {value!r}")
+
+
 def check_window(window: int) -> None:
     if not positive_int(window):
         raise ValueError(f"window must be a positive integer, got {window!r}")
