@@ -176,8 +176,12 @@ def test_cross_layers_share_the_call(name):
     with pytest.raises(ValueError, match=r"^y has an empty time axis, shape \(3, 0, 16\); a call needs at least one "
                                          r"query$"):
         layer(torch.randn(3, 0, 16), torch.randn(3, 7, 16))
-    if name != "abc":  # an empty source is an empty memory, read as zeros (ABC refuses it by name)
-        assert torch.equal(layer(torch.randn(3, 4, 16), torch.randn(3, 0, 16)), torch.zeros(3, 4, 16))
+    # an empty source is an empty memory, read as zeros (ABC refused it, naming its op's k); an empty batch is
+    # refused as self-attention refuses it (LAVO refused it, naming its op's q, and the others passed it)
+    assert torch.equal(layer(torch.randn(3, 4, 16), torch.randn(3, 0, 16)), torch.zeros(3, 4, 16))
+    with pytest.raises(ValueError, match=r"^y has an empty batch, shape \(0, 4, 16\); a call needs at least one "
+                                         r"sequence$"):
+        layer(torch.randn(0, 4, 16), torch.randn(0, 7, 16))
     for y, source, name in ((torch.randn(3, 4, 16).double(), torch.randn(3, 7, 16), "y"),
                             (torch.randn(3, 4, 16), torch.randn(3, 7, 16).half(), "source")):
         other = y if name == "y" else source

@@ -395,6 +395,8 @@ class CrossAttentionLayer(nn.Module):
             raise ValueError(f"y and source must have the same batch size, got {y.shape[0]} and {source.shape[0]}")
         if y.shape[1] == 0:  # refused alike (LAVO's read divided by it)
             raise ValueError(f"y has an empty time axis, shape {tuple(y.shape)}; a call needs at least one query")
+        if y.shape[0] == 0:  # as self-attention refuses it (LAVO's op refused it, naming its own q; others passed)
+            raise ValueError(f"y has an empty batch, shape {tuple(y.shape)}; a call needs at least one sequence")
         check_padding_mask(source_padding_mask, source.shape[0], source.shape[1], "source_padding_mask",
                            device=source.device)
         check_padding_mask(query_padding_mask, y.shape[0], y.shape[1], "query_padding_mask", device=y.device)

@@ -173,10 +173,12 @@ def abc_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contr
         k, v: ``[B, S, H, D]`` the source's keys and values.
         control: ``W_phi``, ``[H, r, D]``.
         padding_mask: ``[B, S]`` bool over the source, True for real tokens (padding is never written; a
-            source with no real token is an empty memory and reads zeros).
+            source with no real token, or no token at all, is an empty memory and reads zeros).
     Returns:
         ``[B, Tq, H, D]``.
     """
+    if k.dim() == 4 and k.shape[1] == 0 and v.shape == k.shape:  # an empty memory reads zeros, as one of padding
+        return q.new_zeros(q.shape)
     check_matching(k=k, v=v)
     B, S, H, D = k.shape
     if q.dim() != 4 or q.shape[0] != B or q.shape[2:] != k.shape[2:]:
