@@ -104,6 +104,25 @@ def test_a_cache_made_outside_autocast_continues_under_it(name):
 
 
 @pytest.mark.parametrize("name", DECODING)
+def test_a_float32_cache_continues_in_a_float64_layer(name):
+    """Widened, as the key-value caches are; S4D's state met float64 inputs with torch's "expected scalar type
+    Float but found Double". LAVO refuses it by name (its cached sums keep their precision)."""
+    layer = _build(name)
+    x = torch.randn(2, 11, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, prompt = layer.float()(x[:, :7].float())
+        layer.double()
+        if name == "lavo":
+            with pytest.raises(ValueError, match=r"^the cache holds torch.float32 keys and values and the inputs are "
+                                                 r"torch.float64"):
+                layer(x[:, 7:], cache=prompt)
+            return
+        rest, _ = layer(x[:, 7:], cache=prompt)
+        whole, _ = layer(x)
+    torch.testing.assert_close(rest, whole[:, 7:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", DECODING)
 def test_nbytes_is_the_bytes_of_every_tensor_field(name):
     _, _, _, cache = _prefix(_build(name))
     tensors = [value for f in fields(cache) if isinstance(value := getattr(cache, f.name), torch.Tensor)]

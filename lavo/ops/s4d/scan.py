@@ -65,7 +65,7 @@ def s4d_scan(u: torch.Tensor, log_a: torch.Tensor, c: torch.Tensor, cache: S4DCa
     added = torch.view_as_complex(added.contiguous())  # [B, n, C, N]
     block_decay = (log_a * size).exp()
     cache = S4DCache.empty(batch, *log_a.shape, dtype=log_a.dtype, device=u.device) if cache is None else cache
-    entering, state = [], cache.state
+    entering, state = [], cache.state.to(log_a.dtype)  # the system's precision, whatever the cache was made in
     for block_added in added.unbind(1):  # unbind: indexing in a loop would make the backward quadratic in T
         entering.append(state)
         state = state * block_decay + block_added
