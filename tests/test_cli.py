@@ -66,7 +66,7 @@ def test_a_run_directory_is_self_contained(tmp_path, monkeypatch, capsys):
     from lavo import data as D
     corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
 
-    def fetch_toy(root):  # a built-in source, so that its texts live in the data directory
+    def fetch_toy(root, log):  # a built-in source, so that its texts live in the data directory
         texts = Path(root) / "toy" / "texts"
         if not texts.is_dir():
             shutil.copytree(corpus, texts)
