@@ -6,7 +6,8 @@ import torch
 from reference_checks import assert_same_outputs_and_grads
 
 from lavo import build_attention
-from lavo.ops.cosformer import cosformer_attention, cosformer_attention_causal, cosformer_attention_naive
+from lavo.ops.cosformer import (CosformerCache, cosformer_attention, cosformer_attention_causal,
+                                 cosformer_attention_naive)
 
 HEADS, HEAD_DIM = 3, 5
 
@@ -99,3 +100,31 @@ def test_errors_name_the_problem():
     bidirectional = build_attention("cosformer", 16, 2, causal=False)
     with pytest.raises(ValueError, match="causal=False; a cache is only for causal decoding"):
         bidirectional(torch.randn(2, 4, 16), cache=cache)
+
+
+@pytest.mark.parametrize("make_cache", [lambda layer: layer(torch.randn(1, 8, 16))[1],
+                                        lambda layer: layer.empty_cache(1)])
+def test_layer_refuses_a_cache_of_another_max_length(make_cache):
+    # max_length is no weight, so a checkpoint loads into a layer of another one; the sums of a cache made with
+    # M = 16 have the shapes of M = 4096's, and continuing them re-weighted the context wrongly without an error
+    short = build_attention("cosformer", 16, 2, max_length=16)
+    long = build_attention("cosformer", 16, 2, max_length=4096)
+    long.load_state_dict(short.state_dict())
+    with pytest.raises(ValueError, match=r"^the cache was made with max_length=16 \(this call: 4096\): its sums "
+                                         r"carry that length's cos re-weighting; continue with the cache this layer "
+                                         r"returned$"):
+        long(torch.randn(1, 4, 16), cache=make_cache(short))
+
+
+def test_layer_cache_records_its_max_length():
+    layer = build_attention("cosformer", 16, 2, max_length=100)
+    x = torch.randn(2, 12, 16)
+    first, cache = layer(x[:, :5])
+    second, later = layer(x[:, 5:], cache=cache)
+    assert cache.max_length == later.max_length == layer.empty_cache(2).max_length == 100
+    torch.testing.assert_close(torch.cat([first, second], 1), layer(x)[0])
+    # an op's own cache of no length (CosformerCache.empty) fits any
+    q, k, v = _qkv(6)
+    empty = CosformerCache.empty(2, HEADS, HEAD_DIM, dtype=torch.float64)
+    torch.testing.assert_close(cosformer_attention_causal(q, k, v, 50, cache=empty)[0],
+                               cosformer_attention_causal(q, k, v, 50)[0])

@@ -40,7 +40,8 @@ class CosformerAttention(AttentionLayer):
         return cosformer_attention(q, k, v, padding_mask=padding_mask), None
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> CosformerCache:
-        return CosformerCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype)
+        return CosformerCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype,
+                                     max_length=self.max_length)
 
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
         # kv [B, H, 2D, D] and k_sum [B, H, 2D], float32 for 16-bit inputs

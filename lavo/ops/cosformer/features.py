@@ -24,19 +24,24 @@ EPS = 1e-6
 
 @dataclass(frozen=True)
 class CosformerCache(Cache):
-    """Decoding cache: ``kv [B, H, 2D, D]`` and ``k_sum [B, H, 2D]`` over the context, and its length."""
+    """Decoding cache: ``kv [B, H, 2D, D]`` and ``k_sum [B, H, 2D]`` over the context, and its length.
+
+    ``max_length`` is the ``M`` its sums were re-weighted with (None: not yet tied to one): the sums of another
+    ``M`` have the same shapes, so a call with another ``max_length`` refuses the cache by it."""
 
     kv: torch.Tensor
     k_sum: torch.Tensor
     position: int
+    max_length: int | None = None
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, *, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None) -> CosformerCache:
+              device: torch.device | str | None = None, max_length: int | None = None) -> CosformerCache:
         """The cache before the first token, for values of ``dtype`` (the sums float32 for 16-bit values)."""
         acc = accumulation_dtype(torch.get_default_dtype() if dtype is None else dtype)
         k_sum = torch.zeros(batch, heads, 2 * head_dim, dtype=acc, device=device)
-        return cls(torch.zeros(batch, heads, 2 * head_dim, head_dim, dtype=acc, device=device), k_sum, 0)
+        return cls(torch.zeros(batch, heads, 2 * head_dim, head_dim, dtype=acc, device=device), k_sum, 0,
+                   max_length)
 
 
 def cosformer_features(x: torch.Tensor, positions: torch.Tensor, horizon: int | torch.Tensor,
@@ -96,6 +101,9 @@ def cosformer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                chunk: int = 64) -> tuple[torch.Tensor, CosformerCache]:
     """Causal cosFormer with ``M = max_length``, by chunked prefix sums, continuing from ``cache`` (None: the
     start). ``q, k, v [B, T, H, D]`` -> ``([B, T, H, D], CosformerCache)``."""
+    if cache is not None and cache.max_length not in (None, max_length):
+        raise ValueError(f"the cache was made with max_length={cache.max_length} (this call: {max_length}): its sums "
+                         "carry that length's cos re-weighting; continue with the cache this layer returned")
     start = 0 if cache is None else cache.position
     end = start + q.shape[1]
     if end > max_length:
@@ -107,4 +115,4 @@ def cosformer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     out, (kv, k_sum) = causal_feature_attention(
         cosformer_features(q, positions, max_length), cosformer_features(k, positions, max_length, padding_mask),
         v, None if cache is None else (cache.kv, cache.k_sum), eps=EPS, chunk=chunk)
-    return out, CosformerCache(kv, k_sum, end)
+    return out, CosformerCache(kv, k_sum, end, max_length)
