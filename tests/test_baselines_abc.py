@@ -1,4 +1,6 @@
 """ABC with learned control: chunked prefix-sum form vs the per-step reference, decoding, prefix normalisation."""
+import re
+
 import pytest
 import torch
 from reference_checks import assert_same_outputs_and_grads
@@ -86,3 +88,15 @@ def test_impossible_requests_are_named():
         abc_attention(q, q, q, layer.control, causal=False, cache=layer.empty_cache(1))
     with pytest.raises(ValueError, match="cache was built for batch size 1"):
         layer(torch.randn(2, 3, 8), cache=layer.empty_cache(1))
+
+
+@pytest.mark.parametrize("other", [dict(dim=8, heads=2, slots=3), dict(dim=8, heads=4, slots=4)])
+def test_a_cache_of_another_layer_shape_is_refused_by_name(other):
+    # torch's broadcasting error named neither the cache nor the slots ("The size of tensor a (4) must match ...")
+    layer = build_attention("abc", 8, 2, slots=4)
+    other = build_attention("abc", other.pop("dim"), other.pop("heads"), **other)
+    _, cache = other(torch.randn(1, 3, 8))
+    shape = tuple(cache.keys.shape)
+    with pytest.raises(ValueError, match=rf"^the cache holds memories \[B, H, slots, D\] = {re.escape(str(shape))}, "
+                                         r"this call \(1, 2, 4, 4\): pass the cache the previous call returned$"):
+        layer(torch.randn(1, 2, 8), cache=cache)

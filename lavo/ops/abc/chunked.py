@@ -125,6 +125,9 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, control: to
         raise ValueError(f"control must have shape [H, r, D] with H={H}, D={D}, got {tuple(control.shape)}")
     if cache is not None and not causal:
         raise ValueError("a cache exists only for causal attention (causal=False was given)")
+    if cache is not None and tuple(cache.keys.shape)[1:] != (H, control.shape[1], D):
+        raise ValueError(f"the cache holds memories [B, H, slots, D] = {tuple(cache.keys.shape)}, this call "
+                         f"{(B, H, control.shape[1], D)}: pass the cache the previous call returned")
     scale = query_scale(scale, D)
     return _abc_attention(q, k, v, control, causal, padding_mask, cache, scale, chunk)
 
