@@ -105,6 +105,9 @@ def test_layer_output_shape_and_dtype(causal):
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="state_size must be a positive even number"):
         build_attention("s4d", 8, 2, state_size=5)
+    with pytest.raises(ValueError, match=r"^S4DLayer state_size must be a positive even number \(conjugate pairs\), "
+                                         r"got 4\.0$"):  # torch.full's TypeError named no option
+        build_attention("s4d", 8, 2, state_size=4.0)
     with pytest.raises(ValueError, match="dt_min <= dt_max"):
         build_attention("s4d", 8, 2, dt_min=0.1, dt_max=0.01)
     with pytest.raises(ValueError, match="divisible by heads"):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.common import accumulation_dtype
+from ..ops.common import accumulation_dtype, positive_int
 from ..ops.s4d import S4DCache, discretize, fft_convolution, s4d_kernel, s4d_scan
 from .base import Mechanism, add_initialised, element_size, zero_padded
 
@@ -52,7 +52,7 @@ class S4DLayer(Mechanism):
     def __init__(self, dim: int, heads: int, *, causal: bool = True, state_size: int = 64, dt_min: float = 1e-3,
                  dt_max: float = 1e-1):
         super().__init__(dim, heads, causal=causal)
-        if state_size < 2 or state_size % 2:
+        if not positive_int(state_size) or state_size < 2 or state_size % 2:  # 64.0 failed in torch.full
             raise ValueError(f"S4DLayer state_size must be a positive even number (conjugate pairs), got {state_size}")
         if not 0 < dt_min <= dt_max:
             raise ValueError(f"S4DLayer needs 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
