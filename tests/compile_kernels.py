@@ -1,4 +1,4 @@
-"""``python compile_kernels.py [--fast]``: compile every Triton kernel of the package for real GPUs, without one.
+"""``python compile_kernels.py [--fast] [--targets sm_90,sm_86]``: compile every Triton kernel of the package for real GPUs, without one.
 
 Triton's CPU interpreter runs what compiled Triton refuses (a plain global in a kernel, mismatched dtypes, ...),
 so the interpreter tests cannot vouch for a GPU. This script calls the package's own launchers
@@ -252,12 +252,17 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128,
                         help="D of the --fast case (128; the kernels are not sized for more: backend='auto' keeps "
                         "wider heads on torch)")
-    args = parser.parse_args()
-    launches = {arch: recorded(arch, args.fast, args.head_dim) for arch in TARGETS}
-    reached = {f"{kernel.fn.__module__}.{kernel.fn.__name__}" for kernel, _, _ in launches["sm_90"]}
+    parser.add_argument("--targets", type=lambda names: names.split(","), default=list(TARGETS),
+                        help=f"comma-separated targets to compile for (default: all, {','.join(TARGETS)})")
+    options = parser.parse_args()
+    if unknown := sorted(set(options.targets) - set(TARGETS)):
+        parser.error(f"unknown targets {unknown}; choose from {list(TARGETS)}")
+    launches = {arch: recorded(arch, options.fast, options.head_dim) for arch in options.targets}
+    reached = {f"{kernel.fn.__module__}.{kernel.fn.__name__}" for arch in options.targets
+               for kernel, _, _ in launches[arch]}
     failures = [f"never launched by a case: {name}" for name in sorted(all_kernels() - reached)]
     seen, compiled_count = set(), 0
-    for arch in TARGETS:
+    for arch in options.targets:
         for kernel, args, kwargs in launches[arch]:
             key, build = compile_launch(kernel, args, kwargs, TARGETS[arch])
             if (arch, key) in seen:

@@ -53,16 +53,17 @@ def assert_matches_reference(fast, naive, inputs, *, device, dtype=torch.float32
         check(grad, expected)
 
 
-def assert_compiled_matches_eager(module, x, call, *, name, **tolerance):
-    """``call(torch.compile(module, fullgraph=True), x)`` against ``call(module, x)``: the output and the gradients
-    of ``x`` and of every parameter (of a fixed weighting of the output). ``fullgraph``: a graph break raises."""
+def assert_compiled_matches_eager(module, x, call, *, name, backend="inductor", **tolerance):
+    """``call(torch.compile(module, fullgraph=True, backend=backend), x)`` against ``call(module, x)``: the output
+    and the gradients of ``x`` and of every parameter (of a fixed weighting of the output). ``fullgraph``: a graph
+    break raises."""
     def output_and_grads(runner):
         inputs = x.clone().requires_grad_()
         y = call(runner, inputs)
         weights = torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)
         return [y.detach(), *torch.autograd.grad((y * weights).sum(), [inputs, *module.parameters()])]
     torch._dynamo.reset()
-    compiled = output_and_grads(torch.compile(module, fullgraph=True))
+    compiled = output_and_grads(torch.compile(module, fullgraph=True, backend=backend))
     names = ["output", "x"] + [n for n, _ in module.named_parameters()]
     for got, want, what in zip(compiled, output_and_grads(module), names):
         torch.testing.assert_close(got, want, **tolerance, msg=lambda m: f"{name} {what}: {m}")

@@ -467,7 +467,9 @@ def test_each_parameter_group_follows_the_schedule_at_its_own_scale(corpus, tmp_
     assert {g["lr_scale"] for g in groups} == {1.0, 0.25}
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+# without checkpointing is -m slow: the compiled step is the same but for the recomputation (a minute's Inductor
+# code generation on two cores)
+@pytest.mark.parametrize("checkpointing", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_compiled_training_follows_the_eager_run(corpus, tmp_path, checkpointing, monkeypatch):
     torch._dynamo.reset()
     eager = train(run(corpus, tmp_path, "eager", steps=3), log=quiet)
