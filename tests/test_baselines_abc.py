@@ -61,6 +61,26 @@ def test_large_control_logits_stay_finite_and_exact_in_low_precision(control_sca
         torch.testing.assert_close(fast.double(), slow, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("rise", [30, 50, 75])
+def test_a_logit_rising_far_within_a_chunk_keeps_exact_gradients(rise):
+    # The earlier positions' normalisers fall to exp(-rise) of the chunk's reference: past ~44, 1 / n^2 in torch's
+    # backward of 1 / n overflowed float32, and the gradients of k and the control were inf and NaN.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 8, 1, 4, dtype=torch.float64)
+    k[0, :, 0] = torch.linspace(0, rise / 4, 8)[:, None]
+    control = torch.ones(1, 1, 4, dtype=torch.float64)
+    weights = torch.randn(1, 8, 1, 4, dtype=torch.float64)
+    grads = []
+    for dtype, op in ((torch.float32, abc_attention), (torch.float64, abc_attention_naive)):
+        inputs = [x.to(dtype).requires_grad_() for x in (q, k, v, control)]
+        out = op(*inputs)
+        out = out[0] if isinstance(out, tuple) else out
+        grads.append([out, *torch.autograd.grad((out * weights.to(dtype)).sum(), inputs)])
+    for got, want in zip(*grads):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
 def test_padded_token_by_token_decoding_matches_full_forward_with_constant_cache():
     torch.manual_seed(0)
     layer = build_attention("abc", 12, 2, causal=True, slots=5).double()

@@ -8,6 +8,7 @@ from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_att
                       lavo_attention_naive, local_attention, local_attention_chunk, local_attention_naive,
                       orthogonal_basis)
 from lavo.ops.abc import abc_attention
+from lavo.ops.common import reciprocal
 from lavo.ops.longshort import longshort_attention
 
 # (T, window, D, rank): T = 1, T < w, T = w, awkward T with D = 60 and r < D.
@@ -498,3 +499,17 @@ def test_memory_variants_are_causal(write, memory):
     # the memory branch is used: an early value changes a late output through it
     (grad_v,) = torch.autograd.grad(out[:, 39].sum(), v, retain_graph=True)
     assert grad_v[:, :16].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reciprocal_is_one_over_x_with_gradients_where_torchs_overflow(dtype):
+    tiny = torch.finfo(dtype).tiny
+    x = torch.cat([torch.logspace(-37, 37, 10001, dtype=dtype), torch.tensor([tiny], dtype=dtype)])
+    assert torch.equal(reciprocal(x), 1 / x)  # the same value, bit for bit
+    # d/dx (1/x) times a gradient as small as x: torch's backward forms 1/x^2 (inf in float32 below ~1e-19) first
+    x = torch.tensor([1e-30, 1e-3, 2.0, 1e20], dtype=dtype, requires_grad=True)
+    upstream = x.detach().clone()
+    (grad,) = torch.autograd.grad(reciprocal(x), x, upstream)
+    torch.testing.assert_close(grad, -1 / x.detach())
+    (second,) = torch.autograd.grad(torch.autograd.grad(reciprocal(x).sum(), x, create_graph=True)[0].sum(), x)
+    torch.testing.assert_close(second[1:], 2 / x.detach()[1:] ** 3)

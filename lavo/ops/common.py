@@ -95,6 +95,15 @@ def normalize(numerator: torch.Tensor, weight_sum: torch.Tensor, eps: float) -> 
     return numerator / torch.where(weight_sum > 0, weight_sum.clamp(min=eps), 1)[..., None]
 
 
+def reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """``1 / x`` for ``x`` at least float's smallest normal number, with the same value and a backward that never
+    forms ``1 / x^2``: torch's overflows float32 once ``x`` is below about 1e-19, where ``1 / x`` and the gradients
+    a model needs are still finite. ``x`` is brought to about 1 by a power of two first (exact, detached), and
+    the result scaled back."""
+    scale = torch.exp2(-torch.floor(torch.log2(x.detach())))
+    return 1 / (x * scale) * scale
+
+
 def positive_int(value) -> bool:
     """Whether ``value`` is a Python int of at least 1; not a bool (``True`` would count as 1)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -13,9 +13,9 @@ weight shrinks as later tokens arrive (not each step's own normalisation).
 The causal form keeps unnormalised prefix sums scaled by ``exp(-m)``, in at least float32 (float16 autocast is
 turned off: the normalisers' inverses overflow float16), with ``m`` the maximum of the logits up to the end of the
 current chunk of positions (detached: the result does not depend on it): ``O(T r D)`` time and memory, and the
-same sums are the constant-size decoding cache. It is exact unless, inside one chunk, a slot's logit rises more
-than ~80 (float32) above every earlier logit of that slot: those earlier sums underflow. ``chunk=1`` never
-underflows.
+same sums are the constant-size decoding cache. Outputs and gradients are exact unless, inside one chunk, a slot's
+logit rises more than ~80 (float32) above every earlier logit of that slot: those earlier sums underflow.
+``chunk=1`` never underflows.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import Cache
-from ..common import accumulation_dtype, check_matching, check_padding_mask, neg_inf, query_scale, without_autocast
+from ..common import (accumulation_dtype, check_matching, check_padding_mask, neg_inf, query_scale, reciprocal,
+                      without_autocast)
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,7 @@ def _read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, normaliser:
     Returns:
         ``[B, T, H, D]``.
     """
-    tiny = torch.finfo(normaliser.dtype).tiny
-    inverse = 1 / normaliser.clamp(min=tiny)
+    inverse = reciprocal(normaliser.clamp(min=torch.finfo(normaliser.dtype).tiny))
     scores = torch.einsum("bthd,bthrd->bthr", q * scale, keys) * inverse
     return torch.einsum("bthr,bthrd->bthd", scores.softmax(-1) * inverse, values)
 
@@ -89,7 +89,9 @@ def _causal_chunk(q, k, v, logits, real, cache: ABCCache, scale: float) -> tuple
     carry = torch.exp(cache.reference - reference)  # rescales the earlier sums to the new reference
     weights = torch.exp(logits - reference[:, :, None]) * real[:, None, :, None]  # [B, H, C, r]
     normaliser = carry[:, :, None] * cache.normaliser[:, :, None] + weights.cumsum(2)
-    inverse = 1 / normaliser.clamp(min=torch.finfo(normaliser.dtype).tiny)
+    # a slot's logit far above its earlier ones in the chunk leaves their normalisers tiny (reciprocal: no overflow
+    # in the backward)
+    inverse = reciprocal(normaliser.clamp(min=torch.finfo(normaliser.dtype).tiny))
     old_keys, old_values = carry[..., None] * cache.keys, carry[..., None] * cache.values  # [B, H, r, D]
     causal = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
     q = q * scale
