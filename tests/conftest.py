@@ -6,3 +6,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n 2`: one core a worker, not two threads each on two cores
+    torch.set_num_threads(1)
