@@ -1,4 +1,5 @@
-"""``python compile_kernels.py [--fast] [--targets sm_90,sm_86]``: compile every Triton kernel of the package for real GPUs, without one.
+"""``python compile_kernels.py [--fast] [--targets sm_90,sm_86]``: compile every Triton kernel of the package for
+real GPUs, without one.
 
 Triton's CPU interpreter runs what compiled Triton refuses (a plain global in a kernel, mismatched dtypes, ...),
 so the interpreter tests cannot vouch for a GPU. This script calls the package's own launchers

@@ -96,10 +96,11 @@ def normalize(numerator: torch.Tensor, weight_sum: torch.Tensor, eps: float) -> 
 
 
 def reciprocal(x: torch.Tensor) -> torch.Tensor:
-    """``1 / x`` for ``x`` at least float's smallest normal number, with the same value and a backward that never
-    forms ``1 / x^2``: torch's overflows float32 once ``x`` is below about 1e-19, where ``1 / x`` and the gradients
-    a model needs are still finite. ``x`` is brought to about 1 by a power of two first (exact, detached), and
-    the result scaled back."""
+    """``1 / x`` of ``x`` clamped below at its dtype's smallest normal number (a sum that is zero or has
+    underflowed), with the value of ``1 / x`` and a backward that never forms ``1 / x^2``: torch's overflows
+    float32 once ``x`` is below about 1e-19, where ``1 / x`` and the gradients a model needs are still finite.
+    ``x`` is brought to about 1 by a power of two first (exact, detached), and the result scaled back."""
+    x = x.clamp(min=torch.finfo(x.dtype).tiny)
     scale = torch.exp2(-torch.floor(torch.log2(x.detach())))
     return 1 / (x * scale) * scale
 

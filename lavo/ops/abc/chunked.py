@@ -74,7 +74,7 @@ def _read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, normaliser:
     Returns:
         ``[B, T, H, D]``.
     """
-    inverse = reciprocal(normaliser.clamp(min=torch.finfo(normaliser.dtype).tiny))
+    inverse = reciprocal(normaliser)
     scores = torch.einsum("bthd,bthrd->bthr", q * scale, keys) * inverse
     return torch.einsum("bthr,bthrd->bthd", scores.softmax(-1) * inverse, values)
 
@@ -91,7 +91,7 @@ def _causal_chunk(q, k, v, logits, real, cache: ABCCache, scale: float) -> tuple
     normaliser = carry[:, :, None] * cache.normaliser[:, :, None] + weights.cumsum(2)
     # a slot's logit far above its earlier ones in the chunk leaves their normalisers tiny (reciprocal: no overflow
     # in the backward)
-    inverse = reciprocal(normaliser.clamp(min=torch.finfo(normaliser.dtype).tiny))
+    inverse = reciprocal(normaliser)
     old_keys, old_values = carry[..., None] * cache.keys, carry[..., None] * cache.values  # [B, H, r, D]
     causal = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
     q = q * scale
