@@ -1,5 +1,6 @@
 r"""FAVOR+ with the explicit ``[T, S]`` weights of the unstabilised features, written from the paper: the reference
-of :mod:`.features`, sharing none of its helpers. Quadratic; small inputs only."""
+of :mod:`.features`, sharing none of its helpers; and the same weights in log space, the reference on heads so
+sharp that the features themselves underflow. Quadratic; small inputs only."""
 from __future__ import annotations
 
 import torch
@@ -26,3 +27,21 @@ def performer_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         weights = weights * torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
     total = weights.sum(-1).clamp(min=torch.finfo(v.dtype).tiny)
     return torch.einsum("bhts,bshd->bthd", weights, v) / total.transpose(1, 2)[..., None]
+
+
+def performer_attention_log_space(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
+                                  causal: bool, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights of :func:`performer_attention_naive` from their logarithms, ``log sum_f phi(q_t)_f phi(k_s)_f``,
+    normalised by a softmax over the real keys: exact however sharp the head, where the explicit features fall
+    below float32's range once their exponents pass about -87 (float64's, -708). A query with no real key reads
+    zeros."""
+    scaled_q, scaled_k = q / q.shape[-1] ** 0.25, k / k.shape[-1] ** 0.25
+    log_q = scaled_q @ projection.to(q.dtype).T - (scaled_q * scaled_q).sum(-1, keepdim=True) / 2
+    log_k = scaled_k @ projection.to(k.dtype).T - (scaled_k * scaled_k).sum(-1, keepdim=True) / 2
+    log_weights = torch.logsumexp(log_q[:, :, None] + log_k[:, None], -1)  # [B, T, S, H]
+    visible = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device)
+    visible = (visible.tril() if causal else visible)[None, :, :, None]
+    if padding_mask is not None:
+        visible = visible & padding_mask[:, None, :, None]
+    weights = log_weights.masked_fill(~visible, -torch.inf).softmax(2).nan_to_num()
+    return torch.einsum("btsh,bshd->bthd", weights, v)
