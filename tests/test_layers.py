@@ -13,6 +13,7 @@ from lavo.layers.longshort import LongShortAttention
 from lavo.layers.orthonormal import register_orthonormal
 from lavo.layers.softmax import SoftmaxAttention
 from lavo.ops import code_cross_attention, lavo_attention, lavo_attention_naive, orthogonal_basis
+from lavo.registry import CROSS_ATTENTIONS, build_cross_attention
 
 
 def _layer(dim=32, heads=4, **options):
@@ -209,6 +210,23 @@ def test_a_layer_built_under_a_half_precision_default_dtype_works(name, options,
     if name == "lavo":
         basis = layer.basis.float()
         torch.testing.assert_close(basis @ basis.mT, torch.eye(basis.shape[1]).expand(4, -1, -1), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("kind, name", [("self", n) for n in available_attentions()]
+                         + [("cross", n) for n in sorted(CROSS_ATTENTIONS)])
+def test_a_layer_built_under_a_default_dtype_holds_every_tensor_in_it(kind, name, dtype):
+    """As ``from_config(config, dtype=torch.float64)`` or ``from_pretrained(..., dtype=...)`` build a model: S4D's
+    ``a_imag`` and ``c`` were drawn in float32 whatever the default, so a float64 model was not float64 end to end
+    (and a bfloat16 one held two float32 tensors)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        layer = build_attention(name, 16, 2) if kind == "self" else build_cross_attention(name, 16, 2)
+    finally:
+        torch.set_default_dtype(default)
+    other = {key: t.dtype for key, t in layer.state_dict().items() if t.is_floating_point() and t.dtype != dtype}
+    assert not other, f"{name}: {other}"
 
 
 def test_fixed_basis_is_a_buffer():

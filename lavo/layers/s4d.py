@@ -21,13 +21,17 @@ def log_uniform(size: int, *, low: float, high: float) -> torch.Tensor:
 
 
 def imaginary_parts(dim: int, modes: int) -> torch.Tensor:
-    """S4D-Lin's ``Im(A) = pi n`` for each mode ``n``, ``[dim, modes]``."""
-    return math.pi * torch.arange(modes, dtype=torch.float32).expand(dim, modes).clone()
+    """S4D-Lin's ``Im(A) = pi n`` for each mode ``n``, ``[dim, modes]``, in the default dtype (computed in float32 at
+    least), as the layer's other tensors are."""
+    dtype = accumulation_dtype(torch.get_default_dtype())
+    return (math.pi * torch.arange(modes, dtype=dtype)).expand(dim, modes).to(torch.get_default_dtype(), copy=True)
 
 
 def complex_normal(*shape: int) -> torch.Tensor:
-    """A standard complex normal ``[*shape]`` as ``[*shape, 2]`` real numbers."""
-    return torch.view_as_real(torch.randn(*shape, dtype=torch.cfloat))
+    """A standard complex normal ``[*shape]`` as ``[*shape, 2]`` real numbers in the default dtype (drawn in
+    complex64, complex128 under a float64 default: torch has no complex bfloat16)."""
+    complex_dtype = torch.cdouble if torch.get_default_dtype() == torch.float64 else torch.cfloat
+    return torch.view_as_real(torch.randn(*shape, dtype=complex_dtype)).to(torch.get_default_dtype())
 
 
 class S4DLayer(Mechanism):
