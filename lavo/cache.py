@@ -46,6 +46,22 @@ class Cache:
         if batch != self.batch_size:
             raise ValueError(f"cache was built for batch size {self.batch_size}, got input of batch size {batch}")
 
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Refuse, outside autocast, inputs of ``dtype`` that this cache cannot continue, by name rather than with
+        an op's dtype error (:meth:`~lavo.layers.base.Mechanism.check_call` asks before every continued call). A
+        cache whose arithmetic takes any input dtype accepts every one (the default)."""
+
+    def check_sums_dtype(self, sums: torch.Tensor, dtype: torch.dtype) -> None:
+        """:meth:`check_dtype` of a cache of running sums, kept in the accumulation dtype of its inputs (float32,
+        float64 for float64 inputs): a narrower cache is widened, as the key-value caches are; a wider one (float64
+        sums, float32 inputs) would be narrowed without a word, and is refused."""
+        summed = accumulation_dtype(dtype)
+        if torch.promote_types(sums.dtype, summed) == summed or dtypes_may_differ(sums.device.type):
+            return
+        raise ValueError(f"the cache holds {sums.dtype} sums and the inputs are {dtype}, whose sums are {summed}: "
+                         "continue it with inputs of the dtype it was made for, start a new one "
+                         "(layer.empty_cache(B)), or call under torch.autocast")
+
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
@@ -158,6 +174,15 @@ class KVCache(Cache):
         return KVCache(buffers.keys[:, :, start:end + T].transpose(1, 2),
                        buffers.values[:, :, start:end + T].transpose(1, 2), buffers.mask[:, start:end + T],
                        self.position + T, self.padded or padding_mask is not None, buffers)
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Narrower keys and values are widened when the next chunk is appended; wider ones are refused (the
+        queries would meet keys of another dtype)."""
+        if torch.promote_types(self.keys.dtype, dtype) == dtype or dtypes_may_differ(self.keys.device.type):
+            return
+        raise ValueError(f"the cache holds {self.keys.dtype} keys and values and the inputs are {dtype}: continue it "
+                         "with inputs of its dtype, start a new one (layer.empty_cache(B)), or call under "
+                         "torch.autocast")
 
     def keep_last(self, count: int) -> KVCache:
         """The cache of the last ``count`` positions only (views: nothing is copied)."""

@@ -1,6 +1,7 @@
 """The contract every registered attention keeps: no causal leak, chunked decoding, padding invariance, zeros at
 padded positions, one error for an empty chunk, and half precision (a bfloat16 or float16 layer, or autocast)."""
 import contextlib
+import re
 
 import pytest
 import torch
@@ -104,6 +105,29 @@ def test_an_input_of_another_dtype_than_the_weights_is_refused_alike_but_not_und
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = layer(torch.randn(1, 5, DIM, dtype=torch.bfloat16))
     assert out.shape == (1, 5, DIM)
+
+
+@pytest.mark.parametrize("made, continued", [(torch.float64, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("name", [name for name in available_attentions() if attention_class(name).supports_decoding])
+def test_a_cache_continued_in_another_dtype_is_refused_by_name_or_continues_the_sequence(name, made, continued):
+    """A cache made before ``layer.to(dtype)`` to a narrower dtype, continued outside autocast: was a softmax, ABC or
+    Performer op's ``expected scalar type Double but found Float``, SDPA's ``Expected query, key, and value to have
+    the same dtype``, or local attention's error about its op's ``k`` and ``q`` (a narrower cache is widened:
+    ``test_cache.py::test_a_float32_cache_continues_in_a_float64_layer``)."""
+    layer = _build(name, causal=True).to(made)
+    x = torch.randn(2, 12, DIM, dtype=torch.float64)
+    with torch.no_grad():
+        _, cache = layer(x[:, :5].to(made))
+        layer.to(continued)
+        expected, _ = layer(x.to(continued))
+        try:
+            y, _ = layer(x[:, 5:].to(continued), cache=cache)
+        except ValueError as error:
+            assert re.match(rf"the cache holds {made} (keys and values|sums) and the inputs are {continued}",
+                            str(error)), error
+            return
+    error = (y.double() - expected[:, 5:].double()).abs().max() / expected.double().abs().max()
+    assert error <= (0.03 if torch.bfloat16 in (made, continued) else 1e-5), f"{name}: {error}"
 
 
 def test_a_cache_of_another_kind_is_refused_by_name():

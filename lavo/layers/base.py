@@ -254,6 +254,7 @@ class Mechanism(nn.Module):
                              "cache this layer's previous call returned")
         if cache is not None:  # before any mechanism's own checks, which would name shapes rather than the batch
             cache.check_batch_size(x.shape[0])
+            cache.check_dtype(x.dtype)  # outside autocast (under it a cache and its inputs mix by design)
 
 
 class PositionBound(NamedTuple):

@@ -46,6 +46,9 @@ class ABCCache(Cache):
     normaliser: torch.Tensor
     position: int
 
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        self.check_sums_dtype(self.keys, dtype)
+
     @classmethod
     def empty(cls, batch: int, heads: int, slots: int, head_dim: int, *, dtype: torch.dtype | None = None,
               device: torch.device | str | None = None) -> ABCCache:

@@ -31,6 +31,9 @@ class PerformerCache(Cache):
     key_max: torch.Tensor
     position: int
 
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        self.check_sums_dtype(self.kv, dtype)
+
     @classmethod
     def empty(cls, batch: int, heads: int, features: int, head_dim: int, *, dtype: torch.dtype | None = None,
               device: torch.device | str | None = None) -> PerformerCache:
