@@ -377,6 +377,38 @@ def test_the_number_of_workers_is_what_raises_throughput_and_still_fits_a_call()
     assert choose({}, 10_000, 20.0, 420.0) == 1  # a failed probe
 
 
+def test_a_failed_probe_ends_its_other_workers_at_once():
+    """A probe worker that fails ends the probe, and the others, which would only wait for phases that never
+    come, are ended then and there (they were waited for 30 s each: a minute of a call's budget)."""
+    import sys
+    worker = ("import sys, time\n"
+              "if sys.argv[sys.argv.index('--probe-worker') + 1].startswith('1/'):\n"
+              "    sys.exit(3)\n"
+              "time.sleep(120)\n")
+    lines = []
+    started = time.monotonic()
+    assert driver.probe_throughput([sys.executable, "-c", worker], 3, 1.0, 100, lines.append, timeout=60) == {}
+    assert time.monotonic() - started < 20
+    assert lines == ["[probe] a probe worker exited with status 3 while building and warming up"]
+
+
+def test_the_probe_leaves_the_call_most_of_its_budget_and_the_dry_run_its_data_made(dry, monkeypatch):
+    """The probe's warm-up may take a quarter of the call's budget (it took 300 s whatever the budget: all of
+    a short call, with nothing trained); and a dry run makes its tokenizer and caches before it starts the
+    probe's workers, which would otherwise all make them at once."""
+    run, out = dry
+    asked = []
+
+    def probe(command, count, seconds, tokens, log, timeout):
+        data = Path(command[command.index("--data-dir") + 1])
+        asked.append((timeout, sorted(path.name for path in data.glob("austen+shakespeare+python/*/train.bin"))))
+        return {}
+    monkeypatch.setattr(driver, "probe_throughput", probe)
+    assert run("--only", "lavo-s0", "--max-runs", "1", "--workers", "auto", "--budget", "200") == 0
+    assert asked == [(50.0, ["train.bin"])]
+    assert sorted(driver.finished_results(out / "results")) == ["lavo-s0"]
+
+
 def test_a_run_another_process_trains_is_passed_over(dry, capsys):
     from lavo.run import RunLock
     run, out = dry

@@ -80,11 +80,14 @@ def probe_throughput(command: list[str], count: int, seconds: float, tokens_per_
                      timeout: float = 300.0) -> dict[int, float]:
     """Tokens per second of all workers together with 1, 2, ..., ``count`` of them training side by side for
     ``seconds`` each; ``command + ["--probe-worker", "k/count", "--probe-dir", DIR]`` starts worker k
-    (:func:`probe_worker`). Empty when the probe failed (it says why)."""
+    (:func:`probe_worker`). Empty when the probe failed (it says why): ``timeout`` seconds without an answer, or a
+    worker that exited with an error; the other workers are then ended at once (they would only wait for phases
+    that never come)."""
     with tempfile.TemporaryDirectory(prefix="lavo-probe-") as name:
         folder = Path(name)
         children = [subprocess.Popen(command + ["--probe-worker", f"{k}/{count}", "--probe-dir", name])
                     for k in range(1, count + 1)]
+        finished = False
         try:
             _wait_for(lambda: all((folder / f"ready-{k}").exists() for k in range(1, count + 1)), timeout, children,
                       "building and warming up")
@@ -98,14 +101,16 @@ def probe_throughput(command: list[str], count: int, seconds: float, tokens_per_
                 steps = sum(int(path.read_text()) for path in done)
                 throughput[phase] = steps * tokens_per_step / seconds
                 log(f"[probe] {phase} at once: {throughput[phase]:,.0f} tokens/s in all")
+            finished = True
             return throughput
         except ProbeFailed as error:
             log(f"[probe] {error}")
             return {}
         finally:
             for child in children:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.wait(timeout=30)
+                if finished:  # done with its phases: it exits by itself
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        child.wait(timeout=30)
                 if child.poll() is None:
                     child.kill()
                     child.wait()

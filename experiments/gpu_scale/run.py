@@ -40,6 +40,9 @@ from lavo.files import write_json  # noqa: E402
 DEFAULT_BUDGET = 7 * 60  # seconds of work in one 8-minute GPU call; the rest is start-up and packing
 MAX_PROBED_WORKERS = 3  # --workers auto tries 1..3 runs at once
 PROBE_SECONDS = 5.0
+# the probe's workers must be built and warmed up within this share of the call's budget (and 300 s), else the probe
+# fails and the call trains with one worker: a slow warm-up must not spend the call
+PROBE_WARMUP_SHARE = 0.25
 
 
 class CallEnded(BaseException):
@@ -180,6 +183,14 @@ def check_corpus(plan: dict, data_dir: str) -> None:
     found = prepared.manifest["fingerprint"][:12]
     if found != plan["corpus_fingerprint"]:
         raise SystemExit(f"{data_dir} holds the corpus {found}, not the plan's {plan['corpus_fingerprint']}")
+
+
+def prepare_dry_run(config: RunConfig) -> None:
+    """The dry run's own tokenizer and token caches, made once by the call before it starts any worker: made by
+    each worker, or each of the probe's, they would all train the same tokenizer at once."""
+    from lavo.data import prepare
+    data = config.data
+    prepare(data.source, data.tokenizer, data.data_dir, data.holdout, log=lambda *args: None)
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -531,7 +542,7 @@ def call_with_workers(workers: str, command: list[str], limits: list[str], runs:
                 train = todo[0].values["train"]
                 step_tokens = train["batch_size"] * train.get("grad_accum", 1) * train["train_length"]
                 throughput = probe_throughput(command + ["--only", todo[0].name], MAX_PROBED_WORKERS, probe_seconds,
-                                              step_tokens, log)
+                                              step_tokens, log, timeout=min(300.0, PROBE_WARMUP_SHARE * budget))
                 scoring = estimate_eval_seconds(todo[0], list(done.values()), scoring_cut_off(results_dir))
                 count = choose_workers(throughput, step_tokens * train["steps"], scoring, budget)
                 call["probe"] = {"run": todo[0].name,
@@ -654,6 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.dry_run:
         check_corpus(plan, data_dir)
+    elif runs and not (args.worker or args.probe_worker):
+        prepare_dry_run(run_config(runs[0], runs_dir))
     archive = Path(args.pack) if args.pack else None
     if args.probe_worker:
         run_probe_worker(runs[0], args.probe_worker, args.probe_dir)
