@@ -72,11 +72,11 @@ def cmd_train(args) -> None:
 
 
 def add_train(commands) -> None:
-    from .config import bundled_configs
+    from .config import bundled_run_configs
     p = commands.add_parser("train", help="train a language model",
                             description="Train a model. Settings come from --config (JSON or TOML with sections "
                             "data, model, train; a file or the name of a bundled config: "
-                            f"{', '.join(bundled_configs())}) and --set section.key=value overrides, e.g. "
+                            f"{', '.join(bundled_run_configs())}) and --set section.key=value overrides, e.g. "
                             "--set train.steps=200 --set model.attention=softmax --set model.position=rope. "
                             "Data parallel: torchrun --nproc_per_node N -m lavo.cli train ...")
     p.add_argument("--config", help="a JSON or TOML config file, or a bundled config's name")

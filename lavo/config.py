@@ -121,6 +121,28 @@ class RunConfig:
         return model_config(preset, **values)
 
 
+def check_kept_attention_options(file_values: dict, values: dict) -> None:
+    """When ``--set model.attention=...`` changed the attention of a config file that gave it options, refuse
+    the file's options the new attention does not take, saying how to drop them (``--set
+    model.attention=softmax`` over ``lavo-tiny-austen`` keeps its LAVO window)."""
+    from .registry import available_attentions, check_options
+
+    file_model, model = file_values.get("model"), values.get("model")
+    if not (isinstance(file_model, dict) and isinstance(model, dict) and file_model.get("attention_options")):
+        return
+    attention = model.get("attention", ModelConfig.attention)
+    if (model.get("attention_options") != file_model["attention_options"]
+            or attention == file_model.get("attention", ModelConfig.attention)
+            or attention not in available_attentions()):
+        return  # the options were set here too, or belong to the file's own attention: the usual checks speak
+    try:
+        check_options(attention, model["attention_options"])
+    except ValueError as error:
+        raise SettingsError(f"model.attention_options {model['attention_options']} come from the config file, "
+                            f"for its attention {file_model.get('attention', ModelConfig.attention)!r}: {error}. "
+                            "--set model.attention_options={} drops them") from error
+
+
 def check_attention_builds(config: ModelConfig) -> None:
     """Build one attention layer of ``config`` (on the CPU, leaving the global RNG alone), so that a bad
     attention option is reported when the config loads rather than after the data is prepared."""
@@ -195,6 +217,11 @@ def bundled_configs() -> list[str]:
     return sorted(path.stem for path in BUNDLED.glob("*.json"))
 
 
+def bundled_run_configs() -> list[str]:
+    """Names of the bundled configs that ``lavo train`` takes: all but the demo's (those with ``runs``)."""
+    return [name for name in bundled_configs() if "runs" not in json.loads((BUNDLED / f"{name}.json").read_text())]
+
+
 def find_config(name: str | os.PathLike) -> Path:
     """A config file: ``name`` itself if it is a file, else the bundled config of that name (``.json`` optional)."""
     path = Path(name)
@@ -223,4 +250,10 @@ def read_config_file(name: str | os.PathLike) -> dict:
 def load_config(name: str | os.PathLike | None = None, overrides: list[str] = ()) -> RunConfig:
     """The run config of a file (path or bundled name; None: every default) with ``--set`` overrides applied."""
     values = read_config_file(name) if name is not None else {}
-    return RunConfig.from_dict(apply_overrides(values, list(overrides)))
+    if "runs" in values:
+        raise ValueError(f"{name} is a demo config (one model per entry of its runs section): give it to `lavo demo "
+                         f"--config {name}`; lavo train takes a run config ({', '.join(bundled_run_configs())}, or "
+                         "a file with the sections data, model, train)")
+    merged = apply_overrides(values, list(overrides))
+    check_kept_attention_options(values, merged)
+    return RunConfig.from_dict(merged)

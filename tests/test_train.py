@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import lavo.train
 
-from lavo.config import RunConfig, TrainConfig, bundled_configs, deep_merge, load_config
+from lavo.config import RunConfig, TrainConfig, bundled_configs, bundled_run_configs, deep_merge, load_config
 from lavo.data import DataError
 from lavo.run import RunError, load_run
 from lavo.train import WindowSampler, autocast_for, learning_rate, train, weights_digest
@@ -212,6 +212,13 @@ def test_an_override_replaces_a_whole_table_and_a_file_must_hold_sections(tmp_pa
     assert config.model["attention_options"] == {} and config.model["attention"] == "softmax"
     replaced = load_config("lavo-tiny-austen", ['model.attention_options={"rank": 8}'])
     assert replaced.model["attention_options"] == {"rank": 8}  # the file's window is gone, not merged
+    # without it, the refusal says where the window came from and how to drop it
+    with pytest.raises(ValueError, match=re.escape("model.attention_options {'window': 32} come from the config "
+                                                   "file, for its attention 'lavo': attention 'softmax' has no "
+                                                   "option 'window'; its options: rotary. --set "
+                                                   "model.attention_options={} drops them")):
+        load_config("lavo-tiny-austen", ["model.attention=softmax"])
+    assert load_config("lavo-tiny-austen", ["model.attention=local"]).model["attention_options"] == {"window": 32}
     bad = {"broken.toml": ("[train\nsteps = 1", "broken.toml is not valid TOML: "),
            "list.json": ("[1, 2]", "list.json must hold a table of sections (data, model, train), not a list"),
            "section.json": ('{"data": 3}', "config sections ['data'] must be tables of settings")}
@@ -240,6 +247,11 @@ def test_bundled_configs_load_by_name():
     assert load_config("softmax-rope-small-shakespeare").data.tokenizer == "gpt2"
     with pytest.raises(FileNotFoundError, match="neither a file nor a bundled config"):
         load_config("configs/lavo-tiny-austen.json")
+    # the demo's file is bundled too, but it is not a run config: `lavo train --help` leaves it out
+    assert "demo" not in bundled_run_configs() and set(bundled_run_configs()) == set(bundled_configs()) - {"demo"}
+    with pytest.raises(ValueError, match=re.escape("demo is a demo config (one model per entry of its runs "
+                                                   "section): give it to `lavo demo --config demo`")):
+        load_config("demo")
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
