@@ -128,7 +128,8 @@ def add_eval(commands) -> None:
     p.add_argument("--spread", action="store_true", help="take the scored tokens as windows spread evenly over the "
                    "whole text instead of its first --max-tokens, so that a held-out set is sampled throughout (a "
                    "document shorter than the gap between two windows may still get no target)")
-    p.add_argument("--device", default="auto", type=_flag("train", "device"), help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--device", default="auto", type=_flag("train", "device"),
+                   help="auto, cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--dtype", default="float32", type=_flag("eval", "dtype"),
                    help="float32, or bfloat16 or float16 to score under autocast (default: float32)")
     p.add_argument("--out", default=None, help="directory for results.json and perplexity.png")
@@ -184,16 +185,19 @@ def add_generate(commands) -> None:
                             description="Sample a continuation of --prompt (temperature, top-k, top-p, seeded). "
                             "Needs nothing but the run directory.")
     p.add_argument("run", help="run directory, or a directory written by `lavo export`")
-    p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--max-new-tokens", type=_flag("sampling", "max_new_tokens"), default=200)
+    p.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
+    p.add_argument("--max-new-tokens", type=_flag("sampling", "max_new_tokens"), default=200,
+                   help="tokens to sample at most; the end-of-text token stops a sample early (default: 200)")
     p.add_argument("--temperature", type=_flag("sampling", "temperature"), default=0.8,
                    help="0 is greedy (default: 0.8)")
     p.add_argument("--top-k", type=_flag("sampling", "top_k"), default=50, help="0 disables (default: 50)")
     p.add_argument("--top-p", type=_flag("sampling", "top_p"), default=0.95, help="in (0, 1]; 1 disables "
                    "(default: 0.95)")
-    p.add_argument("--seed", type=_flag("sampling", "seed"), default=0)
-    p.add_argument("--num-samples", type=_flag("sampling", "num_samples"), default=1)
-    p.add_argument("--device", default="auto", type=_flag("train", "device"), help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=_flag("sampling", "seed"), default=0, help="(default: 0)")
+    p.add_argument("--num-samples", type=_flag("sampling", "num_samples"), default=1,
+                   help="samples of the prompt, printed one after another (default: 1)")
+    p.add_argument("--device", default="auto", type=_flag("train", "device"),
+                   help="auto, cpu, cuda or cuda:N (default: auto)")
     p.set_defaults(handler=cmd_generate)
 
 

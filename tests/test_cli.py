@@ -1,6 +1,7 @@
 """The `lavo` command line, end to end on a small generated corpus."""
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,18 @@ def test_help(command, capsys):
         main(command + ["--help"])
     assert exit_info.value.code == 0
     assert "usage: lavo" in capsys.readouterr().out
+
+
+def test_every_flag_with_a_default_says_it_in_help():
+    """`lavo generate --help` gave no default for --max-new-tokens (200), --seed or --num-samples."""
+    import argparse
+    from lavo.cli import build_parser
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    silent = [f"{name} {action.option_strings[-1]}" for name, parser in commands.items()
+              for action in parser._actions
+              if action.option_strings and action.default not in (None, False, "", [], argparse.SUPPRESS)
+              and not re.search(r"default|\[.+\]", action.help or "")]  # lavo bench: "[default]"
+    assert not silent
 
 
 def test_data_train_eval_generate(tmp_path, capsys):
