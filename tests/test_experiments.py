@@ -1,6 +1,7 @@
 """The committed experiments compare like with like: every model an experiment's run.sh trains has, within 2%,
 the parameters of the others."""
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -81,3 +82,19 @@ def test_a_report_without_a_tables_markers_is_told_so(tmp_path, capsys):
     report_tools.fill(report, {"main": "new", "delta": "a table"})
     assert report.read_text().startswith("<!-- BEGIN main -->\nnew\n<!-- END main -->")
     assert capsys.readouterr().err == f"note: {report} has no markers for the tables delta, which it leaves out\n"
+    report_tools.fill(report, {"main": "new", "delta": "a table"}, shown={"main"})  # delta is not its to show
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("experiment", REPORTED)
+def test_rewriting_a_clones_tables_says_nothing_is_missing(experiment, tmp_path, capsys):
+    """run.sh in a clone only rewrites the tables, and said of every report that it had no markers for the tables
+    it does not mean to show (paper, delta): a note that should only come when a marker is lost."""
+    report_tools = load_script("report_tools", "experiments/report_tools.py")
+    exp = tmp_path / experiment
+    exp.mkdir()
+    for name in ("results.json", "REPORT.md"):
+        shutil.copy(ROOT / "experiments" / experiment / name, exp / name)
+    report_tools.tables(exp)
+    assert capsys.readouterr().err == ""
+    assert (exp / "REPORT.md").read_text() == (ROOT / "experiments" / experiment / "REPORT.md").read_text()
