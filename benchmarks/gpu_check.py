@@ -251,8 +251,14 @@ def targets(rows: list[dict], contexts: int = len(LENGTHS.split(","))) -> list[l
 
 
 def write_summary(out: Path, work: Path, machine: dict, plan: list, done: list[dict]) -> Path:
-    """``<gpu>_bf16.{json,md}`` in ``out`` from the steps ``done`` so far (their files in ``work``), and those
-    files as ``steps.tar.gz``; returns the markdown's path."""
+    """The steps' files in ``work`` as ``steps.tar.gz`` in ``out`` (first: they land even if a summary cannot be
+    made of them), then ``<gpu>_bf16.{json,md}`` from the steps ``done`` so far; returns the markdown's path."""
+
+    def archive(tmp: Path) -> None:
+        with tarfile.open(tmp, "w:gz") as tar:
+            for path in sorted(work.iterdir()):
+                tar.add(path, arcname=f"steps/{path.name}")
+    atomic_write(out / "steps.tar.gz", archive)
     rows = records(work, [name for name, _, _ in plan])
     stem = re.sub(r"[^a-z0-9]+", "_", machine["gpu"].lower()).strip("_") + "_bf16"
     met = targets(rows)
@@ -270,12 +276,6 @@ def write_summary(out: Path, work: Path, machine: dict, plan: list, done: list[d
             text += [f"## Step `{name}`", "", tables[tables.find("## "):].replace("\n## ", "\n### ").strip()
                      .replace("## ", "### ", 1), ""]
     write_text(out / f"{stem}.md", "\n".join(text))
-
-    def archive(tmp: Path) -> None:
-        with tarfile.open(tmp, "w:gz") as tar:
-            for path in sorted(work.iterdir()):
-                tar.add(path, arcname=f"steps/{path.name}")
-    atomic_write(out / "steps.tar.gz", archive)
     return out / f"{stem}.md"
 
 
@@ -331,7 +331,11 @@ def main(argv: list[str] | None = None) -> int:
             if collected:  # a command killed at the limit prints no summary: its tests would go uncounted
                 done[-1]["summary"] += f" of {collected} collected"
         print(f"[gpu_check] {name}: {done[-1]['status']} in {done[-1]['seconds']} s", file=sys.stderr, flush=True)
-        summary = write_summary(args.out, work, machine, plan, done)
+        try:
+            summary = write_summary(args.out, work, machine, plan, done)
+        except Exception as error:  # the check runs once: a step's files it cannot summarise must not stop the rest
+            summary = f"no summary after {name}: {error!r} (the steps' files are in steps.tar.gz)"
+            print(f"[gpu_check] {summary}", file=sys.stderr, flush=True)
     print(summary)
     return 0
 

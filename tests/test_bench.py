@@ -557,6 +557,25 @@ def test_gpu_check_steps_share_its_budget(tmp_path, monkeypatch):
     summary = json.loads(next(tmp_path.glob("*_bf16.json")).read_text())
     assert [step["status"] for step in summary["steps"][3:]] == ["not run: the check's budget of 250 s was spent"] * 3
 
+def test_gpu_check_runs_every_step_though_one_leaves_a_file_it_cannot_summarise(tmp_path, monkeypatch, capsys):
+    """The check runs once on a borrowed GPU: a step's unreadable JSON stopped every step after it."""
+    ran = []
+
+    def fake_step(name, seconds, commands, out, env):
+        ran.append(name)
+        if name == "ops":
+            (out / "ops.json").write_text('{"records": [')  # cut off mid-write
+        return dict(name=name, command="", seconds=0, status="ok")
+
+    monkeypatch.setattr(gpu_check, "run_step", fake_step)
+    monkeypatch.setattr(gpu_check, "split_tests", lambda command, shards, env: [command])
+    assert gpu_check.main([str(tmp_path), "--dry-run"]) == 0
+    assert ran == [name for name, _, _ in gpu_check.steps(True, False)]
+    assert capsys.readouterr().out.startswith(f"no summary after {ran[-1]}: JSONDecodeError(")
+    with tarfile.open(tmp_path / "steps.tar.gz") as tar:
+        assert tar.getnames() == ["steps/ops.json"]
+
+
 def test_gpu_check_adds_up_the_pytest_summaries_of_its_commands():
     outputs = ["..F.\n=== 1 failed, 3 passed, 2 deselected in 4.10s ===\n", "....\n4 passed in 1.02s\n",
                "collected nothing\n"]
