@@ -69,6 +69,32 @@ def test_step_matches_the_cached_op(context, steps, window, D, rank, dissection,
         torch.testing.assert_close(getattr(fixed, name), getattr(cache, name)[:, None].expand(-1, 3))
 
 
+@needs_triton
+@pytest.mark.parametrize("dissection,padding,read_scale,dtype", [
+    (True, True, True, torch.float32),
+    pytest.param(False, True, False, torch.float32, marks=pytest.mark.slow),
+    pytest.param(True, True, True, torch.bfloat16, marks=pytest.mark.slow)])
+def test_kernel_step_at_128_features_and_a_long_window_matches_the_cached_op(dissection, padding, read_scale, dtype):
+    """D = 128 with r < D and a window of 36 (a ring of 72 in a tile of 128): past 8,192 elements of ring per head
+    the kernel launches 8 warps, not 4; steps across a window boundary. bfloat16 within its rounding."""
+    context, steps, window, D, rank = 69, 5, 36, 128, 40
+    q, k, v, basis, pos_bias, mask = _inputs(context, steps, window, D, rank, padding, dtype)
+    options = dict(pos_bias=pos_bias, dissection=dissection,
+                   read_scale=torch.rand(3, device=DEVICE, dtype=dtype) + 0.5 if read_scale else None)
+    cache = LavoCache.empty(2, 3, D, rank, device=DEVICE, dtype=dtype)
+    _, cache = lavo_attention_cached(q[:, :context], k[:, :context], v[:, :context], basis, cache, window=window,
+                                     padding_mask=_piece(mask, 0, context), **options)
+    fixed = LavoStepCache.from_cache(cache, window)
+    expected, cache = lavo_attention_cached(q[:, context:], k[:, context:], v[:, context:], basis, cache,
+                                            window=window, padding_mask=_piece(mask, context, None), **options)
+    out, fixed = _decode(q, k, v, basis, fixed, context, "triton", mask, **options)
+    tolerance = FLOAT32 if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out, expected, **tolerance)
+    assert fixed.position == cache.position == context + steps
+    for name in ("memory_sum", "window_sum"):
+        torch.testing.assert_close(getattr(fixed, name), getattr(cache, name), **tolerance)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_whatever_stands_at_padded_steps_reaches_no_output(backend):
     q, k, v, basis, pos_bias, mask = _inputs(0, 13, 4, 60, 12, True)

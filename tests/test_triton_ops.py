@@ -149,6 +149,73 @@ def test_bfloat16_kernels_are_close_to_the_float32_reference(dissection):
         assert relative_error(grad, wanted) < 3e-2, name
 
 
+# (dtype, T, window, D, rank, causal, dissection): the 16-bit cases the test above leaves out. bfloat16 non-causal
+# (one coefficient row), at D = 128 with r < D, at D = r = 128 per token (the large read tile in the configuration
+# a GPU of an A100's shared memory or more takes: the 99 KB test forces the other), T < w; and float16, which the
+# Triton path takes too. The slow ones run in the GPU check (benchmarks/gpu_check.py: -m "slow or not slow").
+SIXTEEN_BIT_CASES = [(torch.bfloat16, 21, 8, 128, 40, False, True), (torch.bfloat16, 5, 16, 32, 8, False, False),
+                     (torch.float16, 21, 8, 64, 24, True, True),
+                     pytest.param(torch.bfloat16, 45, 8, 128, 128, True, False, marks=pytest.mark.slow),
+                     pytest.param(torch.float16, 37, 8, 64, 24, False, False, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("dtype,T,window,D,rank,causal,dissection", SIXTEEN_BIT_CASES)
+def test_16_bit_kernels_over_awkward_shapes_are_close_to_the_reference(dtype, T, window, D, rank, causal, dissection):
+    """Outputs and the gradients of q, k, v, basis and pos_bias within 16-bit rounding of the float64 torch path
+    (itself checked against the token-by-token reference in test_ops.py)."""
+    q, k, v, basis, pos_bias, mask = _triton_inputs(T, window, D, rank, causal, True, H=1)
+    options = dict(window=window, causal=causal, dissection=dissection)
+    assert_matches_reference(
+        lambda *x: lavo_attention(*x[:4], pos_bias=x[4], padding_mask=_on(mask, DEVICE), backend="triton", **options),
+        lambda *x: lavo_attention(*x[:4], pos_bias=x[4], padding_mask=mask, backend="torch", **options),
+        [q, k, v, basis, pos_bias], device=DEVICE, dtype=dtype, relative=3e-2)
+
+
+@pytest.mark.parametrize("causal,dissection,bias", [(True, False, False), (False, True, True)])
+def test_kernels_with_a_scale_of_their_own_match_naive(causal, dissection, bias):
+    """``scale`` other than ``D ** -0.5`` reaches both kernels' logits; and padding without a position bias."""
+    q, k, v, basis, pos_bias, mask = _triton_inputs(13, 4, 32, 12, causal, True, H=1)
+    options = dict(window=4, causal=causal, dissection=dissection, scale=0.3)
+    tensors = [q, k, v, basis] + ([pos_bias] if bias else [])
+    assert_matches_reference(
+        lambda *x: lavo_attention(*x[:4], pos_bias=x[4] if bias else None, padding_mask=_on(mask, DEVICE),
+                                  backend="triton", **options),
+        lambda *x: lavo_attention_naive(*x[:4], pos_bias=x[4] if bias else None, padding_mask=mask, **options),
+        tensors, device=DEVICE, **FLOAT32)
+    _, x, _, _, _, source_mask = _triton_inputs(7, 4, 32, 12, True, True, H=1, seed=1)
+    assert_matches_reference(
+        lambda q, x, basis: code_cross_attention(q, x, basis, padding_mask=_on(source_mask, DEVICE), scale=0.3,
+                                                 backend="triton"),
+        lambda q, x, basis: code_cross_attention_naive(q, x, basis, padding_mask=source_mask, scale=0.3),
+        [q, x, basis], device=DEVICE, **FLOAT32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
+def test_16_bit_cross_attention_kernel_is_close_to_the_reference(dtype):
+    """At D = r = 128 (the read's large tile), queries and a padded source in 16 bits."""
+    q, _, _, basis, _, _ = _triton_inputs(9, 4, 128, 128, True, False, H=1)
+    _, x, _, _, _, mask = _triton_inputs(20, 4, 128, 128, True, True, H=1, seed=1)
+    assert_matches_reference(
+        lambda q, x, basis: code_cross_attention(q, x, basis, padding_mask=_on(mask, DEVICE), backend="triton"),
+        lambda q, x, basis: code_cross_attention_naive(q, x, basis, padding_mask=mask),
+        [q, x, basis], device=DEVICE, dtype=dtype, relative=3e-2)
+
+
+@pytest.mark.parametrize("variant", [dict(write="decay", decay=torch.full((2,), 0.1)), dict(memory="vector"),
+                                     dict(write="gated", gate="gate"), dict(read_scale=torch.ones(2))])
+def test_the_memory_variants_are_refused_by_triton_and_run_on_torch_under_auto(variant):
+    """The Triton path computes the paper's memory only: a variant or a read temperature is refused by name with
+    ``backend="triton"``; ``"auto"`` gives the torch path's outputs."""
+    q, k, v, basis = (x.detach().float().to(DEVICE) for x in _triton_inputs(13, 4, 32, 8, True, False)[:4])
+    if variant.get("gate") == "gate":
+        variant = dict(variant, gate=torch.randn(2, 8, 32))
+    variant = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in variant.items()}
+    with pytest.raises(ValueError, match=r"^backend='triton' computes the paper's memory only"):
+        lavo_attention(q, k, v, basis, window=4, backend="triton", **variant)
+    torch.testing.assert_close(lavo_attention(q, k, v, basis, window=4, backend="auto", **variant),
+                               lavo_attention(q, k, v, basis, window=4, backend="torch", **variant), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_padding_mask_laid_out_by_columns_gives_the_same_outputs(causal):
     """The kernels read the mask along T with a step of one: a mask with other strides (the transpose of a
