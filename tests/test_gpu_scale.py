@@ -359,7 +359,7 @@ def test_workers_auto_probes_once_and_keeps_its_choice(dry, capfd, monkeypatch):
     assert probe["run"] == "lavo-s0" and set(probe["tokens_per_s"]) == {"1", "2"}
     assert all(value > 0 for value in probe["tokens_per_s"].values())
     throughput = {int(n): value for n, value in probe["tokens_per_s"].items()}
-    assert calls[-1]["workers"] == driver.choose_workers(throughput, 4 * 2 * 128, 60.0, 420.0)
+    assert calls[-1]["workers"] == driver.choose_workers(throughput, 4 * 2 * 128, 60.0, driver.DEFAULT_BUDGET)
     assert "[probe] 1 at once:" in log and "[probe] 2 at once:" in log
     assert not list(Path(tempfile.gettempdir()).glob("lavo-probe-*"))  # the probe's scratch runs are gone
     assert run("--only", "lavo-s0,local-s0", "--workers", "auto") == 0
@@ -480,3 +480,15 @@ def test_the_report_says_what_became_of_every_planned_run(tmp_path):
     assert [cell.strip() for cell in rows["failed"]] == ["1", "abc-s0 (OutOfMemoryError: CUDA)"]
     assert [cell.strip() for cell in rows["recorded with other settings (to redo)"]] == ["1", "local-s0"]
     assert rows["not run yet"][0].strip() == str(len(planned) - 3)
+
+
+def test_a_call_with_run_device_shs_defaults_ends_within_eight_minutes():
+    """BUDGET_S 420 with LIMIT_S = BUDGET_S + 120 and SIGKILL 30 s later needed a device limit of 580 s: a call that
+    overran was killed by the 8-minute device limit first, before run.py could record what it was doing."""
+    script = (Path(__file__).parents[1] / "experiments/gpu_scale/run_device.sh").read_text()
+    budget = int(re.search(r"budget=\$\{BUDGET_S:-(\d+)\}", script)[1])
+    slack = int(re.search(r"\$\{LIMIT_S:-\$\(\(budget \+ (\d+)\)\)\}", script)[1])
+    kill_after = int(re.search(r"timeout -s TERM -k (\d+)", script)[1])
+    assert budget == driver.DEFAULT_BUDGET
+    assert slack >= 30  # run.py's start-up and some overrun of a scoring's estimate before SIGTERM
+    assert budget + slack + kill_after + 10 <= 8 * 60  # 10 s: nvidia-smi and torch's import before the timeout

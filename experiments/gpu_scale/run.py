@@ -4,8 +4,8 @@ run as it finishes. A later call skips finished runs and resumes a checkpointed 
 
     python experiments/gpu_scale/run.py --prepare          # once, with network: the corpus, into data/
     python experiments/gpu_scale/run.py --list             # every run, its parameters and whether it is done
-    python experiments/gpu_scale/run.py --budget 420       # one GPU call (run_device.sh wraps it)
-    python experiments/gpu_scale/run.py --budget 420 --workers 2   # the same, two runs at a time
+    python experiments/gpu_scale/run.py --budget 390       # one GPU call (run_device.sh wraps it)
+    python experiments/gpu_scale/run.py --budget 390 --workers 2   # the same, two runs at a time
     python experiments/gpu_scale/run.py --dry-run          # tiny models, few steps, CPU: the whole path
 
 Results go to ``results/<run>.json`` (kept in git); run directories (weights, optimiser state) to ``runs/``,
@@ -37,7 +37,8 @@ from concurrent_runs import GpuUtilization, choose_workers, probe_throughput, pr
 from lavo.config import RunConfig, deep_merge  # noqa: E402
 from lavo.files import write_json  # noqa: E402
 
-DEFAULT_BUDGET = 7 * 60  # seconds of work in one 8-minute GPU call; the rest is start-up and packing
+DEFAULT_BUDGET = 390  # seconds of work in one 8-minute GPU call (run_device.sh's BUDGET_S); the rest is start-up,
+# the slack before run_device.sh's SIGTERM (LIMIT_S) and the 30 s until its SIGKILL
 MAX_PROBED_WORKERS = 3  # --workers auto tries 1..3 runs at once
 PROBE_SECONDS = 5.0
 # the probe's workers must be built and warmed up within this share of the call's budget (and 300 s), else the probe
