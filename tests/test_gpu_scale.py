@@ -295,9 +295,18 @@ def test_report_tables_give_mean_and_spread_over_seeds():
                "local-s0": result("local", 0, 9.0, 9.9)}
     table = report.ppl_table(PLAN, results, ["lavo", "local", "abc"], "books", [512, 8192]).splitlines()
     assert table[0] == "| model | 512 (1x) | 8,192 (16x) | 16x / 1x |"
-    assert table[2] == "| lavo | 11.00 ± 1.41 (2) | 11.60 ± 2.26 (2) | 1.05 |"
-    assert table[3] == "| local | 9.00 (1) | 9.90 (1) | 1.10 |"
+    assert table[2] == "| lavo | 11.00 ± 1.41 (2) | 11.60 ± 2.26 (2) | 1.05 ± 0.07 (2) |"  # the ratio's spread too
+    assert table[3] == "| local | 9.00 (1) | 9.90 (1) | 1.10 (1) |"
     assert table[4] == "| abc | not run | not run | not run |"
+    scale = {line.split("|")[1].strip(): line.split("|")[2].strip()
+             for line in report.scale_table(PLAN, results).splitlines()[2:] if line.startswith("| ")}
+    assert scale["lavo"] == "1.05 ± 0.07 (2)" and scale["abc"] == "not run"
+    # the ablation beside its CPU-scale point: every variant was trained at CPU scale (ablation, memory_lm)
+    ablation = [line.split("|") for line in report.ablation_table(PLAN, results).splitlines()[2:]
+                if line.startswith("| ")]
+    assert [row[1].strip() for row in ablation] == ["lavo", *ABLATION, "local"]
+    assert all(row[-3].strip() != "—" and row[-2].strip() != "—" for row in ablation), ablation
+    assert [row[-3].strip() for row in ablation if row[1].strip() == "lavo"] == ["232.01"]
 
 
 def test_dry_run_trains_and_scores_every_planned_model(dry):
