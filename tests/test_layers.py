@@ -395,6 +395,10 @@ VARIANT_ERRORS = [
     (lambda: LavoAttention(32, 4, write="decay", causal=False), r"write='decay' .* has no non-causal form"),
     (lambda: LavoAttention(32, 4, memory="vector", dissection=False),
      r"write='mean', memory='vector' needs dissection=True"),
+    # refused when built, not at the first forward pass (the Triton path computes the paper's memory only)
+    *((lambda options=options: LavoAttention(32, 4, backend="triton", **options),
+       r"^backend='triton' computes the paper's memory only .* use backend='torch' or 'auto' for the variants$")
+      for options in (dict(write="gated"), dict(write="decay"), dict(memory="vector"), dict(read_temperature=True))),
     (lambda: lavo_attention(*torch.randn(3, 1, 4, 2, 8), orthogonal_basis(2, 8, 8), window=2, write="gated"),
      r"gate \[H, r, D\] goes with write='gated' and only with it \(write='gated'\)"),
     (lambda: lavo_attention(*torch.randn(3, 1, 4, 2, 8), orthogonal_basis(2, 8, 8), window=2, write="decay",

@@ -10,7 +10,7 @@ from torch import nn
 from ..cache import LavoCache, LavoStepCache, check_made_by, in_autocast_dtype
 from ..ops import code_cross_attention, lavo_attention, lavo_attention_cached, lavo_decode_step, orthogonal_basis
 from ..ops.common import check_backend, check_positive, check_switches, check_window
-from ..ops.lavo.variants import check_variant, is_variant
+from ..ops.lavo.variants import check_triton_computes, check_variant, is_variant
 from .base import AttentionLayer, CrossAttentionLayer, add_initialised
 from .local import add_position_bias
 from .orthonormal import register_orthonormal
@@ -79,6 +79,7 @@ class LavoAttention(AttentionLayer):
             add_initialised(self, "log_read_scale", partial(torch.zeros, heads))
         check_variant(write, memory, causal, dissection, self.log_decay, self.write_gate, heads, self.rank,
                       self.head_dim)
+        check_triton_computes(backend, is_variant(write, memory) or read_temperature)
 
     @property
     def is_variant(self) -> bool:

@@ -10,7 +10,8 @@ from ..common import (accumulation_dtype, check_basis, check_pos_bias, check_win
 from ..local.blocked import blocked_local_attention, blocking_window, from_blocks, real_tokens, to_blocks
 from ..local.decoding import visible_keys
 from .memory import memory_read, project
-from .variants import SlotState, check_variant, empty_state, is_variant, rows, variant_memory_branch
+from .variants import (SlotState, check_triton_computes, check_variant, empty_state, is_variant, rows,
+                       variant_memory_branch)
 
 
 def check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask):
@@ -91,9 +92,7 @@ def lavo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: tor
     scale = constant_scale(scale, D)
     q, k, v = zero_padding(padding_mask, q, k, v)
     variant = is_variant(write, memory)
-    if (variant or read_scale is not None) and backend == "triton":
-        raise ValueError("backend='triton' computes the paper's memory only (write='mean', memory='scalar', no "
-                         "read temperature); use backend='torch' or 'auto' for the variants")
+    check_triton_computes(backend, variant or read_scale is not None)
     if not variant and read_scale is None and uses_triton(backend, q):
         from .gpu import lavo_attention_triton
         return lavo_attention_triton(q, k, v, basis, window=window, causal=causal, pos_bias=pos_bias,

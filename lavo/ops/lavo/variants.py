@@ -50,6 +50,14 @@ def is_variant(write: str, memory: str) -> bool:
     return (write, memory) != ("mean", "scalar")
 
 
+def check_triton_computes(backend: str, variant: bool) -> None:
+    """Refuse ``backend="triton"`` for a memory variant or a read temperature (``variant``): only the torch path
+    computes them."""
+    if variant and backend == "triton":
+        raise ValueError("backend='triton' computes the paper's memory only (write='mean', memory='scalar', no "
+                         "read temperature); use backend='torch' or 'auto' for the variants")
+
+
 def check_variant(write: str, memory: str, causal: bool, dissection: bool, decay: torch.Tensor | None,
                   gate: torch.Tensor | None, heads: int, rank: int, head_dim: int) -> None:
     """Raise on an unknown write rule or memory, or a parameter that does not match it."""
