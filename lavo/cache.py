@@ -53,14 +53,18 @@ class Cache:
 
     def check_sums_dtype(self, sums: torch.Tensor, dtype: torch.dtype) -> None:
         """:meth:`check_dtype` of a cache of running sums, kept in the accumulation dtype of its inputs (float32,
-        float64 for float64 inputs): a narrower cache is widened, as the key-value caches are; a wider one (float64
-        sums, float32 inputs) would be narrowed without a word, and is refused."""
-        summed = accumulation_dtype(dtype)
-        if torch.promote_types(sums.dtype, summed) == summed or dtypes_may_differ(sums.device.type):
-            return
-        raise ValueError(f"the cache holds {sums.dtype} sums and the inputs are {dtype}, whose sums are {summed}: "
-                         "continue it with inputs of the dtype it was made for, start a new one "
-                         "(layer.empty_cache(B)), or call under torch.autocast")
+        float64 for float64 inputs): float64 sums and float32 inputs would be narrowed without a word."""
+        refuse_wider(sums, "sums", dtype, accumulation_dtype(dtype))
+
+
+def refuse_wider(held: torch.Tensor, what: str, inputs: torch.dtype, continued_in: torch.dtype) -> None:
+    """Refuse, outside autocast, a cache whose ``what`` (``held``) are wider than ``continued_in``, the dtype that
+    inputs of dtype ``inputs`` continue it in; a narrower one is widened as the next chunk is added."""
+    if torch.promote_types(held.dtype, continued_in) == continued_in or dtypes_may_differ(held.device.type):
+        return
+    whose = "" if continued_in == inputs else f", whose {what} are {continued_in}"
+    raise ValueError(f"the cache holds {held.dtype} {what} and the inputs are {inputs}{whose}: continue it with "
+                     "inputs of its dtype, start a new one (layer.empty_cache(B)), or call under torch.autocast")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -176,13 +180,8 @@ class KVCache(Cache):
                        self.position + T, self.padded or padding_mask is not None, buffers)
 
     def check_dtype(self, dtype: torch.dtype) -> None:
-        """Narrower keys and values are widened when the next chunk is appended; wider ones are refused (the
-        queries would meet keys of another dtype)."""
-        if torch.promote_types(self.keys.dtype, dtype) == dtype or dtypes_may_differ(self.keys.device.type):
-            return
-        raise ValueError(f"the cache holds {self.keys.dtype} keys and values and the inputs are {dtype}: continue it "
-                         "with inputs of its dtype, start a new one (layer.empty_cache(B)), or call under "
-                         "torch.autocast")
+        """Wider keys and values than the inputs are refused: the queries would meet keys of another dtype."""
+        refuse_wider(self.keys, "keys and values", dtype, dtype)
 
     def keep_last(self, count: int) -> KVCache:
         """The cache of the last ``count`` positions only (views: nothing is copied)."""
