@@ -35,10 +35,10 @@ def performer_attention_log_space(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     normalised by a softmax over the real keys: exact however sharp the head, where the explicit features fall
     below float32's range once their exponents pass about -87 (float64's, -708). A query with no real key reads
     zeros."""
-    scaled_q, scaled_k = q / q.shape[-1] ** 0.25, k / k.shape[-1] ** 0.25
-    log_q = scaled_q @ projection.to(q.dtype).T - (scaled_q * scaled_q).sum(-1, keepdim=True) / 2
-    log_k = scaled_k @ projection.to(k.dtype).T - (scaled_k * scaled_k).sum(-1, keepdim=True) / 2
-    log_weights = torch.logsumexp(log_q[:, :, None] + log_k[:, None], -1)  # [B, T, S, H]
+    def log_features(x):  # log phi(x) [B, T, H, F]
+        scaled = x / x.shape[-1] ** 0.25
+        return scaled @ projection.to(x.dtype).T - (scaled * scaled).sum(-1, keepdim=True) / 2
+    log_weights = torch.logsumexp(log_features(q)[:, :, None] + log_features(k)[:, None], -1)  # [B, T, S, H]
     visible = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device)
     visible = (visible.tril() if causal else visible)[None, :, :, None]
     if padding_mask is not None:
