@@ -106,12 +106,17 @@ def ppl_table(plan: dict, results: dict, models: list[str], part: str, lengths: 
 CPU_ABLATIONS = ("ablation", "memory_lm")  # the CPU-scale experiments that trained this plan's ablation variants
 
 
+def cpu_results(experiment: str) -> dict:
+    """The committed results.json of the CPU-scale ``experiments/<experiment>``."""
+    return json.loads((HERE.parent / experiment / "results.json").read_text())
+
+
 def cpu_ablation() -> dict:
     """The CPU-scale point of each ablation variant: ``{variant: (ppl at 1x, longest / 1x, longest multiple)}``
     from the committed results.json of ``experiments/ablation`` and ``experiments/memory_lm`` (same base run)."""
     points = {}
     for name in CPU_ABLATIONS:
-        cpu = json.loads((HERE.parent / name / "results.json").read_text())
+        cpu = cpu_results(name)
         short = str(cpu["train_length"])
         for model, ppl in cpu["ppl"].items():
             longest = max(ppl, key=int)
@@ -140,7 +145,7 @@ def ablation_table(plan: dict, results: dict) -> str:
 
 def scale_table(plan: dict, results: dict) -> str:
     """16x / 1x at this scale (books) beside the CPU-scale point (Austen, 16x / 1x) and the paper (2x / 1x)."""
-    cpu = json.loads((HERE.parent / "lm_extrapolation" / "results.json").read_text())
+    cpu = cpu_results("lm_extrapolation")
     cpu_length = cpu["train_length"]
     train_length = plan["base"]["train"]["train_length"]
     longest = max(plan["eval"]["multiples"]) * train_length

@@ -187,11 +187,11 @@ def check_corpus(plan: dict, data_dir: str) -> None:
 
 
 def prepare_dry_run(config: RunConfig) -> None:
-    """The dry run's own tokenizer and token caches, made once by the call before it starts any worker: made by
-    each worker, or each of the probe's, they would all train the same tokenizer at once."""
-    from lavo.data import prepare
-    data = config.data
-    prepare(data.source, data.tokenizer, data.data_dir, data.holdout, log=lambda *args: None)
+    """The dry run's own tokenizer and token caches, made once by the call before it starts any worker, as each
+    worker makes them (``prepare_run``): made by each worker, or each of the probe's, they would all train the
+    same tokenizer at once."""
+    from lavo.train import Distributed, prepare_run
+    prepare_run(config, Distributed(), lambda *args: None)
 
 
 # ----------------------------------------------------------------------------------------------- training
