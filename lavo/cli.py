@@ -55,9 +55,17 @@ def add_data(commands) -> None:
 def cmd_train(args) -> None:
     from .config import load_config
     from .train import train
-    config = load_config(args.config, args.set)
+    if isinstance(args.resume, str):  # --resume RUN_DIR: the run's own settings
+        from .run import read_run_config
+        if args.config is not None:
+            raise ValueError(f"--resume {args.resume} continues with the run's own config.json: leave out --config")
+        if not Path(args.resume).is_dir():
+            raise ValueError(f"{args.resume} is not a directory: give the train.out_dir of the run to resume")
+        config = read_run_config(args.resume, args.set)
+    else:
+        config = load_config(args.config, args.set)
     try:
-        summary = train(config, resume=args.resume, overwrite=args.overwrite)
+        summary = train(config, resume=bool(args.resume), overwrite=args.overwrite)
     finally:
         import gc
 
@@ -82,7 +90,9 @@ def add_train(commands) -> None:
     p.add_argument("--config", help="a JSON or TOML config file, or a bundled config's name")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
     start = p.add_mutually_exclusive_group()
-    start.add_argument("--resume", action="store_true", help="continue the checkpoint in train.out_dir")
+    start.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
+                       help="continue the checkpoint in train.out_dir; given RUN_DIR, the run there with its own "
+                       "settings (its config.json; --set may change how long and how it runs, e.g. train.steps)")
     start.add_argument("--overwrite", action="store_true", help="start again, deleting the weights, state and "
                        "metrics of an earlier run in train.out_dir")
     p.set_defaults(handler=cmd_train)

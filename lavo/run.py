@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save as save_weights
 
-from .config import RunConfig, deep_merge
+from .config import RunConfig, apply_overrides, deep_merge
 from .data import Tokenizer, is_builtin, load_tokenizer_file
 from .files import atomic_write, fsync_path, remove_orphans, write_json, write_text
 from .model import LanguageModel, ModelConfig
@@ -84,12 +84,16 @@ def run_config_at(values: dict, run_dir: str | os.PathLike) -> RunConfig:
     return RunConfig.from_dict(deep_merge(values, {"train": {"out_dir": str(run_dir)}}))
 
 
-def read_run_config(run_dir: str | os.PathLike) -> RunConfig:
-    """The run config of a run directory, with ``train.out_dir`` set to where the directory is now."""
+def read_run_config(run_dir: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
+    """The run config of a run directory, with ``train.out_dir`` set to where the directory is now and ``--set``
+    ``overrides`` on top (``lavo train --resume RUN_DIR``: how long and how it runs; the trainer refuses other
+    changes)."""
     path = Path(run_dir) / CONFIG
+    if any(item.split("=", 1)[0].strip() == "train.out_dir" for item in overrides):
+        raise ValueError(f"the run resumed is the one in {run_dir}: leave out --set train.out_dir")
     try:
         values = json.loads(path.read_text())
-        return run_config_at(values, run_dir)
+        return run_config_at(apply_overrides(values, list(overrides)), run_dir)
     except UnknownAttention:
         raise  # the config is fine; the package that registers its mechanism is not imported or installed
     except FileNotFoundError as error:

@@ -175,8 +175,8 @@ def check_resumed_tokenizer(run_dir: Path, config: RunConfig) -> None:
 
 def resume_advice(run_dir: Path) -> str:
     return ("A resumed run continues with its own settings: give the config and --set it was started with, or "
-            f"its own (--config {run_dir / 'config.json'} --set train.out_dir={run_dir}), or start again with "
-            "--overwrite or another train.out_dir")
+            f"take its own (--resume {run_dir}, with no --config), or start again with --overwrite or another "
+            "train.out_dir")
 
 
 def agree(env: Distributed, *flags: bool) -> list[bool]:

@@ -73,6 +73,22 @@ def test_data_train_eval_generate(tmp_path, capsys):
     assert main(args) == 0
     assert capsys.readouterr().out == first and first.startswith("the sister")
 
+    moved = tmp_path / "moved"  # resumed by its directory alone, with its own settings
+    shutil.move(tmp_path / "run", moved)
+    assert main(["train", "--resume", str(moved), "--set", "train.steps=5"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 5
+    for flags, error in (
+            (["--config", str(tmp_path / "run.json")],
+             f"--resume {moved} continues with the run's own config.json: leave out --config"),
+            (["--set", "train.out_dir=elsewhere"],
+             f"the run resumed is the one in {moved}: leave out --set train.out_dir"),
+            (["--set", "train.lr=0.5"], f"{moved} was trained with other settings than asked now: train.lr=0.5")):
+        assert main(["train", "--resume", str(moved), *flags]) == 2
+        assert f"lavo train: error: {error}" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "run")]) == 2
+    assert (f"error: {tmp_path / 'run'} is not a directory: give the train.out_dir of the run to resume"
+            in capsys.readouterr().err)
+
 
 def test_a_run_directory_is_self_contained(tmp_path, monkeypatch, capsys):
     """Trained with relative paths, then moved (data too) and used from another working directory."""

@@ -349,8 +349,8 @@ def test_resume_refuses_other_settings_and_takes_more_steps(setup, tmp_path):
     with pytest.raises(RunError, match=re.escape(
             "was trained with other settings than asked now: model.dim=64 (the run's: 32); train.lr=0.5 (the "
             "run's: 0.003); train.seed=7 (the run's: 0). A resumed run continues with its own settings: give the "
-            f"config and --set it was started with, or its own (--config {tmp_path / 'run' / 'config.json'} --set "
-            f"train.out_dir={tmp_path / 'run'})")):
+            f"config and --set it was started with, or take its own (--resume {tmp_path / 'run'}, with no "
+            "--config)")):
         train(RunConfig.from_dict(changed), resume=True, log=quiet)
     assert (tmp_path / "run" / "config.json").read_text() == config_before  # left as the run made it
     longer = {**values, "train": {**values["train"], "steps": 5, "log_interval": 2}}
