@@ -221,9 +221,40 @@ def test_a_long_evaluation_cut_off_by_the_time_limit_keeps_the_runs_scores(dry, 
     assert record["long_eval"] == {"failed": "not finished: the call's time limit ended it"}
     call = last_call(results)
     assert call["ended"]["phase"] == "long evaluation" and "scoring_cut_off" not in call  # its scores are saved
+    assert call["long_eval_cut_off"] == {"lavo": call["ended"]["seconds"]}
     monkeypatch.undo()
     capsys.readouterr()
-    assert run("--only", "lavo-s0") == 0 and "[train]" not in capsys.readouterr().out
+    # the next call on this machine, where the weights still are, finishes it without training again
+    assert run("--only", "lavo-s0") == 0
+    log = capsys.readouterr().out
+    assert "[train]" not in log and "[long eval] lavo-s0: finishing the long evaluation" in log
+    finished = json.loads((results / "lavo-s0.json").read_text())
+    assert {k: v for k, v in finished.items() if k not in ("long_eval", "eval_seconds")} == {
+        k: v for k, v in record.items() if k not in ("long_eval", "eval_seconds")}
+    assert list(finished["long_eval"]["books"]) == ["128", "256", "1024"]
+    assert finished["eval_seconds"] > record["eval_seconds"]
+    capsys.readouterr()
+    assert run("--only", "lavo-s0") == 0 and "[long eval]" not in capsys.readouterr().out  # done: left alone
+
+
+def test_a_cut_off_long_evaluation_is_retried_only_where_it_fits_and_its_weights_are(dry, capsys):
+    run, out = dry
+    results = out / "results"
+    assert run("--only", "lavo-s0") == 0
+    path = results / "lavo-s0.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "long_eval": driver.LONG_EVAL_CUT_OFF}))
+    with open(results / "calls.jsonl", "a") as calls:
+        calls.write(json.dumps({"long_eval_cut_off": {"lavo": 300.0}}) + "\n")
+    capsys.readouterr()
+    assert run("--only", "lavo-s0", "--budget", "420") == 0
+    assert "[too long] lavo-s0's long evaluation: about 450 s, more than a call's budget of 420 s" in (
+        capsys.readouterr().out)
+    assert run("--only", "lavo-s0", "--budget", "440", "--call-budget", "900") == 0
+    assert "[wait] lavo-s0's long evaluation: about 450 s" in capsys.readouterr().out
+    (out / "runs" / "lavo-s0" / "model.safetensors").unlink()  # another machine: the weights stayed behind
+    assert run("--only", "lavo-s0", "--budget", "900") == 0
+    assert "long evaluation" not in capsys.readouterr().out
+    assert json.loads(path.read_text())["long_eval"] == driver.LONG_EVAL_CUT_OFF
 
 
 def test_a_run_whose_scoring_cannot_fit_in_a_call_is_passed_over_not_waited_for(dry, capsys):
@@ -479,16 +510,21 @@ def test_the_report_says_what_became_of_every_planned_run(tmp_path):
     planned = {r.name: r for r in driver.planned_runs(PLAN)}
     (tmp_path / "lavo-s0.json").write_text(json.dumps({"digest": planned["lavo-s0"].digest}))
     (tmp_path / "local-s0.json").write_text(json.dumps({"digest": "another plan"}))
-    (tmp_path / "calls.jsonl").write_text(json.dumps({"started": "a", "wall_s": 1.0,
-                                                      "failed": {"abc-s0": "OutOfMemoryError: CUDA"}}) + "\n")
+    (tmp_path / "lavo-s1.json").write_text(json.dumps({"digest": planned["lavo-s1"].digest,
+                                                       "long_eval": driver.LONG_EVAL_CUT_OFF}))
+    (tmp_path / "local-s1.json").write_text(json.dumps({"digest": planned["local-s1"].digest}))  # failed, then done
+    failed = {"abc-s0": "OutOfMemoryError: CUDA", "local-s1": "OutOfMemoryError: CUDA"}
+    (tmp_path / "calls.jsonl").write_text(json.dumps({"started": "a", "wall_s": 1.0, "failed": failed}) + "\n")
     results = driver.current_results(tmp_path, list(planned.values()))
-    assert list(results) == ["lavo-s0"]
+    assert sorted(results) == ["lavo-s0", "lavo-s1", "local-s1"]
     rows = {line.split("|")[1].strip(): line.split("|")[2:4]
             for line in report.status_table(PLAN, tmp_path, results).splitlines()[2:]}
-    assert [cell.strip() for cell in rows["scored"]] == ["1", "lavo-s0"]
+    assert [cell.strip() for cell in rows["scored"]] == ["2", "lavo-s0, local-s1"]
+    assert [cell.strip() for cell in rows["scored, but not its long evaluation"]] == [
+        "1", "lavo-s1 (not finished: the call's time limit ended it)"]
     assert [cell.strip() for cell in rows["failed"]] == ["1", "abc-s0 (OutOfMemoryError: CUDA)"]
     assert [cell.strip() for cell in rows["recorded with other settings (to redo)"]] == ["1", "local-s0"]
-    assert rows["not run yet"][0].strip() == str(len(planned) - 3)
+    assert rows["not run yet"][0].strip() == str(len(planned) - 5)
 
 
 def test_a_call_with_run_device_shs_defaults_ends_within_eight_minutes():

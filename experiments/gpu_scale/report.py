@@ -193,12 +193,15 @@ def status_table(plan: dict, results_dir: Path, results: dict) -> str:
     recorded = driver.finished_results(results_dir)
     failures = {name: reason for call in driver.past_calls(results_dir)
                 for name, reason in call.get("failed", {}).items()}
+    long_failures = {name: record["long_eval"]["failed"] for name, record in results.items()
+                     if "failed" in record.get("long_eval", {})}
     groups: dict[str, list[str]] = {}
     for run in driver.planned_runs(plan):
-        status = ("scored" if run.name in results else "failed" if run.name in failures
+        status = ("scored, but not its long evaluation" if run.name in long_failures
+                  else "scored" if run.name in results else "failed" if run.name in failures
                   else "recorded with other settings (to redo)" if run.name in recorded else "not run yet")
-        groups.setdefault(status, []).append(f"{run.name} ({failures[run.name]})" if status == "failed"
-                                             else run.name)
+        reason = long_failures.get(run.name) or (failures[run.name] if status == "failed" else None)
+        groups.setdefault(status, []).append(f"{run.name} ({reason})" if reason else run.name)
     return markdown_table(["status", "runs", "which"], [[status, len(names), ", ".join(names)]
                                                         for status, names in groups.items()])
 

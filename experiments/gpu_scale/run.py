@@ -44,6 +44,7 @@ PROBE_SECONDS = 5.0
 # the probe's workers must be built and warmed up within this share of the call's budget (and 300 s), else the probe
 # fails and the call trains with one worker: a slow warm-up must not spend the call
 PROBE_WARMUP_SHARE = 0.25
+LONG_EVAL_CUT_OFF = {"failed": "not finished: the call's time limit ended it"}  # a results file's long_eval, until done
 
 
 class CallEnded(BaseException):
@@ -85,8 +86,10 @@ class Activity:
         entries = {"ended": {"run": self.run.name, "phase": self.phase, "seconds": seconds}}
         if self.step_seconds is not None:
             entries["step_seconds"] = {self.run.model: round(self.step_seconds, 4)}
-        if self.phase == "scoring":  # it takes at least this long: the next call plans for it (a long evaluation
-            entries["scoring_cut_off"] = {self.run.model: seconds}  # cut off leaves its run's scores saved)
+        if self.phase == "scoring":  # it takes at least this long: the next call plans for it
+            entries["scoring_cut_off"] = {self.run.model: seconds}
+        if self.phase == "long evaluation":  # its run's scores are saved; a later call on this machine finishes it
+            entries["long_eval_cut_off"] = {self.run.model: seconds}
         return entries
 
 
@@ -305,9 +308,10 @@ def measured_step_seconds(results_dir: Path) -> dict[str, float]:
     return by_model(results_dir, "step_seconds", min)
 
 
-def scoring_cut_off(results_dir: Path) -> dict[str, float]:
-    """Seconds a scoring of each model ran before its call's time limit ended it: the longest on record."""
-    return by_model(results_dir, "scoring_cut_off", max)
+def scoring_cut_off(results_dir: Path, entry: str = "scoring_cut_off") -> dict[str, float]:
+    """Seconds a scoring of each model ran before its call's time limit ended it: the longest on record (``entry``
+    ``long_eval_cut_off``: of a long evaluation)."""
+    return by_model(results_dir, entry, max)
 
 
 def failed_before(results_dir: Path) -> set[str]:
@@ -383,18 +387,60 @@ def train_and_score(run: PlannedRun, runs_dir: Path, plan_eval: dict, long_eval:
               "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "digest": run.digest,
               "eval": scores}
     if run.long_eval:
-        save({**record, "long_eval": {"failed": "not finished: the call's time limit ended it"}})
-        activity.phase = "long evaluation"  # its seconds still count from the scoring's start
-        try:
-            record["long_eval"] = evaluate(runs_dir / run.name, plan_eval, long_eval, long_eval["lengths"], device,
-                                           log)
-        except Exception as error:  # e.g. out of memory at 128K
-            log(f"[failed] {run.name}'s long evaluation:\n{traceback.format_exc()}")
-            record["long_eval"] = {"failed": f"{type(error).__name__}: {error}"[:500]}
-        record["eval_seconds"] = round(time.monotonic() - t0, 2)
+        record = score_long(run, {**record, "long_eval": LONG_EVAL_CUT_OFF}, runs_dir, plan_eval, long_eval, log,
+                            activity, save)
     log(f"[done] {run.name}: " + ", ".join(
         f"{name} ppl {s[str(config.train.train_length)]['ppl']:.2f} at 1x" for name, s in scores.items()))
     return record, seconds_per_step
+
+
+def score_long(run: PlannedRun, record: dict, runs_dir: Path, plan_eval: dict, long_eval: dict, log,
+               activity: Activity, save: Callable[[dict], None]) -> dict:
+    """``record`` with the long evaluation of ``run``'s trained weights in ``long_eval`` (or why it failed) and
+    its seconds added to ``eval_seconds``. ``record`` is saved first as it is, its ``long_eval`` marked
+    :data:`LONG_EVAL_CUT_OFF`, so that a call's time limit reached here loses none of the run's scores."""
+    from lavo.train import resolve_device
+
+    save(record)
+    activity.enter(run, "long evaluation")
+    try:
+        scores = evaluate(runs_dir / run.name, plan_eval, long_eval, long_eval["lengths"],
+                          resolve_device(run.values["train"]["device"]), log)
+    except Exception as error:  # e.g. out of memory at 128K
+        log(f"[failed] {run.name}'s long evaluation:\n{traceback.format_exc()}")
+        scores = {"failed": f"{type(error).__name__}: {error}"[:500]}
+    return {**record, "long_eval": scores,
+            "eval_seconds": round(record["eval_seconds"] + time.monotonic() - activity.since, 2)}
+
+
+def long_eval_to_finish(run: PlannedRun, record: dict, runs_dir: Path) -> bool:
+    """Whether ``record``, ``run``'s results, lacks a long evaluation that a call's time limit cut off while the
+    run's weights are still here (this is the machine that trained it): it is finished without training again."""
+    return (run.long_eval and record.get("long_eval") == LONG_EVAL_CUT_OFF
+            and (runs_dir / run.name / "model.safetensors").exists())
+
+
+def finish_long_eval(run: PlannedRun, runs_dir: Path, results_dir: Path, archive: Path | None, plan_eval: dict,
+                     long_eval: dict, left: float, call_budget: float, log, activity: Activity) -> None:
+    """Run the long evaluation of a finished ``run`` that a call's time limit cut off (:func:`long_eval_to_finish`)
+    and save its results, if it fits in the ``left`` seconds: it needs one and a half times the longest it ran
+    before being cut off. One that needs more than a whole call is left as it is, so that it does not take the
+    start of every call."""
+    needs = 1.5 * scoring_cut_off(results_dir, "long_eval_cut_off").get(run.model, 0.0)
+    if needs >= call_budget:
+        log(f"[too long] {run.name}'s long evaluation: about {needs:.0f} s, more than a call's budget of "
+            f"{call_budget:.0f} s")
+        return
+    if needs >= left:
+        log(f"[wait] {run.name}'s long evaluation: about {needs:.0f} s, {left:.0f} s left")
+        return
+    with claimed(runs_dir / run.name) as mine:
+        record = current_results(results_dir, [run]).get(run.name, {})
+        if not mine or not long_eval_to_finish(run, record, runs_dir):  # another worker has it, or did it
+            return
+        log(f"[long eval] {run.name}: finishing the long evaluation a call's time limit cut off")
+        save_result(results_dir, score_long(run, record, runs_dir, plan_eval, long_eval, log, activity,
+                                            lambda record: None), archive)
 
 
 def not_now(run: PlannedRun, done: list[dict], step_seconds: dict[str, float], cut_off: dict[str, float],
@@ -436,10 +482,12 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
     ``archive``: a tar file of the results folder, written again after each finished run. Each run is trained
     under its directory's lock, so workers of one call (:func:`run_workers`) share the plan: a run another
     process holds is passed over. A run that raises is logged, recorded under ``failed`` and passed over; in
-    later calls the runs that failed come last, so that one cannot stop the others. ``call_budget``: a whole
-    call's seconds (default ``budget``), what a run must fit in to be started at all. A call ended by its time
-    limit (SIGTERM, :func:`sigterm_ends_the_call`, or Ctrl-C) writes its line too, with what it was doing then
-    (``ended``) and what that measured, which later calls plan with (``step_seconds``, ``scoring_cut_off``)."""
+    later calls the runs that failed come last, so that one cannot stop the others. A finished run whose long
+    evaluation a time limit cut off is finished where its weights still are (:func:`finish_long_eval`).
+    ``call_budget``: a whole call's seconds (default ``budget``), what a run must fit in to be started at all. A
+    call ended by its time limit (SIGTERM, :func:`sigterm_ends_the_call`, or Ctrl-C) writes its line too, with
+    what it was doing then (``ended``) and what that measured, which later calls plan with (``step_seconds``,
+    ``scoring_cut_off``, ``long_eval_cut_off``)."""
     from lavo.run import clear_run
     from lavo.train import resolve_device
 
@@ -456,6 +504,10 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
                 activity = Activity()
                 results = current_results(results_dir, runs)  # other workers' too
                 if run.name in results:
+                    if long_eval_to_finish(run, results[run.name], runs_dir):
+                        finish_long_eval(run, runs_dir, results_dir, archive, plan_eval, long_eval,
+                                         deadline - time.monotonic(), call_budget or budget, log, activity)
+                        activity = Activity()
                     continue
                 if max_runs is not None and len(finished) >= max_runs:
                     break
