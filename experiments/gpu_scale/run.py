@@ -488,7 +488,6 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
     call ended by its time limit (SIGTERM, :func:`sigterm_ends_the_call`, or Ctrl-C) writes its line too, with
     what it was doing then (``ended``) and what that measured, which later calls plan with (``step_seconds``,
     ``scoring_cut_off``, ``long_eval_cut_off``)."""
-    from lavo.run import clear_run
     from lavo.train import resolve_device
 
     started, start_time = time.monotonic(), datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -525,30 +524,20 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
                 if reason is not None:
                     log(reason)
                     continue
-                with claimed(runs_dir / run.name) as mine:
-                    if not mine:
-                        log(f"[busy] {run.name}: another worker is training it")
-                        continue
-                    if run.name in current_results(results_dir, [run]):  # finished by another worker meanwhile
-                        continue
-                    if (results_dir / f"{run.name}.json").exists():  # another plan's: trained again, from step 0
-                        log(f"[stale] {run.name}: its results were made with other settings; training it again")
-                        clear_run(runs_dir / run.name)
-                        resuming = False
-                    log(f"[train] {run.name}" + (" (resuming)" if resuming else ""))
-                    device = device_name(resolve_device(run.values["train"]["device"]))
-                    try:
-                        record, seconds_per_step = train_and_score(
-                            run, runs_dir, plan_eval, long_eval, deadline - eval_reserve, step_limit, log, activity,
-                            lambda record: save_result(results_dir, record, archive))
-                    except Exception as error:  # e.g. out of memory: the other runs still get their turn
-                        log(f"[failed] {run.name}:\n{traceback.format_exc()}")
-                        failed[run.name] = f"{type(error).__name__}: {error}"[:500]
-                        continue
-                    if record is not None:  # written under the lock: no other worker starts the run again
-                        save_result(results_dir, record, archive)
-                        activity = Activity()  # done with it
-                if record is None:
+                device = device_name(resolve_device(run.values["train"]["device"]))
+                try:
+                    outcome = train_claimed(run, resuming, runs_dir, results_dir, archive, plan_eval, long_eval,
+                                            deadline - eval_reserve, step_limit, log, activity)
+                except Exception as error:  # e.g. out of memory: the other runs still get their turn
+                    log(f"[failed] {run.name}:\n{traceback.format_exc()}")
+                    failed[run.name] = f"{type(error).__name__}: {error}"[:500]
+                    continue
+                if outcome is None:
+                    continue
+                record, seconds_per_step = outcome
+                if record is not None:
+                    activity = Activity()  # done with it
+                else:
                     stopped = run.name
                     if seconds_per_step is not None:
                         measured[run.model] = round(seconds_per_step, 4)
@@ -570,6 +559,32 @@ def run_plan(runs: list[PlannedRun], plan_eval: dict, long_eval: dict, runs_dir:
                     "remaining": [r.name for r in runs if r.name not in done]}
             add_call(results_dir, call, archive)
     return call
+
+
+def train_claimed(run: PlannedRun, resuming: bool, runs_dir: Path, results_dir: Path, archive: Path | None,
+                  plan_eval: dict, long_eval: dict, deadline: float, step_limit: int | None, log,
+                  activity: Activity) -> tuple[dict | None, float | None] | None:
+    """:func:`train_and_score` ``run`` under its directory's lock and save its results there, so that no other
+    worker starts it again; None where another worker holds it or has finished it. Results of other settings
+    (another plan's) are trained again from step 0."""
+    from lavo.run import clear_run
+
+    with claimed(runs_dir / run.name) as mine:
+        if not mine:
+            log(f"[busy] {run.name}: another worker is training it")
+            return None
+        if run.name in current_results(results_dir, [run]):  # finished by another worker meanwhile
+            return None
+        if (results_dir / f"{run.name}.json").exists():
+            log(f"[stale] {run.name}: its results were made with other settings; training it again")
+            clear_run(runs_dir / run.name)
+            resuming = False
+        log(f"[train] {run.name}" + (" (resuming)" if resuming else ""))
+        record, seconds_per_step = train_and_score(run, runs_dir, plan_eval, long_eval, deadline, step_limit, log,
+                                                   activity, lambda record: save_result(results_dir, record, archive))
+        if record is not None:
+            save_result(results_dir, record, archive)
+        return record, seconds_per_step
 
 
 def save_result(results_dir: Path, record: dict, archive: Path | None) -> None:
