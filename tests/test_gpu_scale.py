@@ -537,3 +537,35 @@ def test_a_call_with_run_device_shs_defaults_ends_within_eight_minutes():
     assert budget == driver.DEFAULT_BUDGET
     assert slack >= 30  # run.py's start-up and some overrun of a scoring's estimate before SIGTERM
     assert budget + slack + kill_after + 10 <= 8 * 60  # 10 s: nvidia-smi and torch's import before the timeout
+
+
+def test_one_gpu_session_gives_the_scale_experiment_what_the_check_leaves(tmp_path):
+    """scripts/gpu_session.sh: the check, then run_device.sh with the seconds left of CALL_S, in one device call
+    (a machine idle between two calls may be handed back). python3 and nvidia-smi are stand-ins here that log
+    their arguments; the check takes 3 s and fails, which must not keep the scale experiment from its turn."""
+    import subprocess
+    root = Path(__file__).parents[1]
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/sh\necho "$*" >> "$CALLS"\n'
+                                     'case "$*" in *gpu_check.py*) sleep 3; exit 1;; esac\n')
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'a GPU'\n")
+    for path in bin_dir.iterdir():
+        path.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"} | {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(log)}
+
+    def session(call_s: int) -> str:
+        log.unlink(missing_ok=True)
+        done = subprocess.run(["bash", str(root / "scripts/gpu_session.sh"), str(tmp_path / "out"), "--only", "x"],
+                              env=env | {"CALL_S": str(call_s)}, capture_output=True, text=True, check=True)
+        return done.stdout
+    out = session(200)
+    check, version, scale = log.read_text().splitlines()
+    assert check.startswith(f"benchmarks/gpu_check.py {tmp_path / 'out' / 'check'}")  # --wheels .whl where it is
+    budget = int(re.search(r"--budget (\d+) ", scale)[1])
+    assert 200 - 90 - 5 <= budget <= 200 - 90 - 3  # the check's 3 s, and run_device.sh's 90 s of limits and margin
+    assert scale.endswith(f"--pack {tmp_path / 'out' / 'scale' / 'results.tar'} --only x")
+    assert "gpu_check.sh exited with status 1" in out and f"the scale experiment gets {budget} s" in out
+    out = session(140)
+    assert len(log.read_text().splitlines()) == 1 and "would be left for the scale experiment: not started" in out
