@@ -158,6 +158,9 @@ class KVCache(Cache):
         """The cache after ``T`` more positions: ``k, v [B, T, H, D]``, ``padding_mask [B, T]`` or None."""
         B, T, H, D = k.shape
         self.check_batch_size(B)
+        if self.keys.shape[2:] != (H, D):  # a layer of another head split: else a copy's broadcasting error
+            raise ValueError(f"the cache holds keys and values [B, L, H, D] = {tuple(self.keys.shape)}, this call "
+                             f"[B, T, H, D] = {tuple(k.shape)}: pass the cache the previous call returned")
         length = self.keys.shape[1]
         end = self._writable_end(k, v)
         buffers = self.buffers

@@ -8,6 +8,7 @@ import torch
 from reference_checks import registered_layer
 
 from lavo import available_attentions, build_attention
+from lavo.cache import KVCache
 from lavo.registry import attention_class
 
 DIM, HEADS, T = 32, 4, 40
@@ -149,6 +150,20 @@ def test_a_cache_of_another_kind_is_refused_by_name():
     with pytest.raises(ValueError, match=r"the cache holds the last \d+ of 20 positions \(a sliding-window "
                                          r"layer's\)"):
         _build("softmax", causal=True)(torch.randn(1, 1, DIM, dtype=torch.float64), cache=trimmed)
+
+
+@pytest.mark.parametrize("name", [name for name in available_attentions()
+                                  if attention_class(name).supports_decoding and name != "s4d"])  # S4D: no heads
+def test_a_cache_of_a_layer_with_another_head_split_is_refused_by_name(name):
+    """Was, for softmax and local attention: torch's "The expanded size of the tensor (4) must match ..."."""
+    _, cache = _build(name, causal=True)(torch.randn(2, 5, DIM, dtype=torch.float64))
+    layer = registered_layer(name, DIM, 2 * HEADS, causal=True, window=WINDOW).double()
+    message = r"^(the )?cache "
+    if isinstance(cache, KVCache):
+        message = (r"^the cache holds keys and values \[B, L, H, D\] = \(2, \d, 4, 8\), this call \[B, T, H, D\] = "
+                   r"\(2, 1, 8, 4\): pass the cache the previous call returned$")
+    with pytest.raises(ValueError, match=message):
+        layer(torch.randn(2, 1, DIM, dtype=torch.float64), cache=cache)
 
 
 @pytest.mark.parametrize("name", [name for name in available_attentions() if attention_class(name).supports_decoding])
