@@ -225,11 +225,23 @@ class LanguageModel(nn.Module):
         """
         if ids.dim() != 2:
             raise ValueError(f"ids must have shape [B, T], got {tuple(ids.shape)}")
+        if cache is not None:
+            self.check_cache(cache)
         start = 0 if cache is None else cache.position
         logits, layer_caches = self._run(ids, padding_mask, None if cache is None else cache.layers, start)
         if any(c is None for c in layer_caches):
             return logits, None
         return logits, ModelCache(tuple(layer_caches), start + ids.shape[1])
+
+    def check_cache(self, cache: Any) -> None:
+        """Refuse what is not a cache this model returned: a layer's cache, or a model's of another depth (whose
+        extra layers' caches would be dropped without a word, or a missing one fail with an ``IndexError``)."""
+        if not isinstance(cache, ModelCache):
+            raise ValueError(f"{type(self).__name__} continues a ModelCache, got a {type(cache).__name__}: pass the "
+                             "cache this model's previous call returned")
+        if len(cache.layers) != len(self.blocks):
+            raise ValueError(f"the cache holds the caches of {len(cache.layers)} layers, and this model has "
+                             f"{len(self.blocks)}: pass the cache this model's previous call returned")
 
     def _run(self, ids: torch.Tensor, padding_mask: torch.Tensor | None, caches: tuple | None,
              start: int | torch.Tensor) -> tuple[torch.Tensor, list]:

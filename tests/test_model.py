@@ -100,6 +100,21 @@ def test_padding_mask_is_passed_to_attention():
     assert not torch.allclose(unmasked[1, 8:], alone[0], atol=1e-3)
 
 
+def test_a_cache_that_is_not_this_models_is_refused_by_name():
+    """Was: a deeper model's cache continued with its extra layers dropped, silently; a shallower one's an
+    IndexError; a layer's cache an AttributeError."""
+    model = small("lavo", "none", {"window": 8})
+    ids = torch.randint(0, 97, (2, 5))
+    with torch.no_grad():
+        _, cache = model(ids)
+        torch.manual_seed(0)
+        deeper = build_model(dict(model.config.to_dict(), depth=3)).eval()(ids)[1]
+        for other, message in ((deeper, r"the cache holds the caches of 3 layers, and this model has 2"),
+                               (cache.layers[0], r"LanguageModel continues a ModelCache, got a LavoCache")):
+            with pytest.raises(ValueError, match=rf"^{message}: pass the cache this model's previous call returned$"):
+                model(ids[:, :1], cache=other)
+
+
 # Every option that adds a tensor of the layer's own (a learned basis takes the orthonormal parametrization).
 OWN_TENSORS = [("lavo", {"window": 4, "write": "gated", "read_temperature": True}),
                ("lavo", {"window": 4, "basis": "learned", "rank": 4, "write": "decay"}),
