@@ -9,7 +9,10 @@ from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_att
                       orthogonal_basis)
 from lavo.ops.abc import abc_attention
 from lavo.ops.common import reciprocal
+from lavo.ops.cosformer import cosformer_attention, cosformer_attention_causal, cosformer_cross_attention
 from lavo.ops.longshort import longshort_attention
+from lavo.ops.performer import performer_attention, performer_attention_causal
+from lavo.ops.softmax import softmax_attention
 
 # (T, window, D, rank): T = 1, T < w, T = w, awkward T with D = 60 and r < D.
 SHAPES = [(1, 16, 8, 8), (5, 16, 8, 4), (16, 16, 12, 12), (63, 16, 60, 24)]
@@ -279,6 +282,45 @@ def test_chunked_causal_ops_return_contiguous_outputs():
                 cosformer_attention_causal(q.relu(), k.relu(), v, max_length=32)[0],
                 performer_attention_causal(q, k, v, torch.randn(6, 8))[0]):
         assert out.shape == q.shape and out.is_contiguous()
+
+
+PROJECTION = torch.randn(6, 4)
+# The ops of softmax and the feature maps, whose values may have a head size of their own, with a padding mask.
+VALUE_SIZED_OPS = {
+    "softmax": lambda q, k, v, mask: softmax_attention(q, k, v, key_mask=mask),
+    "cosformer": lambda q, k, v, mask: cosformer_attention(q, k, v, padding_mask=mask),
+    "cosformer causal": lambda q, k, v, mask: cosformer_attention_causal(q, k, v, 32, padding_mask=mask)[0],
+    "cosformer cross": lambda q, k, v, mask: cosformer_cross_attention(q, k, v, padding_mask=mask),
+    "performer": lambda q, k, v, mask: performer_attention(q, k, v, PROJECTION, padding_mask=mask),
+    "performer causal": lambda q, k, v, mask: performer_attention_causal(q, k, v, PROJECTION, padding_mask=mask)[0],
+}
+
+
+@pytest.mark.parametrize("name", VALUE_SIZED_OPS)
+def test_softmax_and_feature_map_ops_name_inputs_that_do_not_fit(name):
+    """Were torch's errors from inside, e.g. "einsum(): subscript h has size 2 for operand 1 which does not
+    broadcast with previously seen size 3", or a float mask taken as weights."""
+    op = VALUE_SIZED_OPS[name]
+    q, k, v = (torch.randn(2, 6, 2, 4) for _ in range(3))
+    in_b_h_and_d = " in B, H and D" if name in ("softmax", "cosformer cross", "performer") else ""
+    assert op(q, k, torch.randn(2, 6, 2, 3), None).shape == (2, 6, 2, 3)  # values of their own head size
+    for (q_, k_, v_, mask), message in [
+            ((q[:, :, 0], k, v, None), r"q must have shape \[B, T, H, D\], got \(2, 6, 4\)"),
+            ((q, torch.randn(2, 6, 3, 4), v, None),
+             rf"k has shape \(2, 6, 3, 4\) but q has \(2, 6, 2, 4\); they must match{in_b_h_and_d}"),
+            ((q, k, torch.randn(2, 6, 3, 4), None),
+             r"v has shape \(2, 6, 3, 4\) but k has \(2, 6, 2, 4\); they must match in B, T and H"),
+            ((q, k.double(), v, None), r"k has dtype torch.float64 but q has torch.float32; they must match"),
+            ((q, k, v.double(), None), r"v has dtype torch.float64 but q has torch.float32; they must match"),
+            ((q, k, v, torch.ones(2, 5, dtype=torch.bool)),
+             rf"{'key_mask' if name == 'softmax' else 'padding_mask'} must have shape \[B, T\] = \(2, 6\), got "
+             r"\(2, 5\)"),
+            ((q, k, v, torch.ones(2, 6)), r".* must be a bool tensor \(True = real token\), got dtype torch.float32")]:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            op(q_, k_, v_, mask)
+    if name.startswith("performer"):
+        with pytest.raises(ValueError, match=r"^projection must have shape \[F, D\] with D=4, got \(6, 5\)$"):
+            (performer_attention if name == "performer" else performer_attention_causal)(q, k, v, torch.randn(6, 5))
 
 
 def test_local_attention_chunk_names_inputs_that_do_not_fit():

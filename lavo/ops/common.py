@@ -129,25 +129,44 @@ def check_window(window: int) -> None:
         raise ValueError(f"window must be a positive integer, got {window!r}")
 
 
-def check_matching(*, same_length: bool = True, **tensors: torch.Tensor) -> None:
+def check_matching(*, same_length: bool = True, same_dtype: bool = True, **tensors: torch.Tensor) -> None:
     """Raise ``ValueError`` unless the tensors are ``[B, T, H, D]`` with ``T >= 1``, of one shape (one ``B``,
-    ``H`` and ``D`` when not ``same_length``), dtype and device (the first named is the one the others are held
-    to)."""
+    ``H`` and ``D`` when not ``same_length``), dtype (unless not ``same_dtype``) and device (the first named is the
+    one the others are held to)."""
     (first_name, first), *rest = tensors.items()
     if first.dim() != 4:
         raise ValueError(f"{first_name} must have shape [B, T, H, D], got {tuple(first.shape)}")
     if first.shape[1] == 0:
         raise ValueError(f"{first_name} has an empty time axis; sequences need at least one position")
     for name, t in rest:
-        for what in ("shape", "dtype", "device"):
+        for what in ("shape", "dtype", "device") if same_dtype else ("shape", "device"):
             if what == "shape" and not same_length and t.dim() == 4:
                 if (t.shape[0], *t.shape[2:]) != (first.shape[0], *first.shape[2:]):
                     raise ValueError(f"{name} has shape {tuple(t.shape)} but {first_name} has "
                                      f"{tuple(first.shape)}; they must match in B, H and D")
-            elif getattr(t, what) != getattr(first, what):
-                shown = tuple if what == "shape" else str
-                raise ValueError(f"{name} has {what} {shown(getattr(t, what))} but {first_name} has "
-                                 f"{shown(getattr(first, what))}; they must match")
+            else:
+                check_same(what, name, t, first_name, first)
+
+
+def check_same(what: str, name: str, t: torch.Tensor, first_name: str, first: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``t`` has the ``what`` (``"shape"``, ``"dtype"`` or ``"device"``) of ``first``."""
+    if getattr(t, what) != getattr(first, what):
+        shown = tuple if what == "shape" else str
+        raise ValueError(f"{name} has {what} {shown(getattr(t, what))} but {first_name} has "
+                         f"{shown(getattr(first, what))}; they must match")
+
+
+def check_queries_keys_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length: bool) -> None:
+    """Raise ``ValueError`` unless ``q [B, T, H, D]``, ``k [B, S, H, D]`` and ``v [B, S, H, Dv]`` fit, on one device
+    and, where dtypes may not differ (:func:`dtypes_may_differ`: these ops are torch operations, which autocast
+    mixes), of one dtype (``S = T`` when ``same_length``), for the ops whose values may have a head size of their
+    own: softmax's and the feature maps' (cosFormer, Performer)."""
+    same_dtype = not dtypes_may_differ(q.device.type)
+    check_matching(q=q, k=k, same_length=same_length, same_dtype=same_dtype)
+    if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match in B, T and H")
+    for what in ("dtype", "device") if same_dtype else ("device",):
+        check_same(what, "v", v, "q", q)
 
 
 def check_padding_mask(padding_mask: torch.Tensor | None, batch: int, length: int, name: str = "padding_mask", *,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import Cache
-from ..common import accumulation_dtype
+from ..common import accumulation_dtype, check_padding_mask, check_queries_keys_values
 from ..feature_attention import causal_feature_attention, feature_attention
 
 EPS = 1e-6
@@ -61,6 +61,8 @@ def cosformer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Non-causal cosFormer with ``M`` = one past each sequence's last real token (``T`` without padding).
     ``q, k, v [B, T, H, D]`` -> ``[B, T, H, D]``."""
+    check_queries_keys_values(q, k, v, same_length=True)
+    check_padding_mask(padding_mask, q.shape[0], q.shape[1], device=q.device)
     positions = torch.arange(q.shape[1], device=q.device)
     length = q.shape[1] if padding_mask is None else (positions * padding_mask).amax(1, keepdim=True) + 1
     return feature_attention(cosformer_features(q, positions, length),
@@ -89,7 +91,10 @@ def cosformer_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``q [B, Tq, H, D]``, ``k, v [B, S, H, D]``, ``padding_mask [B, S]``, ``query_padding_mask [B, Tq]``
     -> ``[B, Tq, H, D]``.
     """
+    check_queries_keys_values(q, k, v, same_length=False)
     (B, Tq), S = q.shape[:2], k.shape[1]
+    check_padding_mask(padding_mask, B, S, device=k.device)
+    check_padding_mask(query_padding_mask, B, Tq, "query_padding_mask", device=q.device)
     query_positions, queries = source_fractions(query_padding_mask, B, Tq, q.device)
     positions, counts = source_fractions(padding_mask, B, S, k.device)
     return feature_attention(cosformer_features(q, query_positions, queries, query_padding_mask),
@@ -101,6 +106,8 @@ def cosformer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                chunk: int = 64) -> tuple[torch.Tensor, CosformerCache]:
     """Causal cosFormer with ``M = max_length``, by chunked prefix sums, continuing from ``cache`` (None: the
     start). ``q, k, v [B, T, H, D]`` -> ``([B, T, H, D], CosformerCache)``."""
+    check_queries_keys_values(q, k, v, same_length=True)
+    check_padding_mask(padding_mask, q.shape[0], q.shape[1], device=q.device)
     if cache is not None and cache.max_length not in (None, max_length):
         raise ValueError(f"the cache was made with max_length={cache.max_length} (this call: {max_length}): its sums "
                          "carry that length's cos re-weighting; continue with the cache this layer returned")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import Cache
-from ..common import accumulation_dtype, neg_inf, without_autocast
+from ..common import accumulation_dtype, check_padding_mask, check_queries_keys_values, neg_inf, without_autocast
 from ..feature_attention import causal_feature_attention, check_sums, feature_attention
 
 
@@ -79,10 +79,21 @@ def widened(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q.to(accumulation_dtype(q.dtype)), k.to(accumulation_dtype(k.dtype))
 
 
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor,
+                 padding_mask: torch.Tensor | None, *, same_length: bool) -> None:
+    """What both forms check first: ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]`` (``S = T`` when
+    ``same_length``), ``projection [F, D]`` and ``padding_mask [B, S]`` over the keys."""
+    check_queries_keys_values(q, k, v, same_length=same_length)
+    if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
+        raise ValueError(f"projection must have shape [F, D] with D={q.shape[-1]}, got {tuple(projection.shape)}")
+    check_padding_mask(padding_mask, k.shape[0], k.shape[1], device=k.device)
+
+
 def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *,
                         padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Non-causal FAVOR+. ``q [B, T, H, D]``, ``k, v [B, S, H, D]``, ``projection [F, D]`` -> ``[B, T, H, D]`` in
     ``v``'s dtype (computed in float32 for 16-bit inputs)."""
+    check_inputs(q, k, v, projection, padding_mask, same_length=False)
     if k.shape[1] == 0:  # no keys: an empty memory reads zeros, as one of padding only does
         return q.new_zeros(*q.shape[:3], v.shape[-1])
     with torch.autocast(q.device.type, enabled=False):
@@ -97,6 +108,7 @@ def performer_attention_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                chunk: int = 64) -> tuple[torch.Tensor, PerformerCache]:
     """Causal FAVOR+ by chunked prefix sums, continuing from ``cache`` (None: the start). ``q, k, v [B, T, H, D]``
     -> ``([B, T, H, D], PerformerCache)``."""
+    check_inputs(q, k, v, projection, padding_mask, same_length=True)
     if cache is None:
         B, _, H, D = v.shape
         cache = PerformerCache.empty(B, H, projection.shape[0], D, dtype=v.dtype, device=v.device)

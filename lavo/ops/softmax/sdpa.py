@@ -5,6 +5,8 @@ import torch
 from einops import rearrange
 from torch.nn.functional import scaled_dot_product_attention
 
+from ..common import check_padding_mask, check_queries_keys_values
+
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                       key_mask: torch.Tensor | None = None, query_mask: torch.Tensor | None = None,
@@ -20,7 +22,10 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     Returns:
         ``[B, Tq, H, D]``; a query with no allowed key returns zeros.
     """
-    Tq, Tk = q.shape[1], k.shape[1]
+    check_queries_keys_values(q, k, v, same_length=False)
+    (B, Tq), Tk = q.shape[:2], k.shape[1]
+    check_padding_mask(key_mask, B, Tk, "key_mask", device=k.device)
+    check_padding_mask(query_mask, B, Tq, "query_mask", device=q.device)
     if causal and Tk < Tq:
         raise ValueError(f"causal attention needs at least as many keys as queries, got {Tk} keys for {Tq} queries")
     qh, kh, vh = (rearrange(x, "b t h d -> b h t d") for x in (q, k, v))
