@@ -29,6 +29,12 @@ POSITIONS = ("none", "sinusoidal", "rope")
 
 @dataclass
 class ModelConfig:
+    """The settings of a :class:`LanguageModel` (the ``model`` section of a run config), checked when built:
+    ``attention`` is a registered mechanism's name and ``attention_options`` its keyword options; ``position``
+    ``"none"``, ``"sinusoidal"`` (added to the embeddings) or ``"rope"`` (``rotary=True`` to the attention); the
+    MLP's hidden size is ``mlp_ratio * dim``; linear and embedding weights are drawn from ``Normal(0, init_std)``
+    (:func:`initialise`)."""
+
     vocab_size: int = setting(4096, at_least(2))
     dim: int = setting(256, at_least(1))
     depth: int = setting(4, at_least(1))
@@ -181,6 +187,10 @@ def parameter_groups(model: nn.Module, weight_decay: float, lr: float) -> list[d
 
 
 class LanguageModel(nn.Module):
+    r"""The causal decoder of this module's description, built from a :class:`ModelConfig`:
+    ``forward(ids [B, T], padding_mask [B, T] | None, cache | None) -> (logits [B, T, vocab], cache)``, where the
+    :class:`ModelCache` returned continues the sequence (None when a layer has no decoding form)."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -282,4 +292,6 @@ def count_parameters(model: nn.Module, exclude_embedding: bool = False) -> int:
 
 
 def build_model(config: ModelConfig | dict) -> LanguageModel:
+    """A :class:`LanguageModel` of ``config``, or of a dict of its fields (checked as ``ModelConfig.from_dict``
+    checks them), with freshly drawn weights."""
     return LanguageModel(config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config))

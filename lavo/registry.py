@@ -3,7 +3,7 @@
 Every self-attention class is built as ``cls(dim, heads, causal=..., **options)`` and follows the
 :class:`lavo.layers.base.Mechanism` contract: ``forward(x, padding_mask=None, cache=None) -> (y, cache)``.
 Cross-attention classes are built as ``cls(dim, heads, **options)`` and called as
-``forward(y, source, source_padding_mask=None) -> out``.
+``forward(y, source, source_padding_mask=None, query_padding_mask=None) -> out``.
 
 A mechanism of your own is added with :func:`register_attention` (or :func:`register_cross_attention`) when its
 module is imported. For the command line and for saved runs and Hugging Face models, which import nothing of
@@ -147,6 +147,7 @@ def available_attentions() -> list[str]:
 
 
 def available_cross_attentions() -> list[str]:
+    """The registered cross-attention names, with those the installed packages' entry points add."""
     return _available(CROSS_ATTENTIONS)
 
 
@@ -156,6 +157,8 @@ def attention_class(name: str) -> type[Mechanism]:
 
 
 def cross_attention_class(name: str) -> type[CrossAttentionLayer]:
+    """The cross-attention class registered as ``name``; an unknown name raises an error listing the available
+    ones."""
     return _lookup(CROSS_ATTENTIONS, name, "cross attention")
 
 

@@ -1,6 +1,9 @@
-"""The README's Python examples of the layer and the baselines run as written, and print what their comments say."""
+"""The README's Python examples of the layer and the baselines run as written, and print what their comments say;
+the library's public classes and functions say what they take and give."""
 import ast
 import contextlib
+import importlib
+import inspect
 import io
 import re
 from pathlib import Path
@@ -55,3 +58,29 @@ def test_the_demo_table_is_the_committed_demo_runs():
             for cells in [[cell.strip() for cell in line.strip("|").split("|")]]}
     assert rows == {name: [f"{per_length[length]['ppl']:.2f}" for length in ("256", "512", "1024", "2048")]
                     for name, per_length in results["results"].items()}
+
+
+# What a model of your own is built from: a module's __all__, or what it defines itself.
+LIBRARY = ["lavo", "lavo.layers", "lavo.ops", "lavo.model", "lavo.cache", "lavo.generate", "lavo.registry", "lavo.hf",
+           *(f"lavo.ops.{name}" for name in ("abc", "cosformer", "feature_attention", "lavo", "local", "longshort",
+                                              "performer", "s4d", "softmax"))]
+
+
+def test_every_public_class_and_function_of_the_library_has_a_docstring():
+    """Was: none for LanguageModel, ModelConfig (its dataclass signature only), build_model,
+    available_cross_attentions, cross_attention_class and LavoLMForCausalLM."""
+    missing = []
+    for module_name in LIBRARY:
+        module = importlib.import_module(module_name)
+        names = getattr(module, "__all__", None)
+        if names is None:
+            names = [name for name, value in vars(module).items()
+                     if not name.startswith("_") and getattr(value, "__module__", None) == module_name]
+        for name in names:
+            value = getattr(module, name)
+            if not (inspect.isclass(value) or inspect.isfunction(value)):
+                continue
+            doc = value.__dict__.get("__doc__") if inspect.isclass(value) else value.__doc__
+            if not doc or doc.startswith(f"{value.__name__}("):  # a dataclass's generated signature is no docstring
+                missing.append(f"{module_name}.{name}")
+    assert not missing

@@ -34,6 +34,10 @@ def check_buffers_persist(model: torch.nn.Module) -> None:
 
 
 class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
+    r"""A :class:`~lavo.model.LanguageModel` (``self.lavo``) as a ``transformers`` causal language model, built from
+    a :class:`~lavo.hf.LavoLMConfig` or wrapped around a native model (:meth:`from_native`): ``input_ids [B, T]``
+    -> ``logits [B, T, vocab]`` and a :class:`~lavo.hf.LavoState` to continue from (:meth:`forward`)."""
+
     config_class = LavoLMConfig
     base_model_prefix = "lavo"
     main_input_name = "input_ids"

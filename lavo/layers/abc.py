@@ -52,7 +52,8 @@ class ABCCrossAttention(CrossAttentionLayer):
     r"""ABC cross attention: ``slots`` memory slots per head written from the whole source (a softmax over the
     source per slot), read by every query. Invariant to permuting the source (the control sees content only).
 
-    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None,
+    query_padding_mask [B, Tq] | None) -> [B, Tq, dim]``.
     """
 
     def __init__(self, dim: int, heads: int, *, slots: int = 64):

@@ -156,9 +156,9 @@ class LavoAttention(AttentionLayer):
 class LavoCrossAttention(CrossAttentionLayer):
     r"""LAVO cross attention: the source is compressed into ``rank`` orthogonal slots per head, read by ``y``.
 
-    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``; the
-    source has one projection per head (the features written into the memory). Invariant to permuting the
-    source: the memory is a mean over it.
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None,
+    query_padding_mask [B, Tq] | None) -> [B, Tq, dim]``; the source has one projection per head (the features
+    written into the memory). Invariant to permuting the source: the memory is a mean over it.
     """
 
     def __init__(self, dim: int, heads: int, *, rank: int | None = None, basis: str = "fixed",

@@ -75,7 +75,8 @@ class PerformerCrossAttention(CrossAttentionLayer):
     source's keys (the projection drawn once, from the global RNG, and kept as a buffer). Invariant to permuting
     the source (it has no source positions).
 
-    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None,
+    query_padding_mask [B, Tq] | None) -> [B, Tq, dim]``.
     """
 
     def __init__(self, dim: int, heads: int, *, features: int = 256):

@@ -67,7 +67,8 @@ class SoftmaxCrossAttention(CrossAttentionLayer):
     r"""Softmax cross attention through SDPA: every query over every real source token. Invariant to permuting
     the source (it has no source positions).
 
-    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None) -> [B, Tq, dim]``.
+    ``forward(y [B, Tq, dim], source [B, S, dim], source_padding_mask [B, S] | None,
+    query_padding_mask [B, Tq] | None) -> [B, Tq, dim]``.
     """
 
     def attend(self, q, k, v, source_padding_mask):
