@@ -201,6 +201,13 @@ def in_autocast_dtype(cache: KVCache | LavoCache, dtype: torch.dtype) -> KVCache
     return replace(cache, keys=cache.keys.to(dtype), values=cache.values.to(dtype))
 
 
+def check_kind(cache: Any, kind: type[Cache], op: str, advice: str) -> None:
+    """Refuse, by name, a ``cache`` given to ``op`` that is not a ``kind``: None, or the other of the two LAVO
+    caches, which ``op`` would meet with an ``AttributeError`` or read the shapes of wrongly."""
+    if not isinstance(cache, kind):
+        raise ValueError(f"{op} continues a {kind.__name__}, got a {type(cache).__name__}: {advice}")
+
+
 def check_made_by(cache: LavoCache | LavoStepCache, **asked: Any) -> None:
     """Raise ``ValueError`` naming each setting (``window``, ``dissection``, ``write``, ``memory``) that the LAVO
     cache records with another value than ``asked``; a setting it records as None fits any."""

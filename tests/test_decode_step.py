@@ -184,6 +184,24 @@ def test_step_errors():
         LavoStepCache.from_cache(LavoCache.empty(2, 3, 16, 8, window=5), 4)
 
 
+def test_each_op_names_the_lavo_cache_it_continues():
+    """Was: `'NoneType' object has no attribute 'window'` (or `'check_fits'`), and, for a LavoCache given to the step,
+    a count of heads that was its number of cached positions."""
+    q, k, v, basis, _, _ = _inputs(2, 0, 4, 16, 8, False)
+    q, k, v = q[:, :1], k[:, :1], v[:, :1]
+    cache = LavoCache.empty(2, 3, 16, 8, device=DEVICE, window=4)
+    for wrong in (None, cache):
+        with pytest.raises(ValueError, match=rf"^lavo_decode_step continues a LavoStepCache, got a "
+                                             rf"{type(wrong).__name__}: make one from a LavoCache with "
+                                             r"LavoStepCache.from_cache\(cache, window\), or layer.step_cache\(cache\)$"):
+            lavo_decode_step(q, k, v, basis, wrong)
+    for wrong in (None, LavoStepCache.from_cache(cache, 4)):
+        with pytest.raises(ValueError, match=rf"^lavo_attention_cached continues a LavoCache, got a "
+                                             rf"{type(wrong).__name__}: start a sequence from LavoCache.empty\(...\) "
+                                             r"\(a LavoStepCache continues through lavo_decode_step\)$"):
+            lavo_attention_cached(q, k, v, basis, wrong, window=4)
+
+
 @needs_triton
 def test_the_kernel_refuses_a_step_cache_it_would_misaddress():
     q, k, v, basis, _, _ = _inputs(0, 1, 4, 16, 8, False)

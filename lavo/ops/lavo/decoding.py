@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import PAPER_MEMORY, LavoCache
+from ...cache import PAPER_MEMORY, LavoCache, check_kind
 from ..common import constant_scale, without_autocast, zero_padding
 from ..local.decoding import chunk_attention, keep_visible
 from .blocked import check_inputs, check_read_scale, scaled_queries
@@ -36,6 +36,8 @@ def lavo_attention_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bas
     check_variant(write, memory, True, dissection, decay, gate, *basis.shape[:2], q.shape[3])
     check_read_scale(read_scale, q.shape[2])
     B, T, H, D = q.shape
+    check_kind(cache, LavoCache, "lavo_attention_cached", "start a sequence from LavoCache.empty(...) (a "
+               "LavoStepCache continues through lavo_decode_step)")
     cache.check_fits(B, H, D, basis.shape[1], window=window, dissection=dissection, write=write, memory=memory)
     cache.check_dtype(q.dtype)
     scale = constant_scale(scale, D)

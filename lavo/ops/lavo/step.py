@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from ...cache import LavoStepCache, check_made_by
+from ...cache import LavoStepCache, check_kind, check_made_by
 from ..common import accumulation_dtype, constant_scale, neg_inf, uses_triton, zero_padding
 from .blocked import check_inputs, check_read_scale, scaled_queries
 from .memory import memory_read, project
@@ -39,6 +39,8 @@ def lavo_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: t
     Returns:
         ``[B, 1, H, D]`` and the cache one position on (the same tensors).
     """
+    check_kind(cache, LavoStepCache, "lavo_decode_step", "make one from a LavoCache with "
+               "LavoStepCache.from_cache(cache, window), or layer.step_cache(cache)")
     window = cache.window
     check_inputs(q, k, v, basis, window, True, pos_bias, padding_mask)
     check_read_scale(read_scale, q.shape[2])
