@@ -201,11 +201,19 @@ def in_autocast_dtype(cache: KVCache | LavoCache, dtype: torch.dtype) -> KVCache
     return replace(cache, keys=cache.keys.to(dtype), values=cache.values.to(dtype))
 
 
+def a_kind(name: str) -> str:
+    """``name`` with its indefinite article: "a KVCache", "an ABCCache", "an S4DCache" (an initial said with a
+    vowel sound), "a NoneType"."""
+    initial = name[:1] in "FHLMNRSX" and (name[1:2].isupper() or name[1:2].isdigit())
+    vowel_sound = initial or name[:1] in "AEIOUaeiou"
+    return f"{'an' if vowel_sound else 'a'} {name}"
+
+
 def check_kind(cache: Any, kind: type[Cache], op: str, advice: str) -> None:
     """Refuse, by name, a ``cache`` given to ``op`` that is not a ``kind``: None, or the other of the two LAVO
     caches, which ``op`` would meet with an ``AttributeError`` or read the shapes of wrongly."""
     if not isinstance(cache, kind):
-        raise ValueError(f"{op} continues a {kind.__name__}, got a {type(cache).__name__}: {advice}")
+        raise ValueError(f"{op} continues {a_kind(kind.__name__)}, got {a_kind(type(cache).__name__)}: {advice}")
 
 
 def check_made_by(cache: LavoCache | LavoStepCache, **asked: Any) -> None:

@@ -141,10 +141,14 @@ def test_a_cache_of_another_kind_is_refused_by_name():
         for other, cache in caches.items():
             if cache is None or isinstance(cache, layer.cache_types):
                 continue
-            with pytest.raises(ValueError, match=rf"{type(layer).__name__} continues a .*, got a "
+            with pytest.raises(ValueError, match=rf"{type(layer).__name__} continues an? .*, got an? "
                                                  rf"{type(cache).__name__}: pass the cache this layer's previous "
                                                  r"call returned"):
                 layer(torch.randn(1, 1, DIM, dtype=torch.float64), cache=cache)
+    with pytest.raises(ValueError, match=r"^ABCAttention continues an ABCCache, got an S4DCache: "):
+        _build("abc", causal=True)(torch.randn(1, 1, DIM, dtype=torch.float64), cache=caches["s4d"])
+    with pytest.raises(ValueError, match=r"^S4DLayer continues an S4DCache, got a KVCache: "):
+        _build("s4d", causal=True)(torch.randn(1, 1, DIM, dtype=torch.float64), cache=caches["softmax"])
     local = build_attention("local", DIM, HEADS, window=4).double()
     _, trimmed = local(torch.randn(1, 20, DIM, dtype=torch.float64))  # the last 4 to 7 positions only
     with pytest.raises(ValueError, match=r"the cache holds the last \d+ of 20 positions \(a sliding-window "
