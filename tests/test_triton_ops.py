@@ -90,6 +90,19 @@ def test_whatever_stands_at_padded_positions_reaches_no_kernel_output(name):
                                      q.requires_grad_(), k, v, mask, queries_masked=name != "cross")
 
 
+@pytest.mark.parametrize("name", KERNEL_OPS)
+def test_a_second_derivative_through_the_kernels_is_refused_by_name(name):
+    """The backward kernels have no derivative: create_graph=True fails saying so, as on the PyTorch path, rather
+    than with torch's custom-op error at the second backward, which asked to register an autograd formula."""
+    *tensors, mask = _triton_inputs(13, 8, 16, 4, True, True)
+    q, k, v, basis, pos_bias = (t.detach().to(DEVICE, torch.float32).requires_grad_() for t in tensors)
+    out = KERNEL_OPS[name](q, k, v, basis, mask.to(DEVICE), pos_bias)
+    with pytest.raises(RuntimeError, match=r"\(Triton path\) has no second derivative"):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    (grad,) = torch.autograd.grad(KERNEL_OPS[name](q, k, v, basis, mask.to(DEVICE), pos_bias).square().sum(), q)
+    assert torch.isfinite(grad).all()  # a first derivative alone runs as before
+
+
 @pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T,window,D", [(1, 4, 32), (7, 16, 64), (63, 16, 32), (70, 32, 64)])

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..common import launching_on, small_shared_memory
+from ..common import first_order_only, launching_on, small_shared_memory
 from ..local.kernels import _grid_row, _shared_strides, _wide, dot_options, pipelining, wide_offsets
 
 # Programs per (batch, head) row at most: enough to fill a GPU, few enough that the basis gradient's atomic adds
@@ -198,6 +198,8 @@ def _read_setup(ctx, inputs, output):
     ctx.scale, ctx.group = scale, group
 
 
+# As the window kernels' backward (..local.kernels): create_graph=True is refused by name.
+@first_order_only("LAVO's memory read (Triton path)", "lavo.ops.lavo_attention_naive or code_cross_attention_naive")
 def _read_gradients(ctx, grad_out):
     q, coefficients, basis = ctx.saved_tensors
     basis_grad = ctx.needs_input_grad[2]

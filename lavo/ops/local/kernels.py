@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..common import launching_on, small_shared_memory, triton_interpreting
+from ..common import first_order_only, launching_on, small_shared_memory, triton_interpreting
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x log2(e))
 INT32_OFFSETS = 2**31  # an offset this large or larger needs int64 arithmetic
@@ -362,6 +362,10 @@ def _window_setup(ctx, inputs, output):
     ctx.causal, ctx.window, ctx.scale = causal, window, scale
 
 
+# The backward kernels have no derivative: create_graph=True is refused by name, as on the PyTorch path, not by torch's
+# custom-op error at the second backward (which asks to register an autograd formula).
+@first_order_only("The sliding-window attention (Triton path)",
+                  "lavo.ops.local_attention_naive or lavo_attention_naive")
 def _window_gradients(ctx, grad_out, grad_lse):
     q, k, v, pos_bias, keep, out, lse = ctx.saved_tensors
     bias_grad = pos_bias is not None and ctx.needs_input_grad[3]
