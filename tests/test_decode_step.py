@@ -231,6 +231,27 @@ def test_layer_continues_a_step_cache_like_its_own_cache(backend):
     assert isinstance(fixed, LavoStepCache) and fixed.position == 15
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compiled_layer_continues_a_step_cache_in_one_graph(backend):
+    """The kernel's launch, which updates the cache in place, is a custom op: Dynamo had to trace Triton's launcher,
+    which it cannot in the interpreter (a graph break, under fullgraph an error)."""
+    torch.manual_seed(0)
+    layer = LavoAttention(32, 2, rank=8, window=4, backend=backend).to(DEVICE)
+    torch.nn.init.normal_(layer.pos_bias)
+    x = torch.randn(2, 9, 32, device=DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        expected, _ = layer(x)
+        _, cache = layer(x[:, :6])
+        fixed, outputs = layer.step_cache(cache), []
+        for t in range(6, 9):
+            out, fixed = compiled(x[:, t:t + 1], cache=fixed)
+            outputs.append(out)
+    torch.testing.assert_close(torch.cat(outputs, 1), expected[:, 6:], **FLOAT32)
+    assert fixed.steps.eq(9).all()
+
+
 @pytest.mark.parametrize("attention,options", [("lavo", dict(window=4, write="decay")),
                                                ("lavo", dict(window=4, memory="vector")), ("softmax", {})])
 def test_a_layer_without_a_step_layout_continues_the_cache_step_cache_returns(attention, options):

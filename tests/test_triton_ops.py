@@ -297,7 +297,9 @@ def test_cross_attention_layer_on_both_backends():
 def test_kernel_launches_are_sound_custom_ops():
     """torch.library.opcheck: schema, fake (meta) shapes and strides against the real launch, and the autograd
     registration, for each of the kernels' custom ops."""
+    from lavo.cache import LavoCache, LavoStepCache
     from lavo.ops.lavo.kernels import _read_backward, _read_forward
+    from lavo.ops.lavo.step_kernel import _step_launch
     from lavo.ops.local.kernels import _window_backward, _window_forward
 
     torch.manual_seed(0)
@@ -318,6 +320,10 @@ def test_kernel_launches_are_sound_custom_ops():
         coefficients = tensor(B, H, -(-T // group), rank)
         cases += [(_read_forward, (q, coefficients, basis, 0.5, group)),
                   (_read_backward, (torch.randn_like(q), q, coefficients, basis, 0.5, group, group == window))]
+    steps = LavoStepCache.from_cache(LavoCache.empty(B, H, D, rank, device=DEVICE, window=window), window)
+    real = torch.tensor([True, False], device=DEVICE)
+    cases.append((_step_launch, (q[:, :1], k[:, :1], v[:, :1], real, basis, pos_bias, None, *steps.tensors(), window,
+                                 D ** -0.5, True)))  # the step updates the cache's tensors, which it declares
     for op, args in cases:  # the backward ops have no gradient of their own (no double backward)
         grad = op in (_window_forward, _read_forward)
         args = tuple(a.detach().requires_grad_(grad and a.is_floating_point()) if isinstance(a, torch.Tensor) else a

@@ -11,11 +11,10 @@ whole step can be replayed from a CUDA graph. Its cost is ``O(w D + r D)`` whate
 
 Importing this module defines the kernel, so ``TRITON_INTERPRET`` must be set before it is first imported.
 """
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from ...cache import LavoStepCache
 from ..common import launching_on
@@ -111,22 +110,44 @@ def _step(Q, K, V, REAL, BASIS, BIAS, READ_SCALE, RING_K, RING_V, KEY_MASK, MEMO
 def decode_step_triton(q, k, v, basis, cache: LavoStepCache, *, pos_bias, dissection, real, scale, read_scale):
     r""":func:`.step.lavo_decode_step` (arguments checked there) in one launch: ``q, k, v [B, 1, H, D]`` (any
     strides with a unit one along ``D``), ``real [B]`` bool; returns ``[B, 1, H, D]``."""
-    B, _, H, D = q.shape
     if not all(x.is_contiguous() for x in cache.tensors()):
         # a contiguous copy would take the step's updates, not the cache
         raise ValueError("the step kernel updates a LavoStepCache in place and addresses its tensors as contiguous; "
                          "this one has a strided tensor: make it with LavoStepCache.from_cache (layer.step_cache)")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out = torch.empty(B, 1, H, D, dtype=q.dtype, device=q.device)
-    rank = basis.shape[1]
     pos_bias, read_scale = (None if x is None else x.contiguous() for x in (pos_bias, read_scale))
+    return _step_launch(q, k, v, real.contiguous(), basis.contiguous(), pos_bias, read_scale, cache.keys,
+                        cache.values, cache.key_mask, cache.memory_sum, cache.memory_count, cache.window_sum,
+                        cache.window_count, cache.steps, cache.window, scale, dissection)
+
+
+# The launch is a torch custom op that updates the cache's tensors, as the other kernels' launches are custom ops
+# (see ..local.kernels): torch.compile keeps it as one opaque node instead of tracing Triton's launcher, which it
+# cannot in the interpreter. Module without `from __future__ import annotations`: torch 2.4 infers the schema only
+# from real types.
+@torch.library.custom_op("lavo::decode_step", mutates_args=("keys", "values", "key_mask", "memory_sum",
+                                                            "memory_count", "window_sum", "window_count", "steps"))
+def _step_launch(q: Tensor, k: Tensor, v: Tensor, real: Tensor, basis: Tensor, pos_bias: Tensor | None,
+                 read_scale: Tensor | None, keys: Tensor, values: Tensor, key_mask: Tensor, memory_sum: Tensor,
+                 memory_count: Tensor, window_sum: Tensor, window_count: Tensor, steps: Tensor, window: int,
+                 scale: float, dissection: bool) -> Tensor:
+    B, _, H, D = q.shape
+    out = _step_launch_fake(q, k, v, real, basis, pos_bias, read_scale, keys, values, key_mask, memory_sum,
+                            memory_count, window_sum, window_count, steps, window, scale, dissection)
+    rank = basis.shape[1]
     with launching_on(q):
-        _step[(B * H,)](q, k, v, real.contiguous().view(torch.uint8), basis.contiguous(), pos_bias, read_scale,
-                        cache.keys, cache.values, cache.key_mask.view(torch.uint8), cache.memory_sum,
-                        cache.memory_count, cache.window_sum, cache.window_count, cache.steps, out, q.stride(0),
-                        q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), H, cache.window, D, rank,
-                        scale, HAS_BIAS=pos_bias is not None, HAS_READ_SCALE=read_scale is not None,
-                        DISSECTION=dissection, BLOCK_S=triton.next_power_of_2(2 * cache.window),
+        _step[(B * H,)](q, k, v, real.view(torch.uint8), basis, pos_bias, read_scale, keys, values,
+                        key_mask.view(torch.uint8), memory_sum, memory_count, window_sum, window_count, steps, out,
+                        q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), H, window, D,
+                        rank, scale, HAS_BIAS=pos_bias is not None, HAS_READ_SCALE=read_scale is not None,
+                        DISSECTION=dissection, BLOCK_S=triton.next_power_of_2(2 * window),
                         BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(rank),
-                        num_warps=4 if 2 * cache.window * D <= 8192 else 8)
+                        num_warps=4 if 2 * window * D <= 8192 else 8)
     return out
+
+
+@_step_launch.register_fake
+def _step_launch_fake(q, k, v, real, basis, pos_bias, read_scale, keys, values, key_mask, memory_sum, memory_count,
+                      window_sum, window_count, steps, window, scale, dissection):
+    B, _, H, D = q.shape
+    return q.new_empty(B, 1, H, D)
