@@ -4,8 +4,9 @@ Flash-style: a program takes ``BLOCK`` queries and walks the key blocks its wind
 causal, ``3w`` non-causal, around the diagonal), with an online softmax; only the output and one log-sum-exp per
 query are written. The relative-position bias is gathered into the scores, and its gradient is summed along the
 diagonals of each tile of score gradients (a skew by :func:`tl.gather`, then column sums) before a few atomic
-adds. Backward recomputes the weights twice: once per key block (``dK``, ``dV``), once per query block (``dQ``,
-the bias gradient), so nothing of size ``T x w`` is ever stored.
+adds. Backward recomputes the weights three times: per query block for ``dO . O`` (from the float32 weights), per
+key block (``dK``, ``dV``), per query block (``dQ``, the bias gradient), so nothing of size ``T x w`` is ever
+stored.
 
 Inputs are ``[B, T, H, D]`` with a unit stride along ``D``; ``D`` is padded to a power of two inside the kernel.
 Scores are kept in base-2 units (``exp2``), the log-sum-exp too. Offsets are int32 unless a tensor reaches 2^31
@@ -183,13 +184,27 @@ def _forward(Q, K, V, BIAS, KEEP, O, LSE, stride_b, stride_t, stride_h, bias_str
 
 
 @triton.jit
-def _row_dot(O, DO, DELTA, heads, length, head_dim, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-             FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
-    """``delta_t = dO_t . O_t`` in float32, ``[B * H, T]``; ``O``, ``DO`` contiguous."""
-    row, b, h, _, t, d, _ = _program(heads, length, 0, 0, BLOCK, BLOCK_D, WIDE)
-    o = _contiguous_tile(O, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS).to(tl.float32)
-    do = _contiguous_tile(DO, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS).to(tl.float32)
-    tl.store(DELTA + row.to(t.dtype) * length + t, tl.sum(o * do, 1), mask=t < length)
+def _deltas(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, stride_b, stride_t, stride_h, bias_stride, keep_stride, heads,
+            length, window, head_dim, scale_log2, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+            HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+            FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
+    """``delta_t = dO_t . O_t`` in float32, ``[B * H, T]``, summed over the key blocks as ``sum_j p_tj dO_t . v_j``
+    from the float32 weights, not from the output rounded to 16 bits: with values that share a large offset, the
+    score gradients ``p (dO . v - delta)`` cancel, and the rounding of ``O`` made the 16-bit ``q`` and ``k``
+    gradients 10 to 30 times float32 internals' error. DO is contiguous."""
+    row, b, h, first, t, d, offset = _program(heads, length, stride_b, stride_h, BLOCK, BLOCK_D, WIDE)
+    q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
+    do = _contiguous_tile(DO, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS)
+    delta = tl.zeros([BLOCK], tl.float32)
+    lo, hi = _key_range(first, tl.minimum(first + BLOCK, length) - 1, window, length, BLOCK, CAUSAL)
+    for start in range(lo, hi, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        k = _tile(K + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
+        p = _weights(q, k, t, j, row, b, h, LSE, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
+                     CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
+        v = _tile(V + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
+        delta += tl.sum(p * tl.dot(do, tl.trans(v), input_precision=PRECISION), 1)
+    tl.store(DELTA + row.to(t.dtype) * length + t, delta, mask=t < length)
 
 
 @triton.jit
@@ -325,7 +340,7 @@ def _window_forward_fake(q, k, v, pos_bias, keep, causal, window, scale):
 
 @torch.library.custom_op("lavo::window_attention_backward", mutates_args=())
 def _window_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_bias: Tensor | None, keep: Tensor | None,
-                     out: Tensor, lse: Tensor, causal: bool, window: int, scale: float,
+                     lse: Tensor, causal: bool, window: int, scale: float,
                      bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients of ``q, k, v`` and of ``pos_bias`` (an empty tensor unless ``bias_grad``)."""
     q, k, v = _shared_strides(q, k, v)
@@ -340,8 +355,8 @@ def _window_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_bias
     shared = dict(CAUSAL=causal, HAS_BIAS=pos_bias is not None, HAS_KEEP=keep is not None, **config)
     strides = (*q.stride()[:3], 0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0))
     with launching_on(q):
-        _row_dot[grid](out, grad_out, delta, H, T, D, BLOCK=config["BLOCK"], BLOCK_D=config["BLOCK_D"],
-                       FLOAT32_DOTS=config["FLOAT32_DOTS"], WIDE=config["WIDE"])
+        _deltas[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, *strides, H, T, window, D, scale * LOG2E.value,
+                      **shared)
         _backward_keys[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, grad_k, grad_v, *strides, H, T, window,
                              D, scale, scale * LOG2E.value, **shared)
         _backward_queries[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, grad_q, grad_bias, *strides,
@@ -350,7 +365,7 @@ def _window_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_bias
 
 
 @_window_backward.register_fake
-def _(grad_out, q, k, v, pos_bias, keep, out, lse, causal, window, scale, bias_grad):
+def _(grad_out, q, k, v, pos_bias, keep, lse, causal, window, scale, bias_grad):
     B, T, H, D = q.shape
     grad_bias = q.new_empty(H, 0) if not bias_grad else pos_bias.new_empty(pos_bias.shape)
     return (*(q.new_empty(B, T, H, D) for _ in range(3)), grad_bias)
@@ -358,7 +373,7 @@ def _(grad_out, q, k, v, pos_bias, keep, out, lse, causal, window, scale, bias_g
 
 def _window_setup(ctx, inputs, output):
     q, k, v, pos_bias, keep, causal, window, scale = inputs
-    ctx.save_for_backward(q, k, v, pos_bias, keep, *output)
+    ctx.save_for_backward(q, k, v, pos_bias, keep, output[1])  # the log-sum-exp; backward needs no output
     ctx.causal, ctx.window, ctx.scale = causal, window, scale
 
 
@@ -367,9 +382,9 @@ def _window_setup(ctx, inputs, output):
 @first_order_only("The sliding-window attention (Triton path)",
                   "lavo.ops.local_attention_naive or lavo_attention_naive")
 def _window_gradients(ctx, grad_out, grad_lse):
-    q, k, v, pos_bias, keep, out, lse = ctx.saved_tensors
+    q, k, v, pos_bias, keep, lse = ctx.saved_tensors
     bias_grad = pos_bias is not None and ctx.needs_input_grad[3]
-    grad_q, grad_k, grad_v, grad_bias = _window_backward(grad_out, q, k, v, pos_bias, keep, out, lse, ctx.causal,
+    grad_q, grad_k, grad_v, grad_bias = _window_backward(grad_out, q, k, v, pos_bias, keep, lse, ctx.causal,
                                                          ctx.window, ctx.scale, bias_grad)
     return grad_q, grad_k, grad_v, grad_bias if bias_grad else None, None, None, None, None
 
