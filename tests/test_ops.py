@@ -361,6 +361,21 @@ def test_cross_attention_refuses_an_empty_batch_or_query_axis():
             code_cross_attention(q, torch.randn(q.shape[0], 5, 2, 8), BASIS)
 
 
+def test_inputs_laid_out_as_sdpa_takes_them_are_named_rather_than_the_basis():
+    """Was: `basis must have shape [H, r, D] with H=16, D=8, got (2, 6, 8)` alone, for q [B, H, T, D]."""
+    q = torch.randn(1, 2, 16, 8)  # [B, H, T, D]: 2 heads of 16 positions
+    message = (r"^basis must have shape \[H, r, D\] with H=16, D=8, got \(2, 6, 8\); the inputs' axis 1 has the "
+               r"basis's 2 heads: lay them out \[B, T, H, D\] \(tensors in SDPA's \[B, H, T, D\] layout need "
+               r"\.transpose\(1, 2\)\)$")
+    with pytest.raises(ValueError, match=message):
+        lavo_attention(q, q, q, BASIS, window=4)
+    with pytest.raises(ValueError, match=message):
+        code_cross_attention(q, q, BASIS)
+    lavo_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), BASIS, window=4)
+    with pytest.raises(ValueError, match=r"^basis must have shape \[H, r, D\] with H=2, D=8, got \(3, 4, 8\)$"):
+        lavo_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), torch.randn(3, 4, 8), window=4)
+
+
 @pytest.mark.parametrize("op", [
     lambda q, scale: lavo_attention(q, q, q, BASIS, window=4, scale=scale, backend="torch"),
     lambda q, scale: local_attention(q, q, q, window=4, scale=scale, backend="torch"),

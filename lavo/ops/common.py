@@ -198,9 +198,16 @@ def check_pos_bias(pos_bias: torch.Tensor | None, heads: int, window: int, causa
                          f"got {tuple(pos_bias.shape)}")
 
 
-def check_basis(basis: torch.Tensor, heads: int, head_dim: int) -> None:
+def check_basis(basis: torch.Tensor, heads: int, head_dim: int, length: int | None = None) -> None:
+    """Raise unless ``basis`` is ``[heads, r, head_dim]`` with ``1 <= r <= head_dim``. ``length``: the inputs' axis
+    1 (their T), so that inputs laid out as SDPA's ``[B, H, T, D]``, whose axis 1 holds the basis's heads, are
+    named as such rather than the basis blamed."""
     if basis.dim() != 3 or basis.shape[0] != heads or basis.shape[2] != head_dim:
-        raise ValueError(f"basis must have shape [H, r, D] with H={heads}, D={head_dim}, got {tuple(basis.shape)}")
+        message = f"basis must have shape [H, r, D] with H={heads}, D={head_dim}, got {tuple(basis.shape)}"
+        if basis.dim() == 3 and basis.shape[0] == length != heads and basis.shape[2] == head_dim:
+            message += (f"; the inputs' axis 1 has the basis's {length} heads: lay them out [B, T, H, D] "
+                        "(tensors in SDPA's [B, H, T, D] layout need .transpose(1, 2))")
+        raise ValueError(message)
     if basis.shape[1] > head_dim:
         raise ValueError(f"rank ({basis.shape[1]}) must be <= head_dim ({head_dim})")
     if basis.shape[1] == 0:

@@ -17,7 +17,7 @@ from .variants import (SlotState, check_triton_computes, check_variant, empty_st
 def check_inputs(q, k, v, basis, window, causal, pos_bias, padding_mask):
     """The checks of :func:`lavo_attention` and its cached form."""
     check_window_inputs(q, k, v, window, padding_mask)
-    check_basis(basis, q.shape[2], q.shape[3])
+    check_basis(basis, q.shape[2], q.shape[3], q.shape[1])
     check_pos_bias(pos_bias, q.shape[2], window, causal)
 
 

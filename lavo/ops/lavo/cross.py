@@ -29,7 +29,7 @@ def code_cross_attention(q: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, 
         raise ValueError(f"q has an empty batch or query axis, shape {tuple(q.shape)}; a call needs at least one "
                          "sequence and one query")
     B, S, H, D = x.shape
-    check_basis(basis, H, D)
+    check_basis(basis, H, D, S)
     check_padding_mask(padding_mask, B, S, device=x.device)
     scale = constant_scale(scale, D)
     (x,) = zero_padding(padding_mask, x)
