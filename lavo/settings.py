@@ -128,10 +128,24 @@ def _convert(value: Any, base: type) -> tuple[bool, Any]:
     return isinstance(value, base), value
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, str):
-        return f"{value!r} (a string)"
-    return repr(value)
+def _describe(value: Any, kind: Kind) -> str:
+    """``value`` as the message shows it; a string where a list or a table belongs comes with how ``--set``
+    writes one (its value is read as JSON, and text that is not JSON stays a string)."""
+    if not isinstance(value, str):
+        return repr(value)
+    if kind.base is list:
+        return f"{value!r} (a string; write a list as JSON, {_as_json_list(value, kind.item)}, in --set too)"
+    if kind.base is dict:
+        return f"{value!r} (a string; write a table as JSON, {{\"window\": 32}}, in --set too)"
+    return f"{value!r} (a string)"
+
+
+def _as_json_list(text: str, item: type | None) -> str:
+    """The JSON list ``text`` (``persuasion``, ``[emma, persuasion]``) was likely meant as, or an example."""
+    words = [word.strip().strip("'\"") for word in text.strip().strip("[]").split(",")]
+    if item is str and all(words):
+        return json.dumps(words)
+    return '["a", "b"]' if item is str else "[1, 2]"
 
 
 def check_value(value: Any, kind: Kind, allowed: Allowed | None) -> tuple[Any, bool]:
@@ -164,7 +178,7 @@ def check_settings(instance: Any, section: str) -> None:
         if ok:
             object.__setattr__(instance, f.name, value)
         else:
-            problems.append(f"{section}.{f.name} must be {kind.words(allowed)}; got {_describe(value)}")
+            problems.append(f"{section}.{f.name} must be {kind.words(allowed)}; got {_describe(value, kind)}")
     if problems:
         raise SettingsError("; ".join(problems))
 

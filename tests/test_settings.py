@@ -32,6 +32,12 @@ from lavo.settings import SettingsError, at_least, check_settings, flag_type, on
                                       "at most 1048576, e.g. bpe4096; got 'bpe99999999999'"),
     ("train.out_dir=", "train.out_dir must be a folder path; got ''"),
     ("data.holdout=\"persuasion\"", "data.holdout must be a non-empty list of strings, or null; got 'persuasion'"),
+    # text that is not JSON stays a string: the message shows the JSON it was likely meant as
+    ("data.holdout=[emma, persuasion]", "data.holdout must be a non-empty list of strings, or null; got "
+                                        "'[emma, persuasion]' (a string; write a list as JSON, [\"emma\", "
+                                        "\"persuasion\"], in --set too)"),
+    ("model.attention_options={window: 32}", "model.attention_options must be a table; got '{window: 32}' (a "
+                                             "string; write a table as JSON, {\"window\": 32}, in --set too)"),
     ("model.depth=0", "model.depth must be an integer >= 1; got 0"),
     ("model.dropout=1.5", "model.dropout must be a number in [0, 1); got 1.5"),
     ("model.attention_options.window=0", "model.attention_options {'window': 0} do not build a 'lavo' layer"),
