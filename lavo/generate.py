@@ -136,6 +136,10 @@ def check_prompt(model, prompt: list[int] | torch.Tensor, max_new_tokens: int) -
     """``prompt`` as a list of ids, refused by name when it is empty, holds an id the model has no embedding for,
     or is too long, with the tokens to come, for the positions the model reads
     (:func:`~lavo.layers.base.position_bound`)."""
+    if isinstance(prompt, torch.Tensor) and prompt.dim() > 1:  # e.g. [1, T], as a model's input_ids
+        raise ValueError(f"the prompt must be a flat list (or 1-D tensor) of token ids, got a tensor of shape "
+                         f"{tuple(prompt.shape)}: give one prompt, e.g. prompt[0] (num_samples samples it "
+                         "several times)")
     try:
         ids = [operator.index(i) for i in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
     except TypeError:

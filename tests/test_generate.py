@@ -95,6 +95,13 @@ def test_prompts_the_model_cannot_read_are_refused_by_name():
         generate(m, [3, 61, -1], 5)
     with pytest.raises(ValueError, match="the prompt is empty"):
         generate(m, torch.tensor([], dtype=torch.long), 5)
+    # was: `the prompt must be a flat list (or 1-D tensor) of token ids`, with no word of the shape given
+    with pytest.raises(ValueError, match=r"^the prompt must be a flat list \(or 1-D tensor\) of token ids, got a "
+                                         r"tensor of shape \(1, 3\): give one prompt, e.g. prompt\[0\] \(num_samples "
+                                         r"samples it several times\)$"):
+        generate(m, torch.tensor([[3, 4, 5]]), 5)
+    with pytest.raises(ValueError, match=r"^the prompt must be a flat list \(or 1-D tensor\) of token ids$"):
+        generate(m, [[3, 4, 5]], 5)
 
 
 def test_a_model_that_reads_a_bounded_number_of_positions_is_told_how_many_tokens_fit():
