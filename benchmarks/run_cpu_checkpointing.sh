@@ -4,4 +4,4 @@
 # benchmarks/results/cpu_fp32_checkpointing.{json,md}.
 source "$(dirname "$0")/common.sh"
 bench_into benchmarks/results/cpu_fp32_checkpointing --sections model --model-attentions lavo,softmax \
-    --model-lengths 1K,4K --model-checkpointing --threads 2 --no-progress
+    --model-lengths 1K,4K --model-checkpointing --threads 2

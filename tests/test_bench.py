@@ -737,6 +737,19 @@ def test_the_benchmark_scripts_replace_their_results_only_when_a_run_finishes(tm
     assert not list(tmp_path.glob("*.partial.*"))
 
 
+def test_the_benchmark_scripts_show_their_progress_outside_the_tables(tmp_path):
+    """A script's run takes up to an hour: its bar goes to stderr, and its .md holds the tables alone."""
+    for script in Path("benchmarks").glob("run_*.sh"):
+        assert "--no-progress" not in script.read_text(), script
+    out = tmp_path / "cpu"
+    script = (f"source benchmarks/common.sh && bench_into {out} --quick --sections attention --attentions '' "
+              "--ops sdpa --passes fwd --lengths 128")
+    done = subprocess.run(["bash", "-c", script], env={**os.environ, "PYTHON": sys.executable},
+                          capture_output=True, text=True, check=True)
+    assert "bench: 100%" in done.stderr and done.stdout == (tmp_path / "cpu.md").read_text()
+    assert "measurement/s" not in done.stdout
+
+
 def test_ctrl_c_on_a_benchmark_script_keeps_its_tables_in_the_partial_files(tmp_path):
     """Ctrl-C reaches every process of the terminal's group: tee must not stop before the bench has printed."""
     out = tmp_path / "cpu"
