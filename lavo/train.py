@@ -373,6 +373,9 @@ class Trainer:
                 # autograd.Functions become; without it the graph syncs gradients as one bucket.
                 torch._dynamo.config.optimize_ddp = False
             self.replica = torch.compile(self.replica)
+            if self.env.main:  # the bar would otherwise sit at its first step, with no word of why
+                self.log("train.compile: the first step compiles the model (torch.compile), so it takes longer "
+                         "than the others")
 
     @property
     def tokens_per_step(self) -> int:

@@ -486,8 +486,12 @@ def test_compiled_training_follows_the_eager_run(corpus, tmp_path, checkpointing
     torch._dynamo.reset()
     eager = train(run(corpus, tmp_path, "eager", steps=3), log=quiet)
     checkpoints = count_checkpoints(monkeypatch)
+    messages = []
     compiled = train(run(corpus, tmp_path, "compiled", steps=3, compile=True,
-                         activation_checkpointing=checkpointing), log=quiet)
+                         activation_checkpointing=checkpointing), log=messages.append)
+    # the first step's wait is explained before it starts
+    assert "train.compile: the first step compiles the model (torch.compile), so it takes longer than the others" \
+        in messages
     assert bool(checkpoints) == checkpointing  # counted as Dynamo traces the blocks
     assert compiled["step"] == eager["step"] == 3
 
