@@ -52,6 +52,33 @@ def add_data(commands) -> None:
     p.set_defaults(handler=cmd_data)
 
 
+class OutputThatMayClose:
+    """A text stream whose reader may go away: Ctrl-C on ``lavo train ... | tee log`` ends ``tee`` at once, and a
+    write into the broken pipe would end training before it saves the checkpoint of its step. After a broken
+    pipe, the stream's file descriptor writes to ``os.devnull`` instead."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.quietly(lambda: self.stream.write(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.quietly(self.stream.flush)
+
+    def quietly(self, call) -> None:
+        try:
+            call()
+        except BrokenPipeError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())  # also what the interpreter flushes at exit
+            os.close(null)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 def cmd_train(args) -> None:
     from .config import load_config
     from .train import train
@@ -64,9 +91,12 @@ def cmd_train(args) -> None:
         config = read_run_config(args.resume, args.set)
     else:
         config = load_config(args.config, args.set)
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = OutputThatMayClose(sys.stdout), OutputThatMayClose(sys.stderr)
     try:
         summary = train(config, resume=bool(args.resume), overwrite=args.overwrite)
     finally:
+        sys.stdout, sys.stderr = streams
         import gc
 
         import torch.distributed as dist

@@ -141,6 +141,20 @@ def test_ctrl_c_saves_the_exact_position_and_resume_continues_exactly(setup, tmp
     assert f"resumed {tmp_path / 'run'} at step 16" in lines
 
 
+def test_ctrl_c_after_the_output_pipe_closed_still_saves_the_checkpoint(setup, tmp_path):
+    """Ctrl-C on `lavo train ... | tee log` ends tee at once (was: the next write into its pipe raised
+    BrokenPipeError, and the steps since the last checkpoint were lost)."""
+    config = config_for(setup, tmp_path)
+    process = start(config, tmp_path, pause_after=15)
+    wait_for_step(tmp_path / "run", process, 15)
+    process.stdout.close()  # the reader is gone: every later write of the trainer meets a broken pipe
+    process.send_signal(signal.SIGINT)
+    resume_paused(tmp_path)
+    assert process.wait(timeout=120) == 130
+    assert torch.load(tmp_path / "run" / "state.pt", weights_only=True)["step"] == 16
+    resume_and_compare(setup, config)
+
+
 def final_steps(run_dir: Path) -> list[int]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["step"] for r in records if r.get("final")]
