@@ -1,5 +1,6 @@
 """The README's Python examples of the layer and the baselines run as written, and print what their comments say;
-the library's public classes and functions say what they take and give."""
+the library's public classes and functions say what they take and give; the tests, files and functions the docs
+cite exist."""
 import ast
 import contextlib
 import importlib
@@ -84,3 +85,45 @@ def test_every_public_class_and_function_of_the_library_has_a_docstring():
             if not doc or doc.startswith(f"{value.__name__}("):  # a dataclass's generated signature is no docstring
                 missing.append(f"{module_name}.{name}")
     assert not missing
+
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted(path for pattern in ("*.md", "docs/*.md", "benchmarks/*.md", "experiments/*/*.md")
+              for path in ROOT.glob(pattern))
+
+
+def test_every_test_file_and_module_the_docs_cite_exists():
+    """The docs back their claims with tests and files by name (``test_x.py::test_y``, ``lavo/...py``,
+    ``lavo.ops.common.reciprocal``): a renamed test or a moved function must not leave them citing nothing."""
+    tests = {path.name: {node.name for node in ast.walk(ast.parse(path.read_text()))
+                         if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+             for path in (ROOT / "tests").glob("*.py")}
+    stale = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for file, name in re.findall(r"(test_\w+\.py)::(\w+)(?![\w*])", text):  # not a glob, test_error_*
+            if name not in tests.get(file, ()):
+                stale.append(f"{doc.name}: {file}::{name}")
+        for path in re.findall(r"`((?:lavo|tests|scripts|benchmarks|experiments|docs|examples)/[\w./-]+\.\w+)`", text):
+            if not (ROOT / path).exists():
+                stale.append(f"{doc.name}: {path}")
+        for dotted in re.findall(r"`(lavo(?:\.\w+)+)", text):
+            if dotted != "lavo.attentions" and not resolves(dotted):  # lavo.attentions: an entry-point group
+                stale.append(f"{doc.name}: {dotted}")
+    assert not stale
+
+
+def resolves(dotted: str) -> bool:
+    """Whether ``dotted`` names a module of lavo, or an attribute reached from one."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for part in parts[split:]:
+            if not hasattr(value, part):
+                return False
+            value = getattr(value, part)
+        return True
+    return False
