@@ -7,7 +7,7 @@ joined by ``+`` (e.g. ``"austen+shakespeare+python"``, :func:`mix_parts`) or the
 files. Every source is one document per file, split by document (PG-19 style): whole documents are held out.
 
 :func:`prepare` tokenises both splits once and caches them under ``data_dir`` as flat token arrays (numpy
-memmaps) plus ``manifest.json``; later calls only map the files.
+memmaps), each document followed by ``<|endoftext|>``, plus ``manifest.json``; later calls only map the files.
 
 Modules: ``documents`` (reading and splitting documents), ``corpora`` (fetching the built-in corpora),
 ``sources`` (what a source names), ``tokenizer`` (BPE tokenizers), ``prepared`` (the cache).
