@@ -17,12 +17,14 @@ def run_parser(description: str) -> argparse.ArgumentParser:
 
 
 def load_runs(runs: list[str], data_dir: str | None, splits: tuple[str, ...]) -> Iterator[tuple]:
-    """``(name, model, config, tokenizer, {split: tokens})`` for each run directory, loaded one at a time."""
-    from lavo.data import split_tokens
-    from lavo.run import load_run
+    """``(name, model, config, tokenizer, {split: tokens})`` for each run directory, loaded one at a time; the
+    documents are checked against those the run recorded, as `lavo eval` checks them."""
+    from lavo.data import tokenize
+    from lavo.evaluate import run_documents
+    from lavo.run import load_run, recorded_documents
 
     for run in runs:
         model, config, tokenizer = load_run(run)
-        where = data_dir or config.data.data_dir
-        tokens = {s: split_tokens(config.data.source, where, config.data.holdout, s, tokenizer) for s in splits}
+        tokens = {s: tokenize(run_documents(config, s, data_dir, recorded=recorded_documents(run)), tokenizer)
+                  for s in splits}
         yield Path(run).name, model, config, tokenizer, tokens

@@ -148,3 +148,26 @@ def test_the_probe_models_are_within_4_percent_and_the_sizes_recorded(sweep):
     assert max(counts.values()) <= 1.04 * min(counts.values())
     recorded = json.loads((folder / "results.json").read_text())["models"]
     assert counts == {name: record["parameters"] for name, record in recorded.items()}
+
+
+def test_the_probes_read_a_runs_documents_only_as_it_recorded_them(tmp_path):
+    """experiments/probe_runs.py, which the context-use and passkey probes load runs with, scored a held-out
+    document edited after training without a word; it now checks them as `lavo eval` does."""
+    from lavo.config import RunConfig
+    from lavo.data import DataError, split_tokens
+    from lavo.train import train
+    from lm_corpus import tiny_run, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=400)
+    config = RunConfig.from_dict(tiny_run(corpus, tmp_path / "data", tmp_path / "run", steps=1))
+    train(config, log=lambda *args: None)
+    probe_runs = load_script("probe_runs", "experiments/probe_runs.py")
+    (name, _, _, tokenizer, tokens), = probe_runs.load_runs([str(tmp_path / "run")], None, ("train", "valid"))
+    assert name == "run"
+    for split in ("train", "valid"):
+        np.testing.assert_array_equal(tokens[split], split_tokens(str(corpus), tmp_path / "data", ["doc3"], split,
+                                                                  tokenizer))
+    with open(corpus / "doc3.txt", "a") as file:
+        file.write("one more line\n")
+    with pytest.raises(DataError, match=r"edited doc3"):
+        list(probe_runs.load_runs([str(tmp_path / "run")], None, ("valid",)))
