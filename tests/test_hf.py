@@ -472,6 +472,25 @@ def test_an_export_missing_weights_or_holding_others_is_refused_by_name(saved, t
             H.load_exported(damaged)
 
 
+@pytest.mark.parametrize("changed", [dict(depth=3), dict(vocab_size=70, ignore_mismatched_sizes=True)])
+def test_weights_from_pretrained_finds_none_for_are_drawn_as_the_native_model_draws_them(changed, tmp_path):
+    """A deeper model, or another vocabulary, from a checkpoint: transformers left the weights it found none for
+    as the memory it allocated (NaN logits), and reported them newly initialised."""
+    from lavo.model import LanguageModel
+    model = native(attention_options={"window": 4, "basis": "learned", "rank": 8})
+    wrapped(model).save_pretrained(tmp_path)
+    torch.manual_seed(5)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, **changed).eval()
+    torch.manual_seed(5)
+    fresh = LanguageModel(loaded.lavo.config).state_dict()
+    saved = model.state_dict()
+    for name, tensor in loaded.lavo.state_dict().items():
+        kept = name in saved and saved[name].shape == tensor.shape
+        assert torch.equal(tensor, saved[name] if kept else fresh[name]), name
+    with torch.no_grad():
+        assert loaded(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
 def test_input_ids_of_another_shape_or_outside_the_vocabulary_are_refused_by_name():
     model = wrapped(native())
     with pytest.raises(ValueError, match=re.escape("input_ids must have shape [B, T], got (3,)")):

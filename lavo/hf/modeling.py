@@ -57,8 +57,23 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
             self.generation_config.use_cache = False
 
     def _init_weights(self, module) -> None:
-        """Nothing: each native module initialises itself when built (the mechanisms' own schemes, e.g. LAVO's
-        Haar-random basis and zero position bias), and a loaded checkpoint replaces the rest."""
+        """Draw the weights ``from_pretrained`` found none for (a key the checkpoint lacks, or one of another shape
+        with ``ignore_mismatched_sizes=True``) as the native model draws them when built, and leave every other
+        weight alone: each native module initialises itself when built (the mechanisms' own schemes, e.g. LAVO's
+        Haar-random basis and zero position bias), and a loaded checkpoint replaces the rest. transformers would
+        otherwise leave those weights as the memory it allocated, and its report calls them newly initialised."""
+        tensors = self.lavo.state_dict(keep_vars=True)
+        # from_pretrained marks each tensor it loads (transformers calls this for each module that owns an unmarked
+        # one); none marked: the model is being built, and has initialised itself
+        missing = [name for name, tensor in tensors.items() if not getattr(tensor, "_is_hf_initialized", False)]
+        if len(missing) in (0, len(tensors)):
+            return
+        with torch.device("cpu"):  # a whole native model once, so that each tensor is drawn by its own scheme
+            fresh = LanguageModel(self.lavo.config).state_dict()
+        with torch.no_grad():
+            for name in missing:
+                tensors[name].copy_(fresh[name])
+                tensors[name]._is_hf_initialized = True  # so that the calls for the other modules leave it
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
