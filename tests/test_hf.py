@@ -711,6 +711,17 @@ def test_resizing_the_embeddings_resizes_the_native_model_too():
     assert H.LavoLMForCausalLM.from_native(hub.lavo).lavo.embed.num_embeddings == 64
 
 
+def test_embeddings_resized_without_mean_resizing_are_drawn_at_the_models_scale():
+    """transformers asks the model to draw the new rows; torch's Normal(0, 1) gave the new tokens' tied logits
+    1 / init_std times the others' scale."""
+    hub = wrapped(native())  # init_std 0.3
+    before = hub.lavo.embed.weight.detach().clone()
+    torch.manual_seed(2)
+    weight = hub.resize_token_embeddings(400, mean_resizing=False).weight.detach()
+    assert torch.equal(weight[:61], before)
+    assert weight[61:].std().item() == pytest.approx(0.3, rel=0.05)
+
+
 @pytest.mark.parametrize("name", available_attentions())
 def test_a_right_padded_batch_without_a_state_is_one_native_call_with_the_rows_logits(name):
     """Training needs no state: a right-padded batch then runs once, not once per row length, and each row's

@@ -61,7 +61,13 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         with ``ignore_mismatched_sizes=True``) as the native model draws them when built, and leave every other
         weight alone: each native module initialises itself when built (the mechanisms' own schemes, e.g. LAVO's
         Haar-random basis and zero position bias), and a loaded checkpoint replaces the rest. transformers would
-        otherwise leave those weights as the memory it allocated, and its report calls them newly initialised."""
+        otherwise leave those weights as the memory it allocated, and its report calls them newly initialised.
+        An embedding other than the model's own is the one ``resize_token_embeddings(..., mean_resizing=False)``
+        makes: its rows are drawn as the native model draws its embeddings (torch's would have 1 / ``init_std``
+        times their scale, and the tied logits of the new tokens as much)."""
+        if isinstance(module, torch.nn.Embedding) and module is not self.lavo.embed:
+            torch.nn.init.normal_(module.weight, 0.0, self.config.init_std)
+            return
         tensors = self.lavo.state_dict(keep_vars=True)
         # from_pretrained marks each tensor it loads (transformers calls this for each module that owns an unmarked
         # one); none marked: the model is being built, and has initialised itself
