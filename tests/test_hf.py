@@ -752,3 +752,15 @@ def test_generate_refuses_more_positions_than_a_layer_reads_before_it_starts():
         hub.generate(prompt, max_new_tokens=11, do_sample=False, pad_token_id=0)
     with pytest.raises(ValueError, match=message):
         hub.generate(input_ids=prompt, max_length=14, do_sample=False, pad_token_id=0)
+
+
+def test_generate_without_a_length_continues_by_transformers_default_of_20_tokens():
+    """The plainest call, generate(ids): the room check once failed on the unset max_length with a TypeError."""
+    hub = wrapped(native())
+    prompt = torch.tensor([[5, 6, 7]])
+    with pytest.warns(UserWarning, match="model-agnostic default `max_length`"):  # transformers' own
+        unset = hub.generate(prompt, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(unset, hub.generate(prompt, max_new_tokens=20, pad_token_id=0, eos_token_id=None))
+    bounded = wrapped(native(attention="cosformer", attention_options={"max_length": 12}))
+    with pytest.raises(ValueError, match="after a 3-token prompt it can generate at most 10 tokens, not 20"):
+        bounded.generate(prompt, pad_token_id=0)

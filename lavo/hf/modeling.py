@@ -20,6 +20,10 @@ from ..model import Block, LanguageModel
 from .configuration import LavoLMConfig
 from .state import LavoState, real_spans
 
+# what generate() continues a prompt by when neither max_new_tokens nor max_length is set (transformers' default
+# max_length, which it then counts after the prompt)
+DEFAULT_NEW_TOKENS = 20
+
 
 def check_buffers_persist(model: torch.nn.Module) -> None:
     """Refuse non-persistent buffers: ``from_pretrained`` builds the model on the meta device and gives such a
@@ -127,13 +131,15 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     def check_room(self, inputs: torch.Tensor | None, kwargs: dict) -> None:
         """:func:`lavo.generate.check_room` for ``generate()``'s prompt and its ``max_new_tokens`` (else
-        ``max_length``, the whole sequence), from ``kwargs`` or the generation config."""
+        ``max_length``, the whole sequence; else :data:`DEFAULT_NEW_TOKENS`), from ``kwargs`` or the generation
+        config."""
         if inputs is None:
             return
         config = kwargs.get("generation_config") or self.generation_config
         new = kwargs.get("max_new_tokens", config.max_new_tokens)
         if new is None:
-            new = kwargs.get("max_length", config.max_length) - inputs.shape[-1]
+            length = kwargs.get("max_length", config.max_length)
+            new = DEFAULT_NEW_TOKENS if length is None else length - inputs.shape[-1]
         check_room(self.lavo, inputs.shape[-1], new)
 
     @can_return_tuple
