@@ -201,8 +201,9 @@ def load_model_dir(directory: str | os.PathLike, device: str | torch.device = "c
     try:
         from .hf import load_exported
     except ImportError as error:
-        raise ValueError(f"{directory} is a Hugging Face model directory: reading it needs transformers "
-                         "(`pip install -e '.[hf]'`)") from error
+        how = " (`pip install -e '.[hf]'`)" if error.name == "transformers" else f", which failed to import: {error}"
+        raise ValueError(f"{directory} is a Hugging Face model directory: reading it needs transformers{how}"
+                         ) from error
     return load_exported(directory, device)
 
 

@@ -519,6 +519,38 @@ def test_lavo_does_not_import_transformers():
     assert result.stdout.strip() == "False"
 
 
+def test_a_transformers_that_fails_to_import_is_not_reported_as_missing(tmp_path):
+    """A transformers whose own import fails (a dependency missing) was reported as not installed, with advice to
+    install it; its error was left out of lavo eval's one line."""
+    (tmp_path / "broken" / "transformers").mkdir(parents=True)
+    (tmp_path / "broken" / "transformers" / "__init__.py").write_text(
+        "raise ImportError('transformers needs accelerate>=1.1.0', name='accelerate')\n")
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text('{"model_type": "lavo_lm"}')
+    script = ("import sys\n"
+              "from lavo.run import load_model_dir\n"
+              "for where in ('missing', 'broken'):\n"
+              "    if where == 'missing':\n"
+              "        sys.modules['transformers'] = None\n"
+              "    else:\n"
+              "        del sys.modules['transformers']\n"
+              "        sys.path.insert(0, sys.argv[1])\n"
+              "    for call in (lambda: __import__('lavo.hf'), lambda: load_model_dir(sys.argv[2])):\n"
+              "        try:\n"
+              "            call()\n"
+              "        except (ImportError, ValueError) as error:\n"
+              "            print(error)\n")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "broken"), str(tmp_path / "export")],
+                            capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    export = tmp_path / "export"
+    assert result.stdout.splitlines() == [
+        "lavo.hf needs transformers: install the extra with `pip install -e '.[hf]'`",
+        f"{export} is a Hugging Face model directory: reading it needs transformers (`pip install -e '.[hf]'`)",
+        "transformers needs accelerate>=1.1.0",
+        f"{export} is a Hugging Face model directory: reading it needs transformers, which failed to import: "
+        "transformers needs accelerate>=1.1.0"]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny trained run and its export."""

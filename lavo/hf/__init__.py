@@ -7,7 +7,10 @@ and ``pipeline("text-generation", model=DIRECTORY)``.
 try:
     import transformers  # noqa: F401
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("lavo.hf needs transformers: install the extra with `pip install -e '.[hf]'`") from error
+    if error.name != "transformers":  # installed, but it failed to import (a missing dependency): its error says why
+        raise
+    raise ImportError("lavo.hf needs transformers: install the extra with `pip install -e '.[hf]'`",
+                      name="transformers") from error
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
