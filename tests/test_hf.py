@@ -617,6 +617,12 @@ def test_export_writes_a_directory_pipelines_and_the_cli_read(trained, tmp_path,
 
     assert main(["export", str(run), str(exported)]) == 2
     assert "is not empty: choose another directory or pass --overwrite" in capsys.readouterr().err
+    old_run, again = tmp_path / "old-run", tmp_path / "again"  # a run from before runs recorded their documents
+    shutil.copytree(run, old_run)
+    (old_run / "documents.json").unlink()
+    shutil.copytree(exported, again)
+    assert main(["export", str(old_run), str(again), "--overwrite"]) == 0
+    assert not (again / "documents.json").exists()  # not the overwritten export's, which eval would check against
 
 
 def test_an_export_without_its_run_config_needs_a_text_and_lengths(trained, tmp_path, capsys):

@@ -47,6 +47,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite
     documents = recorded_documents(run_dir)
     if documents is not None:  # so that lavo eval checks an export's held-out documents as it checks the run's
         write_json(out / DOCUMENTS, documents)
+    else:  # a run from before runs recorded them: not the overwritten export's, which eval would check against
+        (out / DOCUMENTS).unlink(missing_ok=True)
     return out
 
 
