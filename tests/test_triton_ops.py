@@ -377,7 +377,7 @@ def test_every_launch_spreads_its_programs_along_the_grids_first_axis(monkeypatc
         lavo_attention(*inputs[:4], window=8, causal=causal, dissection=causal, pos_bias=table,
                        padding_mask=_on(mask, DEVICE), backend="triton").sum().backward()
     kernels = {name for name, _ in grids}
-    assert kernels == {"_forward", "_deltas", "_backward_keys", "_backward_queries", "_backward"}
+    assert kernels == {"_forward", "_backward_keys", "_backward_queries", "_backward"}
     assert all(len(grid) == 1 for _, grid in grids), grids
 
 
@@ -518,8 +518,8 @@ def test_every_kernel_launches_on_its_inputs_gpu(monkeypatch):
     y.sum().backward()
     with torch.no_grad():
         layer(x[:, :1], cache=layer.step_cache(cache))
-    assert {name for name, _ in launches} == {"_forward", "_deltas", "_backward_keys", "_backward_queries",
-                                              "_backward", "_step"}
+    assert {name for name, _ in launches} == {"_forward", "_backward_keys", "_backward_queries", "_backward",
+                                              "_step"}
     assert all(devices == [x.device] for _, devices in launches)
 
 

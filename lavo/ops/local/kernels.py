@@ -184,30 +184,6 @@ def _forward(Q, K, V, BIAS, KEEP, O, LSE, stride_b, stride_t, stride_h, bias_str
 
 
 @triton.jit
-def _deltas(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, stride_b, stride_t, stride_h, bias_stride, keep_stride, heads,
-            length, window, head_dim, scale_log2, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-            HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-            FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
-    """``delta_t = dO_t . O_t`` in float32, ``[B * H, T]``, summed over the key blocks as ``sum_j p_tj dO_t . v_j``
-    from the float32 weights, not from the output rounded to 16 bits: with values that share a large offset, the
-    score gradients ``p (dO . v - delta)`` cancel, and the rounding of ``O`` multiplied the 16-bit ``q`` and ``k``
-    gradients' error (docs/DESIGN.md, the Triton path, gives the measured ratio). DO is contiguous."""
-    row, b, h, first, t, d, offset = _program(heads, length, stride_b, stride_h, BLOCK, BLOCK_D, WIDE)
-    q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
-    do = _contiguous_tile(DO, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS)
-    delta = tl.zeros([BLOCK], tl.float32)
-    lo, hi = _key_range(first, tl.minimum(first + BLOCK, length) - 1, window, length, BLOCK, CAUSAL)
-    for start in range(lo, hi, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        k = _tile(K + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
-        p = _weights(q, k, t, j, row, b, h, LSE, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
-                     CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
-        v = _tile(V + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
-        delta += tl.sum(p * tl.dot(do, tl.trans(v), input_precision=PRECISION), 1)
-    tl.store(DELTA + row.to(t.dtype) * length + t, delta, mask=t < length)
-
-
-@triton.jit
 def _backward_keys(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DK, DV, stride_b, stride_t, stride_h, bias_stride,
                    keep_stride, heads, length, window, head_dim, scale, scale_log2, CAUSAL: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -259,14 +235,21 @@ def _add_diagonal_sums(ds, first, start, h, DBIAS, bias_size, window, CAUSAL: tl
 def _backward_queries(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DQ, DBIAS, stride_b, stride_t, stride_h, bias_stride,
                       keep_stride, bias_size, heads, length, window, head_dim, scale, scale_log2,
                       CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_KEEP: tl.constexpr,
-                      BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                      DELTAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
                       FLOAT32_DOTS: tl.constexpr, WIDE: tl.constexpr):
-    """``dQ`` of one query block over the key blocks it sees, and its part of the bias gradient (``DBIAS``,
-    float32 ``[H, bias_size]``, atomically). DO and DQ are contiguous."""
+    """One query block over the key blocks it sees. With ``DELTAS`` (the first pass), ``delta_t = dO_t . O_t`` in
+    float32 into ``DELTA`` ``[B * H, T]``, summed as ``sum_j p_tj dO_t . v_j`` from the float32 weights, not from
+    the output rounded to 16 bits: with values that share a large offset, the score gradients
+    ``p (dO . v - delta)`` cancel, and the rounding of ``O`` multiplied the 16-bit ``q`` and ``k`` gradients' error
+    (docs/DESIGN.md, the Triton path, gives the measured ratio). Otherwise (the last pass) ``dQ`` and the block's
+    part of the bias gradient (``DBIAS``, float32 ``[H, bias_size]``, atomically). DO and DQ are contiguous."""
     row, b, h, first, t, d, offset = _program(heads, length, stride_b, stride_h, BLOCK, BLOCK_D, WIDE)
     q = _tile(Q + offset, t, d, stride_t, length, head_dim, FLOAT32_DOTS)
     do = _contiguous_tile(DO, b, h, t, d, heads, length, head_dim, FLOAT32_DOTS)
-    delta = _per_query(DELTA, row, t, length)
+    if DELTAS:
+        delta = tl.zeros([BLOCK], tl.float32)
+    else:
+        delta = _per_query(DELTA, row, t, length)
     dq = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     lo, hi = _key_range(first, tl.minimum(first + BLOCK, length) - 1, window, length, BLOCK, CAUSAL)
     for start in range(lo, hi, BLOCK):
@@ -275,11 +258,18 @@ def _backward_queries(Q, K, V, BIAS, KEEP, DO, LSE, DELTA, DQ, DBIAS, stride_b, 
         p = _weights(q, k, t, j, row, b, h, LSE, BIAS, bias_stride, KEEP, keep_stride, window, length, scale_log2,
                      CAUSAL, HAS_BIAS, HAS_KEEP, PRECISION)
         v = _tile(V + offset, j, d, stride_t, length, head_dim, FLOAT32_DOTS)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        if BIAS_GRAD:
-            _add_diagonal_sums(ds, first, start, h, DBIAS, bias_size, window, CAUSAL, BLOCK)
-    _store(DQ, dq * scale, b, h, t, d, heads, length, head_dim)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DELTAS:
+            delta += tl.sum(p * dp, 1)
+        else:
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+            if BIAS_GRAD:
+                _add_diagonal_sums(ds, first, start, h, DBIAS, bias_size, window, CAUSAL, BLOCK)
+    if DELTAS:
+        tl.store(DELTA + row.to(t.dtype) * length + t, delta, mask=t < length)
+    else:
+        _store(DQ, dq * scale, b, h, t, d, heads, length, head_dim)
 
 
 def _config(head_dim: int, dtype: torch.dtype, wide: bool, small_shared: bool) -> dict:
@@ -355,12 +345,12 @@ def _window_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, pos_bias
     shared = dict(CAUSAL=causal, HAS_BIAS=pos_bias is not None, HAS_KEEP=keep is not None, **config)
     strides = (*q.stride()[:3], 0 if pos_bias is None else pos_bias.stride(0), 0 if keep is None else keep.stride(0))
     with launching_on(q):
-        _deltas[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, *strides, H, T, window, D, scale * LOG2E.value,
-                      **shared)
+        query_pass = (q, k, v, pos_bias, keep, grad_out, lse, delta, grad_q, grad_bias, *strides, bias_size, H, T,
+                      window, D, scale, scale * LOG2E.value)
+        _backward_queries[grid](*query_pass, BIAS_GRAD=False, DELTAS=True, **shared)
         _backward_keys[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, grad_k, grad_v, *strides, H, T, window,
                              D, scale, scale * LOG2E.value, **shared)
-        _backward_queries[grid](q, k, v, pos_bias, keep, grad_out, lse, delta, grad_q, grad_bias, *strides,
-                                bias_size, H, T, window, D, scale, scale * LOG2E.value, BIAS_GRAD=bias_grad, **shared)
+        _backward_queries[grid](*query_pass, BIAS_GRAD=bias_grad, DELTAS=False, **shared)
     return grad_q, grad_k, grad_v, grad_bias.to(pos_bias.dtype) if bias_grad else q.new_empty(H, 0)
 
 
