@@ -209,11 +209,13 @@ def a_kind(name: str) -> str:
     return f"{'an' if vowel_sound else 'a'} {name}"
 
 
-def check_kind(cache: Any, kind: type[Cache], op: str, advice: str) -> None:
-    """Refuse, by name, a ``cache`` given to ``op`` that is not a ``kind``: None, or the other of the two LAVO
-    caches, which ``op`` would meet with an ``AttributeError`` or read the shapes of wrongly."""
-    if not isinstance(cache, kind):
-        raise ValueError(f"{op} continues {a_kind(kind.__name__)}, got {a_kind(type(cache).__name__)}: {advice}")
+def check_kind(cache: Any, kinds: type[Cache] | tuple[type[Cache], ...], op: str, advice: str) -> None:
+    """Refuse, by name, a ``cache`` given to ``op`` (a layer, a model, an op) that is none of ``kinds``: None, a
+    tuple, another mechanism's cache or the other of the two LAVO caches, which ``op`` would meet with an
+    ``AttributeError`` or read the shapes of wrongly."""
+    if not isinstance(cache, kinds):
+        names = " or ".join(a_kind(kind.__name__) for kind in (kinds if isinstance(kinds, tuple) else (kinds,)))
+        raise ValueError(f"{op} continues {names}, got {a_kind(type(cache).__name__)}: {advice}")
 
 
 def check_made_by(cache: LavoCache | LavoStepCache, **asked: Any) -> None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .cache import Cache, a_kind
+from .cache import Cache, check_kind
 from .layers.base import Mechanism, check_returned_cache, reset_initialised
 from .registry import attention_class, available_attentions, build_attention, check_options
 from .settings import above, at_least, between, check_known, check_settings, one_of, setting
@@ -246,9 +246,7 @@ class LanguageModel(nn.Module):
     def check_cache(self, cache: Any) -> None:
         """Refuse what is not a cache this model returned: a layer's cache, or a model's of another depth (whose
         extra layers' caches would be dropped without a word, or a missing one fail with an ``IndexError``)."""
-        if not isinstance(cache, ModelCache):
-            raise ValueError(f"{type(self).__name__} continues a ModelCache, got {a_kind(type(cache).__name__)}: "
-                             "pass the cache this model's previous call returned")
+        check_kind(cache, ModelCache, type(self).__name__, "pass the cache this model's previous call returned")
         if len(cache.layers) != len(self.blocks):
             raise ValueError(f"the cache holds the caches of {len(cache.layers)} layers, and this model has "
                              f"{len(self.blocks)}: pass the cache this model's previous call returned")

@@ -308,10 +308,9 @@ def measured_step_seconds(results_dir: Path) -> dict[str, float]:
     return by_model(results_dir, "step_seconds", min)
 
 
-def scoring_cut_off(results_dir: Path, entry: str = "scoring_cut_off") -> dict[str, float]:
-    """Seconds a scoring of each model ran before its call's time limit ended it: the longest on record (``entry``
-    ``long_eval_cut_off``: of a long evaluation)."""
-    return by_model(results_dir, entry, max)
+def scoring_cut_off(results_dir: Path) -> dict[str, float]:
+    """Seconds a scoring of each model ran before its call's time limit ended it: the longest on record."""
+    return by_model(results_dir, "scoring_cut_off", max)
 
 
 def failed_before(results_dir: Path) -> set[str]:
@@ -426,7 +425,7 @@ def finish_long_eval(run: PlannedRun, runs_dir: Path, results_dir: Path, archive
     and save its results, if it fits in the ``left`` seconds: it needs one and a half times the longest it ran
     before being cut off. One that needs more than a whole call is left as it is, so that it does not take the
     start of every call."""
-    needs = 1.5 * scoring_cut_off(results_dir, "long_eval_cut_off").get(run.model, 0.0)
+    needs = 1.5 * by_model(results_dir, "long_eval_cut_off", max).get(run.model, 0.0)  # the longest on record
     if needs >= call_budget:
         log(f"[too long] {run.name}'s long evaluation: about {needs:.0f} s, more than a call's budget of "
             f"{call_budget:.0f} s")

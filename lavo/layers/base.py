@@ -18,7 +18,7 @@ from einops import rearrange
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..cache import Cache, a_kind
+from ..cache import Cache, check_kind
 from ..ops.common import check_padding_mask, check_switches, dtypes_may_differ, positive_int
 
 
@@ -248,11 +248,9 @@ class Mechanism(nn.Module):
             raise ValueError(f"{type(self).__name__} was built with causal=False; a cache is only for causal decoding")
         if cache is not None and not self.supports_decoding:
             raise ValueError(f"{type(self).__name__} has no decoding form; call it without a cache")
-        if cache is not None and not isinstance(cache, self.cache_types):
-            kinds = " or ".join(a_kind(kind.__name__) for kind in self.cache_types)
-            raise ValueError(f"{type(self).__name__} continues {kinds}, got {a_kind(type(cache).__name__)}: pass the "
-                             "cache this layer's previous call returned")
         if cache is not None:  # before any mechanism's own checks, which would name shapes rather than the batch
+            check_kind(cache, self.cache_types, type(self).__name__, "pass the cache this layer's previous call "
+                       "returned")
             cache.check_batch_size(x.shape[0])
             cache.check_dtype(x.dtype)  # outside autocast (under it a cache and its inputs mix by design)
 
