@@ -392,6 +392,8 @@ def test_lavo_flops_small_case_by_hand():
     (2, 11, 3, 8, 4, 4, True, False),  # padded: T is not a multiple of w
     (1, 16, 2, 8, 8, 4, False, False),
     (1, 12, 2, 6, 3, 4, True, True),
+    (1, 3, 1, 4, 2, 8, True, False),  # shorter than the window: one block of T
+    (1, 5, 2, 4, 2, 8, False, False),
 ])
 def test_lavo_flops_matches_the_matmuls_the_op_runs(monkeypatch, B, T, H, D, r, w, causal, basis_grad, recompute):
     if recompute:  # the path of long sequences: weights recomputed in backward

@@ -21,7 +21,8 @@ def lavo_flops(batch: int, length: int, heads: int, head_dim: int, rank: int, wi
 
     Per batch element and head, with ``T' = ceil(T / w) w`` (the padded length: whole blocks are computed),
     ``n = T' / w`` windows, ``K = 2w`` keys per block causal (``3w`` non-causal), ``D`` the head dim and ``r`` the
-    rank:
+    rank. A sequence shorter than its window is one block of ``T`` (:func:`~lavo.ops.local.blocked.blocking_window`):
+    there ``w`` is ``T``.
 
     - local branch, forward: ``Q K^T`` and ``P V`` over every block's ``K`` keys: ``2 * 2 T' K D``.
     - local branch, backward: ``dV = P^T dO``, ``dP = dO V^T``, ``dQ = dS K`` and ``dK = dS^T Q``
@@ -36,6 +37,7 @@ def lavo_flops(batch: int, length: int, heads: int, head_dim: int, rank: int, wi
     Returns:
         ``{"local": ..., "memory": ..., "total": ...}`` for the forward, or forward + backward when ``backward``.
     """
+    window = min(window, length)  # the block the op computes in
     padded = math.ceil(length / window) * window
     keys = (2 if causal else 3) * window
     unit_local = 2 * padded * keys * head_dim * batch * heads  # one [T', K, D] matmul
