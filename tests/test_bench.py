@@ -143,9 +143,11 @@ def test_a_rank_above_the_head_dimension_is_refused_before_any_measurement(capsy
 def test_lengths_below_one_or_not_numbers_are_refused_when_parsed(flag, capsys):
     assert bench_error(capsys, flag, "1K,0") == (
         f"python -m lavo.bench: error: argument {flag}: a length must be at least 1; got '0'")
-    assert bench_error(capsys, flag, "1K,abc") == (
-        f"python -m lavo.bench: error: argument {flag}: 'abc' is not a length: a whole number, or one with a K suffix "
-        "(4K = 4096)")
+    for text in ("abc", "infk", "nank", "0.3k"):  # "0.3K" would be 307.2 tokens; "infK" crashed
+        assert bench_error(capsys, flag, f"1K,{text}") == (
+            f"python -m lavo.bench: error: argument {flag}: '{text}' is not a length: a whole number, or one with a "
+            "K suffix (4K = 4096) that makes a whole number")
+    assert cli._length_value("1.5K") == 1536
 
 
 @pytest.mark.parametrize("options, message", [

@@ -48,13 +48,16 @@ def _flag(name: str):
 
 
 def _length_value(text: str) -> int:
-    """``"4K"`` -> 4096, ``"300"`` -> 300; a length must be at least 1."""
+    """``"4K"`` -> 4096, ``"1.5K"`` -> 1536, ``"300"`` -> 300; a length is a whole number of tokens, at least 1."""
     text = text.strip().lower()
     try:
-        length = int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+        tokens = float(text[:-1]) * 1024 if text.endswith("k") else int(text)
     except ValueError:
+        tokens = None
+    if tokens is None or not float(tokens).is_integer():  # "0.3K" is 307.2 tokens; "infK" none at all
         raise argparse.ArgumentTypeError(f"{text!r} is not a length: a whole number, or one with a K suffix "
-                                         "(4K = 4096)") from None
+                                         "(4K = 4096) that makes a whole number")
+    length = int(tokens)
     if length < 1:
         raise argparse.ArgumentTypeError(f"a length must be at least 1; got {text!r}")
     return length
