@@ -53,18 +53,28 @@ def measure(name: str, short: int, long: int, repeats: int, extra_env: dict) -> 
     return {int(k): v for k, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The flags, each checked as ``lavo bench`` checks its own: a bad value is refused by name here, not met as a
+    traceback of the first child process."""
+    from lavo.bench.cli import parse_length
+    from lavo.bench.settings import Settings
+    from lavo.settings import flag_type
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--short", type=parse_length, default=4096, help="the shorter length [4096]")
+    parser.add_argument("--long", type=parse_length, default=16384, help="the longer length [16384]")
+    parser.add_argument("--repeats", type=flag_type(Settings, "repeats"), default=3, help="timed calls per length [3]")
+    parser.add_argument("--out", type=Path, required=True, help="path prefix of the .json and .md files")
+    return parser
+
+
 def main() -> None:
     from lavo.bench.measure import machine_info
     from lavo.files import write_json, write_text
     from lavo.registry import attention_class, available_attentions
     from lavo.report import markdown_table
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--short", type=int, default=4096)
-    parser.add_argument("--long", type=int, default=16384)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, required=True, help="path prefix of the .json and .md files")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     names = [n for n in available_attentions() if attention_class(n).time_complexity == "linear"]
     records = []
     for name in names:

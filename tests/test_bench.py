@@ -27,6 +27,7 @@ from reference_checks import needs_triton
 from script_loader import load_script
 
 gpu_check = load_script("gpu_check", "benchmarks/gpu_check.py")
+growth = load_script("growth", "benchmarks/growth.py")
 
 RECORD_FIELDS = {"section", "level", "mechanism", "op", "length", "dtype", "ms", "peak_mib", "ratio", "status",
                  "note"}
@@ -147,7 +148,7 @@ def test_lengths_below_one_or_not_numbers_are_refused_when_parsed(flag, capsys):
         assert bench_error(capsys, flag, f"1K,{text}") == (
             f"python -m lavo.bench: error: argument {flag}: '{text}' is not a length: a whole number, or one with a "
             "K suffix (4K = 4096) that makes a whole number")
-    assert cli._length_value("1.5K") == 1536
+    assert cli.parse_length("1.5K") == 1536
 
 
 @pytest.mark.parametrize("options, message", [
@@ -739,6 +740,17 @@ def test_the_benchmark_scripts_replace_their_results_only_when_a_run_finishes(tm
     assert bench_into(quick) == 0
     assert json.loads((tmp_path / "cpu.json").read_text())["records"] and "| sdpa" in (tmp_path / "cpu.md").read_text()
     assert not list(tmp_path.glob("*.partial.*"))
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--repeats", "0", "argument --repeats: must be an integer >= 1; got '0'"),
+    ("--short", "0", "argument --short: a length must be at least 1; got '0'"),
+    ("--long", "abc", "argument --long: 'abc' is not a length")])
+def test_growth_refuses_bad_flags_by_name_before_measuring(flag, value, message, capsys):
+    # were: every child process failed (IndexError, an empty layer) and the script ended in a CalledProcessError
+    with pytest.raises(SystemExit):
+        growth.build_parser().parse_args([flag, value, "--out", "unused"])
+    assert f": error: {message}" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_the_benchmark_scripts_show_their_progress_outside_the_tables(tmp_path):

@@ -47,7 +47,7 @@ def _flag(name: str):
     return flag_type(Settings, name)
 
 
-def _length_value(text: str) -> int:
+def parse_length(text: str) -> int:
     """``"4K"`` -> 4096, ``"1.5K"`` -> 1536, ``"300"`` -> 300; a length is a whole number of tokens, at least 1."""
     text = text.strip().lower()
     try:
@@ -78,8 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help=f"raw ops to measure, of {','.join(attention.OPS)} (the fla ones need its package and a GPU) "
            f"[{','.join(attention.DEFAULT_OPS)}]")
     a("--passes", type=_list(str), default=list(PASSES), help="fwd, fwd+bwd or both [both]")
-    a("--lengths", type=_list(_length_value), default=None, help="sequence lengths [1K,2K,...,64K]")
-    a("--max-quadratic-length", type=_length_value, default=None,
+    a("--lengths", type=_list(parse_length), default=None, help="sequence lengths [1K,2K,...,64K]")
+    a("--max-quadratic-length", type=parse_length, default=None,
       help=f"longest sequence for the quadratic mechanisms ({','.join(quadratic_ones)}) and SDPA (attention, "
            f"model sections; decode fills their longer caches without running the attention) [16K]")
     a("--batch", type=_flag("batch"), default=1, help="batch size of the attention and decode sections [1]")
@@ -101,14 +101,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds one call may take; slower measurements and the longer lengths after them are skipped [60]")
     a("--decode-attentions", type=_list(str, may_be_empty=True), default=["lavo", "softmax", "local"],
       help="decode section: mechanisms (need a decoding form) [lavo,softmax,local]")
-    a("--decode-lengths", type=_list(_length_value), default=None, help="context lengths [1K,...,64K]")
+    a("--decode-lengths", type=_list(parse_length), default=None, help="context lengths [1K,...,64K]")
     a("--decode-steps", type=_flag("decode_steps"), default=None,
       help="timed single-token steps per context length [32]")
     a("--model-preset", default=None, help="model section: preset of lavo.model.PRESETS [small]")
     a("--model-attentions", type=_list(str, may_be_empty=True), default=None,
       help=f"model section: attentions (those taking rotary positions, {','.join(rotary)}, run with rope; '' for "
            f"none) [all registered]")
-    a("--model-lengths", type=_list(_length_value), default=None, help="training sequence lengths [1K,4K]")
+    a("--model-lengths", type=_list(parse_length), default=None, help="training sequence lengths [1K,4K]")
     a("--model-batch", type=_flag("model_batch"), default=1, help="model section batch size [1]")
     a("--model-repeats", type=_flag("model_repeats"), default=None, help="timed training steps per measurement [3]")
     a("--model-compile", action="store_true",
