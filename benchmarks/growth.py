@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -40,17 +41,25 @@ for length in (short, long):
         start = time.perf_counter()
         y, _ = layer(x)
         y.sum().backward()
-        runs.append(time.perf_counter() - start)
-    times[length] = sorted(runs[1:])[len(runs[1:]) // 2] * 1e3
+        runs.append((time.perf_counter() - start) * 1e3)
+    times[length] = runs[1:]
 print(json.dumps(times))
 """
 
 
-def measure(name: str, short: int, long: int, repeats: int, extra_env: dict) -> dict[int, float]:
+def measure(name: str, short: int, long: int, repeats: int, extra_env: dict) -> dict[int, list[float]]:
+    """Every timed call's ms at each length, in a fresh process with ``extra_env``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
     result = subprocess.run([sys.executable, "-c", CHILD, name, str(short), str(long), str(repeats)], env=env,
                             capture_output=True, text=True, check=True)
     return {int(k): v for k, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
+
+
+def growth_record(name: str, allocator: str, times_ms: dict[int, list[float]], short: int, long: int) -> dict:
+    """The median ms at each length (of an even count of calls, the mean of the middle two), every call's ms
+    (their spread is the noise) and the growth from ``short`` to ``long``."""
+    ms = {length: statistics.median(times) for length, times in times_ms.items()}
+    return {"mechanism": name, "allocator": allocator, "ms": ms, "times_ms": times_ms, "growth": ms[long] / ms[short]}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,9 +88,8 @@ def main() -> None:
     records = []
     for name in names:
         for allocator, extra_env in ALLOCATORS.items():
-            times = measure(name, args.short, args.long, args.repeats, extra_env)
-            records.append({"mechanism": name, "allocator": allocator, "ms": times,
-                            "growth": times[args.long] / times[args.short]})
+            times_ms = measure(name, args.short, args.long, args.repeats, extra_env)
+            records.append(growth_record(name, allocator, times_ms, args.short, args.long))
             print(f"{name:10s} {allocator:18s} x{records[-1]['growth']:.2f}", flush=True)
     ideal = args.long / args.short
     info = {**machine_info("cpu"), "threads": 1}

@@ -753,6 +753,16 @@ def test_growth_refuses_bad_flags_by_name_before_measuring(flag, value, message,
     assert f": error: {message}" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_growth_reports_the_median_of_every_timed_call(monkeypatch):
+    # was: the upper of the two middle calls, so "median of 2" reported the slower call
+    child = subprocess.CompletedProcess([], 0, stdout='{"64": [4.0, 1.0, 2.0, 3.0], "128": [9.0, 5.0]}\n')
+    monkeypatch.setattr(growth.subprocess, "run", lambda *args, **kwargs: child)
+    times_ms = growth.measure("lavo", 64, 128, 4, {})
+    record = growth.growth_record("lavo", "glibc default", times_ms, 64, 128)
+    assert record["ms"] == {64: 2.5, 128: 7.0} and record["growth"] == 7.0 / 2.5
+    assert record["times_ms"] == {64: [4.0, 1.0, 2.0, 3.0], 128: [9.0, 5.0]}
+
+
 def test_the_benchmark_scripts_show_their_progress_outside_the_tables(tmp_path):
     """A script's run takes up to an hour: its bar goes to stderr, and its .md holds the tables alone."""
     for script in Path("benchmarks").glob("run_*.sh"):
