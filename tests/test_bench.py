@@ -415,6 +415,21 @@ def test_lavo_flops_matches_the_matmuls_the_op_runs(monkeypatch, B, T, H, D, r, 
                             basis_grad=basis_grad)["total"] == forward + backward
 
 
+@pytest.mark.parametrize("torch_path", [True, False])
+def test_the_flops_section_counts_recomputed_scores_only_where_the_torch_path_recomputes(monkeypatch, torch_path):
+    # was: on the Triton kernels, the torch path's recomputation was counted past its weight limit only, so the
+    # rate of the same kernels jumped where that limit fell
+    s = quick_settings("--sections", "flops", "--passes", "fwd+bwd", "--lengths", "64")
+    assert flops.runs_torch_path(s, torch.device("cpu"))
+    monkeypatch.setattr("lavo.ops.local.blocked.SAVED_WEIGHTS_LIMIT", 0)
+    monkeypatch.setattr(flops, "runs_torch_path", lambda s, device: torch_path)
+    runner = Runner(s, None)
+    flops.run(runner)
+    (entry,) = [r for r in runner.records if r["mechanism"] == "lavo_attention (op)"]
+    local_products = 2 * 64 * 2 * s.window * s.head_dim * s.heads  # one [T', K, D] matmul; T' = 64, K = 2w
+    assert entry["gflop_local"] * 1e9 == (7 if torch_path else 6) * local_products
+
+
 def test_peak_memory_reports_none_without_proc(monkeypatch):
     real_open = open
 

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..ops.common import uses_triton
 from ..ops.local import blocked as local_blocked
 from .attention import OPS, attention_call
 from .measure import Skipped
@@ -15,7 +16,8 @@ from .settings import DTYPES, Settings
 
 
 def lavo_flops(batch: int, length: int, heads: int, head_dim: int, rank: int, window: int, *,
-               backward: bool = False, causal: bool = True, basis_grad: bool = False) -> dict[str, int]:
+               backward: bool = False, causal: bool = True, basis_grad: bool = False,
+               torch_path: bool = True) -> dict[str, int]:
     r"""Matmul FLOPs of one :func:`~lavo.ops.lavo_attention` call with context dissection (a multiply-add counts
     2; softmax, masking, sums and other elementwise work are not counted).
 
@@ -27,7 +29,9 @@ def lavo_flops(batch: int, length: int, heads: int, head_dim: int, rank: int, wi
     - local branch, forward: ``Q K^T`` and ``P V`` over every block's ``K`` keys: ``2 * 2 T' K D``.
     - local branch, backward: ``dV = P^T dO``, ``dP = dO V^T``, ``dQ = dS K`` and ``dK = dS^T Q``
       (``4 * 2 T' K D``), plus the recomputed scores (``2 T' K D``) when the whole sequence's weights exceed
-      ``lavo.ops.local.blocked.SAVED_WEIGHTS_LIMIT`` elements and are not kept.
+      ``lavo.ops.local.blocked.SAVED_WEIGHTS_LIMIT`` elements and are not kept. Not ``torch_path`` (the Triton
+      kernels, which recompute the scores in backward at every length): the four products only, the work of
+      the algorithm, so that a rate is of the same work at every length.
     - memory branch, forward: each window's feature sum projected once (``2 n r D``), the queries projected and
       the read ``(weights * H) @ basis`` (``2 * 2 T' r D``).
     - memory branch, backward: the read recomputes the query projection and runs two gradient matmuls
@@ -46,10 +50,16 @@ def lavo_flops(batch: int, length: int, heads: int, head_dim: int, rank: int, wi
     local = 2 * unit_local
     memory = 2 * unit_memory + per_window
     if backward:
-        recomputed = padded * keys * batch * heads > local_blocked.SAVED_WEIGHTS_LIMIT
+        recomputed = torch_path and padded * keys * batch * heads > local_blocked.SAVED_WEIGHTS_LIMIT
         local += (5 if recomputed else 4) * unit_local
         memory += (5 if basis_grad else 3) * unit_memory + (2 if basis_grad else 1) * per_window
     return {"local": local, "memory": memory, "total": local + memory}
+
+
+def runs_torch_path(settings: Settings, device: torch.device) -> bool:
+    """Whether the section's ``lavo_attention`` op runs the blocked torch path, not the Triton kernels."""
+    q = torch.empty(1, 1, settings.heads, settings.head_dim, device=device, dtype=settings.torch_dtype)
+    return not uses_triton(settings.backend, q)
 
 
 def matmul(size: int, dtype: torch.dtype, device: torch.device) -> Callable[[], Any]:
@@ -85,9 +95,11 @@ def run(runner: Runner) -> None:
     op = OPS["lavo_attention"]
     measured = {(r["op"], r["length"]): r for r in runner.records
                 if r["section"] == "attention" and r["mechanism"] == op.label}
+    torch_path = runs_torch_path(s, device)
     for which in s.passes:
         for length in s.lengths:
-            count = lavo_flops(s.batch, length, s.heads, s.head_dim, s.rank, s.window, backward=which == "fwd+bwd")
+            count = lavo_flops(s.batch, length, s.heads, s.head_dim, s.rank, s.window, backward=which == "fwd+bwd",
+                               torch_path=torch_path)
             entry = record("flops", "op", op.label, which, length, s, gflop=count["total"] / 1e9,
                            gflop_local=count["local"] / 1e9, gflop_memory=count["memory"] / 1e9, gflops_per_s=None,
                            matmul_gflops_per_s=rates.get(s.dtype), matmul_gflops_per_s_fp32=rates.get("fp32"))
