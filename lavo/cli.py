@@ -183,6 +183,8 @@ def cmd_curves(args) -> None:
 
 
 def add_curves(commands) -> None:
+    from .curves import CurveSettings
+    from .settings import flag_type
     p = commands.add_parser("curves", help="training and validation loss of runs, as a table and a plot",
                             description="The training loss (smoothed) and validation loss that runs logged in their "
                             "metrics.jsonl: prints each run's last values, and with --out plots every run's curves "
@@ -190,8 +192,9 @@ def add_curves(commands) -> None:
     p.add_argument("runs", nargs="+", help="run directories (train.out_dir of each)")
     p.add_argument("--x", default="tokens", choices=("tokens", "step", "time"),
                    help="the x axis: training tokens, steps or elapsed time (default: tokens)")
-    p.add_argument("--smooth", type=float, default=0.9, help="weight of the past in the exponential average of "
-                   "the training loss, at least 0 and below 1 (default: 0.9; 0: no smoothing)")
+    p.add_argument("--smooth", type=flag_type(CurveSettings, "smoothing"), default=0.9,
+                   help="weight of the past in the exponential average of the training loss, at least 0 and below 1 "
+                   "(default: 0.9; 0: no smoothing)")
     p.add_argument("--out", default=None, help="directory for curves.png")
     p.set_defaults(handler=cmd_curves)
 

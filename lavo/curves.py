@@ -13,9 +13,21 @@ import numpy as np
 
 from .report import number, panel_plot, text_table
 from .run import METRICS, RunError
+from .settings import between, check_settings, setting
 
 X_AXES = {"tokens": "training tokens", "step": "step", "time": "elapsed time (s)"}
 X_FIELDS = {"tokens": "tokens", "step": "step", "time": "elapsed"}
+
+
+@dataclass
+class CurveSettings:
+    """How the training loss is smoothed (``lavo curves --smooth``): the weight of the past in its exponential
+    average, below 1 (at 1 the average would never take in a loss)."""
+
+    smoothing: float = setting(0.9, between(0, 1, high_open=True))
+
+    def __post_init__(self):
+        check_settings(self, "curves")
 
 
 @dataclass
@@ -118,8 +130,7 @@ def show_curves(run_dirs: Sequence[str | os.PathLike], *, axis: str = "tokens", 
     """Read the runs' records, print the table and, with ``out_dir``, write ``curves.png`` there."""
     if axis not in X_AXES:
         raise ValueError(f"the x axis is one of {', '.join(X_AXES)}; got {axis!r}")
-    if not 0 <= smoothing < 1:
-        raise ValueError(f"smoothing must be at least 0 and below 1; got {smoothing!r}")
+    CurveSettings(smoothing=smoothing)  # a check
     curves = [read_curves(d, name) for d, name in zip(run_dirs, run_names(run_dirs))]
     log(text_table(*curves_table(curves, smoothing)))
     if out_dir is not None:

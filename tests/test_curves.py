@@ -89,7 +89,7 @@ def test_damaged_and_missing_records_are_named(tmp_path):
     write_metrics(tmp_path / "r", [{"step": 0, "valid_loss": 5.0}])
     with pytest.raises(RunError, match=r"metrics.jsonl holds no training step yet"):
         read_curves(tmp_path / "r")
-    with pytest.raises(ValueError, match=r"smoothing must be at least 0 and below 1; got 1.0"):
+    with pytest.raises(ValueError, match=r"curves.smoothing must be a number in \[0, 1\); got 1.0"):
         show_curves([half_written], smoothing=1.0)
 
 

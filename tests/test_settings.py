@@ -89,6 +89,9 @@ def test_numbers_are_converted_to_their_type():
     (["listops", "--out", "o", "--seed", "-1"], "argument --seed: must be an integer in [0, 2^63); got '-1'"),
     (["data", "--tokenizer", "wordpiece"], "argument --tokenizer: must be gpt2 or bpe<vocab size>"),
     (["train", "--resume", "--overwrite"], "argument --overwrite: not allowed with argument --resume"),
+    (["curves", "r", "--smooth", "1"], "argument --smooth: must be a number in [0, 1); got '1'"),
+    (["curves", "r", "--smooth", "-0.5"], "argument --smooth: must be a number in [0, 1); got '-0.5'"),
+    (["curves", "r", "--smooth", "nan"], "argument --smooth: must be a number in [0, 1); got 'nan'"),
 ])
 def test_bad_flags_are_refused_by_the_parser(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
