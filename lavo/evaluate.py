@@ -25,7 +25,7 @@ from .data.sources import check_parts
 from .devices import autocast_for, resolve_device
 from .files import write_json
 from .layers.base import position_bound
-from .report import line_plot, text_table
+from .report import counted, line_plot, text_table
 from .run import load_model_dir, recorded_documents
 from .settings import above, at_least, check_settings, one_of, setting
 
@@ -68,7 +68,7 @@ def shared_length(num_tokens: int, lengths: list[int], max_tokens: int | None = 
     n = available // longest * longest
     if n == 0:
         limit = (f"--max-tokens {max_tokens} allows fewer" if max_tokens is not None and max_tokens < num_tokens - 1
-                 else f"the evaluation text has {num_tokens} tokens")
+                 else f"the evaluation text has {counted(num_tokens, 'token')}")
         fix = ("use lengths that divide one another (e.g. powers of two)" if longest > max(lengths) else
                "use shorter lengths" + (" or a larger --max-tokens" if limit.startswith("--max-tokens") else ""))
         raise ValueError(f"lengths {lengths} score the same targets at every length, a multiple of their least "

@@ -17,6 +17,11 @@ def number(x: float | None, digits: int = 3) -> str:
     return f"{x:.{max(0, digits - 1 - magnitude)}f}" if magnitude < digits else f"{x:.0f}"
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless there is one: ``1 document``, ``3 documents``, ``1,951 tokens``."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def length_label(n: int) -> str:
     """``4096`` -> ``4K``; lengths that are not a multiple of 1024 stay as they are."""
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)

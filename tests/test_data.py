@@ -43,6 +43,17 @@ def test_split_by_document_and_boundaries(corpus, tmp_path):
     assert manifest["tokenizer"] == "bpe300" and manifest["source"] == str(corpus)
 
 
+def test_one_document_is_counted_as_one(corpus, tmp_path):
+    """`lavo data` said `tokenising valid: 1 documents (doc1)`, and its summary `1 documents: doc1`."""
+    lines = []
+    prepared = D.prepare(str(corpus), "bpe300", tmp_path, holdout=["doc1"], log=lines.append)
+    assert lines[-2:] == ["tokenising train: 3 documents (doc0, doc2, doc3)", "tokenising valid: 1 document (doc1)"]
+    assert lines[0] == "training a byte-level BPE (300 tokens) on 3 training documents"
+    summary = D.describe(prepared).splitlines()
+    assert summary[1].endswith(" tokens  3 documents: doc0, doc2, doc3")
+    assert summary[2].endswith(" tokens  1 document: doc1")
+
+
 def test_default_holdout_is_the_last_documents(corpus):
     splits = D.split_documents(D.read_documents(corpus))
     assert [d.name for d in splits["valid"]] == ["doc3"]

@@ -177,9 +177,11 @@ def test_a_runs_documents_are_checked_and_runs_that_score_different_texts_are_to
 
 
 def test_what_keeps_lengths_from_being_scored_is_named():
-    with pytest.raises(ValueError, match=r"least common multiple 128000, .* the evaluation text has 9885 tokens: use "
+    with pytest.raises(ValueError, match=r"least common multiple 128000, .* the evaluation text has 9,885 tokens: use "
                                          "lengths that divide one another"):
         shared_length(9885, [32, 1000, 1024])
+    with pytest.raises(ValueError, match="so at least 33 tokens; the evaluation text has 1 token: use shorter lengths"):
+        shared_length(1, [32])  # was: "has 1 tokens"
     with pytest.raises(ValueError, match="--max-tokens 200 allows fewer: use shorter lengths or a larger --max-tokens"):
         shared_length(9885, [32, 256], max_tokens=200)
     tokens = np.random.default_rng(0).integers(0, 50, 1000).astype(np.uint16)

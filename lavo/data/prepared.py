@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..files import atomic_write, remove_orphans, staging_folder, write_json
+from ..report import counted
 from .documents import SPLITS, DataError, Document, document_digests, listing
 from .sources import is_builtin, mix_parts, part_of, provenance, read_split, source_splits
 from .tokenizer import Tokenizer, check_word_lengths, gpt2_tokenizer, load_tokenizer_file, parse_tokenizer, train_bpe
@@ -148,7 +149,7 @@ def write_cache(staging: Path, folders: dict[str, Path], splits: dict[str, list[
         tok = gpt2_tokenizer()
     else:
         check_word_lengths(splits["train"])
-        log(f"training a byte-level BPE ({vocab_size} tokens) on {len(splits['train'])} training documents")
+        log(f"training a byte-level BPE ({vocab_size} tokens) on {counted(len(splits['train']), 'training document')}")
         tok = train_bpe([d.text for d in splits["train"]], vocab_size)
         tok.save(staging / "tokenizer.json")
     dtype = token_dtype(tok.vocab_size)
@@ -158,7 +159,8 @@ def write_cache(staging: Path, folders: dict[str, Path], splits: dict[str, list[
                 "eot_id": tok.eot_id, "dtype": dtype.name, "fingerprint": fingerprint, "splits": {}}
     for split in SPLITS:
         file = f"{split}.bin"
-        log(f"tokenising {split}: {len(splits[split])} documents ({listing([d.name for d in splits[split]], 8)})")
+        log(f"tokenising {split}: {counted(len(splits[split]), 'document')} "
+            f"({listing([d.name for d in splits[split]], 8)})")
         tokens, bounds = encode_documents(tok, splits[split], dtype)
         atomic_write(staging / file, tokens.tofile)
         manifest["splits"][split] = {"file": file, "num_tokens": len(tokens), "documents": bounds}
@@ -204,10 +206,10 @@ def describe(prepared: Prepared) -> str:
     for split in SPLITS:
         data = prepared.split(split)
         names = listing([d["name"] for d in data.documents], 12)
-        lines.append(f"  {split:5s} {len(data):>10,d} tokens  {len(data.documents)} documents: {names}")
+        lines.append(f"  {split:5s} {len(data):>10,d} tokens  {counted(len(data.documents), 'document')}: {names}")
         if mix_parts(prepared.manifest["source"]) is not None:
             for part, (documents, tokens) in tokens_by_part(data).items():
-                lines.append(f"        {part:12s} {tokens:>10,d} tokens  {documents} documents")
+                lines.append(f"        {part:12s} {tokens:>10,d} tokens  {counted(documents, 'document')}")
     for source, record in prepared.manifest.get("provenance", {}).items():
         lines.append(f"  {source}: {json.dumps({k: v for k, v in record.items() if k != 'left_out'})}")
     return "\n".join(lines)
