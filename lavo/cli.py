@@ -154,7 +154,7 @@ def add_eval(commands) -> None:
     p.add_argument("--parts", default=None, help="for a mixed source, only the documents of these parts, "
                    "comma-separated (e.g. python, or austen,shakespeare)")
     p.add_argument("--text", default=None, help="score this plain-text file, or every .txt file of this folder, "
-                   "instead of a split")
+                   "instead of a split (so without --split or --parts)")
     p.add_argument("--data-dir", default=None, help="where the runs' data was downloaded (default: the data_dir "
                    "each run trained with)")
     p.add_argument("--batch-size", type=_flag("eval", "batch_size"), default=8,

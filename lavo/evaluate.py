@@ -184,6 +184,15 @@ def text_documents(path: str | os.PathLike) -> list[Document]:
     raise DataError(f"--text {path}: no such file or folder")
 
 
+def check_text_alone(text: str | None, split: str, parts: list[str] | None) -> None:
+    """Refuse ``text`` with a ``split`` or ``parts`` other than the defaults: those choose among a run's own
+    documents, which a given text replaces, so they would be ignored."""
+    chosen = ([f"--split {split}"] if split != "valid" else []) + ([f"--parts {','.join(parts)}"] if parts else [])
+    if text is not None and chosen:
+        raise ValueError(f"--text {text} scores that text in place of a run's documents, so {' and '.join(chosen)} "
+                         "would be ignored: leave out one or the other")
+
+
 def run_documents(config, split: str, data_dir: str | None, parts: list[str] | None = None,
                   recorded: dict[str, dict[str, str]] | None = None) -> list[Document]:
     """The split ``split`` of a run's data (from ``data_dir``, default the run's own); ``parts``: only the
@@ -279,6 +288,7 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
                             chunk_size=chunk_size, dtype=dtype)
     device = resolve_device(device)
     autocast = autocast_for(dtype, device, "--dtype")
+    check_text_alone(text, split, parts)
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise ValueError(f"--out {out_dir} is a file: give a folder for results.json and perplexity.png")
     loaded = load_models(run_dirs, device)

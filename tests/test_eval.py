@@ -102,6 +102,11 @@ def test_any_text_is_scored_with_the_runs_tokenizer(tmp_path, capsys):
     assert saved["results"]["run"] == {str(length): result for length, result in expected.items()}
     assert main(["eval", str(tmp_path / "run"), "--text", str(tmp_path / "nothing.txt"), "--lengths", "16"]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+    for flags in (["--split", "train"], ["--parts", "python"]):  # were ignored: the text was scored all the same
+        assert main(["eval", str(tmp_path / "run"), "--text", str(texts), "--lengths", "16", *flags]) == 2
+        assert capsys.readouterr().err == (f"lavo eval: error: --text {texts} scores that text in place of a run's "
+                                           f"documents, so {' '.join(flags)} would be ignored: leave out one or the "
+                                           "other\n")
 
 
 def test_a_run_scores_the_documents_it_held_out_after_files_are_added_to_its_folder(tmp_path, capsys):
