@@ -180,7 +180,10 @@ def text_documents(path: str | os.PathLike) -> list[Document]:
     if path.is_dir():
         return read_documents(path)
     if path.is_file():
-        return [Document(path.stem, read_text(path))]
+        text = read_text(path)
+        if not text.strip():  # as a folder leaves out such a file: it holds no text to score
+            raise DataError(f"--text {path} is empty or holds only whitespace: nothing to score")
+        return [Document(path.stem, text)]
     raise DataError(f"--text {path}: no such file or folder")
 
 

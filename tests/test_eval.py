@@ -76,7 +76,7 @@ def test_table_and_plot(tmp_path):
 def test_any_text_is_scored_with_the_runs_tokenizer(tmp_path, capsys):
     from lavo.cli import main
     from lavo.config import RunConfig
-    from lavo.data import tokenize
+    from lavo.data import DataError, tokenize
     from lavo.evaluate import text_documents
     from lavo.run import load_run
     from lavo.train import train
@@ -91,6 +91,11 @@ def test_any_text_is_scored_with_the_runs_tokenizer(tmp_path, capsys):
     first = tokenizer.encode((texts / "doc0.txt").read_text()) + [tokenizer.eot_id]
     assert folder.tolist() == first + one.tolist()
     assert one[-1] == tokenizer.eot_id
+    for blank in ("", " \n\t\n"):  # were scored as an end-of-text token or a few blanks
+        (texts / "blank.txt").write_text(blank)
+        with pytest.raises(DataError, match=r"--text .*blank.txt is empty or holds only whitespace: nothing to score"):
+            text_documents(texts / "blank.txt")
+    assert len(text_documents(texts)) == 2  # a folder leaves such a file out
 
     capsys.readouterr()
     assert main(["eval", str(tmp_path / "run"), "--text", str(texts), "--lengths", "16,32", "--chunk-size", "12",
