@@ -153,6 +153,9 @@ def test_error_single_document(tmp_path):
 def test_error_unknown_holdout_and_tokenizer(corpus, tmp_path):
     with pytest.raises(D.DataError, match=r"held-out documents \['persuasion'\] are not in the source"):
         D.prepare(str(corpus), "bpe300", tmp_path, holdout=["persuasion"], log=quiet)
+    with pytest.raises(D.DataError, match=r"documents: 'doc0', 'doc1', 'doc2', 'doc3'; a document is named without "
+                                          r"\.txt: hold out 'doc3'$"):  # was: only the list of names
+        D.prepare(str(corpus), "bpe300", tmp_path, holdout=["doc3.txt"], log=quiet)
     with pytest.raises(D.DataError, match="unknown tokenizer 'wordpiece'"):
         D.prepare(str(corpus), "wordpiece", tmp_path, log=quiet)
 

@@ -78,6 +78,14 @@ def same_form(name: str) -> str:
     return unicodedata.normalize("NFC", name)
 
 
+def file_name_hint(missing: list[str], known: set[str]) -> str:
+    """What to write instead of held-out names given as file names (``doc3.txt``, which names no document: a
+    document is named by its file's name without ``.txt``), or nothing."""
+    stems = [name[:-len(".txt")] for name in missing
+             if name.lower().endswith(".txt") and same_form(name[:-len(".txt")]) in known]
+    return f"; a document is named without .txt: hold out {', '.join(map(repr, stems))}" if stems else ""
+
+
 def split_documents(documents: list[Document], holdout: list[str] | None = None
                     ) -> dict[str, list[Document]]:
     """Split by whole documents: ``holdout`` names go to ``valid``; by default the last ~10% (at least one)."""
@@ -91,7 +99,7 @@ def split_documents(documents: list[Document], holdout: list[str] | None = None
     missing = [h for h in holdout if same_form(h) not in known]
     if missing:
         raise DataError(f"held-out documents {missing} are not in the source ({SKIPPED}); documents: "
-                        f"{listing([repr(name) for name in names], 20)}")
+                        f"{listing([repr(name) for name in names], 20)}{file_name_hint(missing, known)}")
     if len(held) >= len(names):
         raise DataError("every document is held out: leave at least one for training")
     splits = {"train": [d for d in documents if same_form(d.name) not in held],
