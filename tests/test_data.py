@@ -54,6 +54,19 @@ def test_one_document_is_counted_as_one(corpus, tmp_path):
     assert summary[2].endswith(" tokens  1 document: doc1")
 
 
+def test_a_bpe_smaller_than_asked_for_is_told(corpus, tmp_path):
+    """A corpus of a few dozen words gives no merges past a few hundred tokens: bpe4096 had 403, silently."""
+    lines = []
+    prepared = D.prepare(str(corpus), "bpe4096", tmp_path, log=lines.append)
+    size = prepared.tokenizer.vocab_size
+    assert 257 < size < 4096 and prepared.manifest["vocab_size"] == size
+    assert (f"note: the training documents make a BPE of only {size} tokens, not 4096 (each of their words is one "
+            f"token by then): a model trained on this data has a vocabulary of {size}") in lines
+    lines.clear()
+    D.prepare(str(corpus), "bpe300", tmp_path, log=lines.append)
+    assert not any(line.startswith("note:") for line in lines)
+
+
 def test_default_holdout_is_the_last_documents(corpus):
     splits = D.split_documents(D.read_documents(corpus))
     assert [d.name for d in splits["valid"]] == ["doc3"]

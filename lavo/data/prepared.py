@@ -151,6 +151,10 @@ def write_cache(staging: Path, folders: dict[str, Path], splits: dict[str, list[
         check_word_lengths(splits["train"])
         log(f"training a byte-level BPE ({vocab_size} tokens) on {counted(len(splits['train']), 'training document')}")
         tok = train_bpe([d.text for d in splits["train"]], vocab_size)
+        if tok.vocab_size < vocab_size:  # the trainer stops once every word is one token, without a word
+            log(f"note: the training documents make a BPE of only {tok.vocab_size} tokens, not {vocab_size} (each of "
+                f"their words is one token by then): a model trained on this data has a vocabulary of "
+                f"{tok.vocab_size}")
         tok.save(staging / "tokenizer.json")
     dtype = token_dtype(tok.vocab_size)
     texts = {part: str(folder) for part, folder in folders.items()}
