@@ -174,11 +174,12 @@ def save_plot(results: dict[str, dict[int, dict]], path: str | os.PathLike,
                      vline=(train_length, "training length") if train_length else None)
 
 
-def text_documents(path: str | os.PathLike) -> list[Document]:
-    """A plain-text file, or every ``.txt`` file of a folder (sorted by name), as documents."""
+def text_documents(path: str | os.PathLike, log=None) -> list[Document]:
+    """A plain-text file, or every ``.txt`` file of a folder (sorted by name), as documents; ``log`` is told of
+    the files a folder leaves out (in subfolders, or named ``.TXT``), as for a folder source."""
     path = Path(path)
     if path.is_dir():
-        return read_documents(path)
+        return read_documents(path, log)
     if path.is_file():
         text = read_text(path)
         if not text.strip():  # as a folder leaves out such a file: it holds no text to score
@@ -233,10 +234,10 @@ def load_models(run_dirs: list[str], device) -> list[LoadedModel]:
 
 
 def tokens_per_run(loaded: list[LoadedModel], text: str | None, split: str, data_dir: str | None,
-                   parts: list[str] | None) -> dict[str, np.ndarray]:
+                   parts: list[str] | None, log=print) -> dict[str, np.ndarray]:
     """What each run scores: the file or folder ``text``, else the split ``split`` of its own data (checked against
     the documents it recorded), tokenised with its tokenizer (once for runs that share both)."""
-    given = text_documents(text) if text else None
+    given = text_documents(text, log) if text else None
     cache: dict[tuple, np.ndarray] = {}
     tokens = {}
     for run in loaded:
@@ -299,7 +300,7 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     if missing_config and text is None:
         raise DataError(f"{', '.join(map(str, missing_config))} do not record the data they trained on: score a "
                         "text with --text FILE")
-    tokens = tokens_per_run(loaded, text, split, data_dir, parts)
+    tokens = tokens_per_run(loaded, text, split, data_dir, parts, log)
     same_text = len({hashlib.sha256(t.tobytes()).digest() for t in tokens.values()}) == 1
     if not same_text:
         log("warning: the runs score different texts (other data, held-out documents or tokenizers): "

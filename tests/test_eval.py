@@ -96,6 +96,11 @@ def test_any_text_is_scored_with_the_runs_tokenizer(tmp_path, capsys):
         with pytest.raises(DataError, match=r"--text .*blank.txt is empty or holds only whitespace: nothing to score"):
             text_documents(texts / "blank.txt")
     assert len(text_documents(texts)) == 2  # a folder leaves such a file out
+    (texts / "more").mkdir()
+    (texts / "more" / "inner.txt").write_text("a text in a subfolder\n")
+    told = []  # was: left out without a word, unlike a folder source's
+    assert len(text_documents(texts, told.append)) == 2
+    assert told == [f"note: the documents are the .txt files directly in {texts}; not read: more/inner.txt"]
 
     capsys.readouterr()
     assert main(["eval", str(tmp_path / "run"), "--text", str(texts), "--lengths", "16,32", "--chunk-size", "12",
