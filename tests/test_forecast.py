@@ -301,6 +301,24 @@ def test_the_grid_is_checked_before_any_cell_runs(grid, message, tmp_path):
     assert not path.exists()
 
 
+@pytest.mark.parametrize("grid, message", [
+    (([24], [12, 40], ["repeat_last"], [0]),  # the validation split, steps [210, 240), is shorter than 40
+     "weather_nc, input 24, horizon 40, repeat_last: a split of steps [210, 240) holds no window of 24 inputs and "
+     "40 targets"),
+    (([12], [12], ["dlinear", "seasonal_naive"], [0]),  # the series is hourly: the period is 24 steps
+     "weather_nc, input 12, horizon 12, seasonal_naive: the seasonal period must be in [1, input_len=12], got 24"),
+])
+def test_a_cell_that_cannot_run_is_named_before_the_first_cell_trains(grid, message, tmp_path, monkeypatch):
+    """Found only when its turn came, such a cell ended the sweep after the cells before it, and without
+    --results their scores were lost with it."""
+    import lavo.forecast.experiment as experiment
+    monkeypatch.setattr(experiment, "run_cell", None)  # not called: calling it would raise TypeError
+    path = tmp_path / "results.json"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        run_cells(generated_series(300), *grid, SMALL, path, progress=False)
+    assert not path.exists()
+
+
 def test_training_is_reproducible_per_seed():
     series = generated_series(300)
     first, second = (run_cell(series, 24, 12, "performer", 3, SMALL) for _ in range(2))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..data import DataError
 from ..files import make_directory, write_json
 from ..layers.base import after_optimizer_step
 from ..model import count_parameters
@@ -25,7 +26,7 @@ from ..registry import available_cross_attentions
 from ..settings import (SEED, above, at_least, between, check_same_settings, check_settings, one_of, read_results,
                         setting)
 from .baselines import DLinear, RepeatLast, SeasonalNaive
-from .data import TARGET_COLUMN, Series, Standardised, gather_windows, standardise, window_starts
+from .data import TARGET_COLUMN, Series, Standardised, gather_windows, split_bounds, standardise, window_starts
 from .model import Forecaster
 
 BASELINES = ("repeat_last", "seasonal_naive", "dlinear")
@@ -184,11 +185,25 @@ def load_results(path: Path | None) -> dict:
     return read_results(path, ("settings", "cells"), "`lavo forecast`", "name another file")
 
 
+def check_cells(series: Series, grid: Grid, settings: Settings) -> None:
+    """Every cell's windows and model, before the first cell trains: a horizon too long for a split, or an input
+    shorter than the seasonal baseline's period, would otherwise end the sweep after the cells before it."""
+    bounds = split_bounds(len(series.values)).values()
+    for L, H, method in itertools.product(grid.input, grid.horizon, grid.method):
+        try:
+            for split in bounds:
+                window_starts(split, L, H)
+            build_method(method, len(series.columns), L, H, series.steps_per_day, settings)
+        except (DataError, ValueError) as error:
+            raise ValueError(f"{series.name}, input {L}, horizon {H}, {method}: {error}") from error
+
+
 def run_cells(series: Series, input_lens: list[int], horizons: list[int], methods: list[str], seeds: list[int],
               settings: Settings, results_path: str | Path | None = None, progress: bool = True) -> dict[str, dict]:
     """Every cell of the grid, skipping those already in ``results_path`` (written after each cell); the
-    settings must match the file's."""
+    settings must match the file's. Every cell is checked before the first one runs."""
     grid = Grid(input_lens, horizons, methods, seeds)
+    check_cells(series, grid, settings)
     results_path = None if results_path is None else Path(results_path)
     if results_path is not None:  # before any cell trains: a folder, or a file under one, cannot take the results
         if results_path.is_dir():
