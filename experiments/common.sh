@@ -43,7 +43,8 @@ eval_runs() {
 }
 
 # listops_run NAME ARGS...: `lavo listops` with experiments/listops/base.json and ARGS into
-# experiments/listops/runs/NAME, unless it has results.json already. This checkout's code runs (PYTHONPATH).
+# experiments/listops/runs/NAME, unless it has results.json already; an interrupted run resumes from its
+# checkpoint.pt. This checkout's code runs (PYTHONPATH).
 listops_run() {
   local exp=experiments/listops name="$1"; shift
   local dir="$exp/runs/$name"

@@ -6,11 +6,13 @@ model's (:mod:`lavo.model`, :func:`lavo.train.learning_rate`); only the causal f
 
 :func:`train_listops` trains one model on a seeded ListOps task, validates every ``eval_interval`` steps, scores
 the test split at the end and writes ``results.json`` (a finished ``results.json`` makes a rerun of the same
-settings skip).
+settings skip). Until then ``checkpoint.pt`` holds its state, saved at every validation point and on Ctrl-C, and
+a rerun resumes from it.
 """
 from __future__ import annotations
 
 import math
+import pickle
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .files import make_directory, write_json
+from .files import atomic_write, make_directory, write_json
 from .layers.base import after_optimizer_step
 from .listops import CLASSES, VOCAB, ListOpsSpec, Split, make_splits
 from .model import Block, ModelConfig, add_positions, count_parameters, initialise, parameter_groups
 from .settings import (SEED, SettingsError, above, at_least, check_at_most, check_known, check_same_settings,
                        check_settings, read_results, setting)
-from .train import learning_rate
+from .train import Stopped, StopRequests, learning_rate
 
 
 class SequenceClassifier(nn.Module):
@@ -121,47 +123,102 @@ def accuracy(model: SequenceClassifier, split: Split, batch_size: int) -> float:
     return correct / len(split)
 
 
+def train_step(run: ListOpsRun, model: nn.Module, optimizer: torch.optim.Optimizer,
+               batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int) -> float:
+    """One optimizer step (0-based ``step``) at the scheduled learning rate; returns the batch's loss."""
+    rate = learning_rate(step, run)
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr_scale"] * rate
+    ids, mask, labels = batch
+    loss = F.cross_entropy(model(ids, mask), labels)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), run.clip)
+    optimizer.step()
+    after_optimizer_step(model)
+    if not math.isfinite(loss.item()):
+        raise ValueError(f"{run.attention}: the training loss is {loss.item()} at step {step + 1}")
+    return loss.item()
+
+
+CHECKPOINT = "checkpoint.pt"  # an unfinished run's state, removed once results.json is written
+
+
+def save_checkpoint(path: Path, run: ListOpsRun, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    sampler: torch.Generator, state: dict) -> None:
+    """Everything the next step depends on, so a resumed run takes the steps an uninterrupted one would: the
+    weights, the optimizer, both random generators, and the curve with the losses its next point averages."""
+    saved = {**state, "losses": state["losses"][-run.eval_interval:], "run": asdict(run),
+             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.get_state(),
+             "torch_rng": torch.get_rng_state()}
+    atomic_write(path, lambda tmp: torch.save(saved, tmp))
+
+
+def load_checkpoint(path: Path, run: ListOpsRun, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    sampler: torch.Generator, advice: str) -> dict:
+    """Load ``path`` (written by :func:`save_checkpoint` for the same settings) into the model, the optimizer
+    and the generators; return the training state (step, curve, losses, train_seconds)."""
+    try:
+        saved = torch.load(path, weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as error:  # a damaged file, or another program's
+        raise ValueError(f"{path} is not a checkpoint of `lavo listops` ({error}); {advice}") from error
+    check_same_settings(path, saved["run"], asdict(run), advice)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    sampler.set_state(saved["sampler"])
+    torch.set_rng_state(saved["torch_rng"])
+    return {key: saved[key] for key in ("step", "curve", "losses", "train_seconds")}
+
+
 def train_listops(run: ListOpsRun, out_dir: str | Path, progress: bool = True, log=print) -> dict:
     """Train ``run`` on its seeded splits, write ``out_dir/results.json`` and return it; a finished
     ``results.json`` of the same settings is returned as it is (the run is skipped), one of other settings is
-    refused."""
+    refused. ``out_dir/checkpoint.pt`` is saved at every validation point and when Ctrl-C (or SIGTERM) stops
+    the run after its current step; a rerun resumes from it, to the numbers an uninterrupted run gives."""
     from tqdm import tqdm
-    out = make_directory(out_dir, "--out") / "results.json"  # a file there is named before any training
+    folder = make_directory(out_dir, "--out")  # a file there is named before any training
+    out, checkpoint = folder / "results.json", folder / CHECKPOINT
     torch.manual_seed(run.seed)
     model = run.build_model()  # first, so that a bad setting fails as such, before results are compared or drawn
+    elsewhere = f"train into another --out folder, or delete {Path(out_dir)} to train this run there"
     if out.exists():
-        elsewhere = f"train into another --out folder, or delete {Path(out_dir)} to train this run there"
         results = read_results(out, ("run",), "`lavo listops`", elsewhere)
         check_same_settings(out, results["run"], asdict(run), elsewhere)
         log(f"[skip] {out} exists")
         return results
-    splits = make_splits({"train": run.train_size, "valid": run.valid_size, "test": run.test_size},
-                         run.seed, run.spec)
     optimizer = torch.optim.AdamW(parameter_groups(model, run.weight_decay, run.lr), betas=(0.9, 0.98))
     sampler = torch.Generator().manual_seed(run.seed)
-    train = splits["train"]
-    curve, losses = [], []
-    started = time.perf_counter()
-    for step in tqdm(range(run.steps), disable=not progress, desc=run.attention, mininterval=10):
-        rate = learning_rate(step, run)
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr_scale"] * rate
-        ids, mask, labels = train.batch(torch.randint(len(train), (run.batch_size,), generator=sampler))
-        loss = F.cross_entropy(model(ids, mask), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), run.clip)
-        optimizer.step()
-        after_optimizer_step(model)
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            raise ValueError(f"{run.attention}: the training loss is {losses[-1]} at step {step + 1}")
-        if (step + 1) % run.eval_interval == 0 or step + 1 == run.steps:
-            recent = losses[-run.eval_interval:]
-            curve.append({"step": step + 1, "train_loss": sum(recent) / len(recent),
-                          "valid_accuracy": accuracy(model, splits["valid"], 2 * run.batch_size)})
-            log(f"{run.attention} step {step + 1}: train loss {curve[-1]['train_loss']:.4f}, "
-                f"valid accuracy {curve[-1]['valid_accuracy']:.4f}")
+    state = {"step": 0, "curve": [], "losses": [], "train_seconds": 0.0}
+    if checkpoint.exists():
+        state = load_checkpoint(checkpoint, run, model, optimizer, sampler, elsewhere)
+        log(f"resuming from {checkpoint} after step {state['step']}")
+    splits = make_splits({"train": run.train_size, "valid": run.valid_size, "test": run.test_size},
+                         run.seed, run.spec)
+    train, curve, losses = splits["train"], state["curve"], state["losses"]
+    started = time.perf_counter() - state["train_seconds"]
+
+    def save() -> None:
+        state["train_seconds"] = time.perf_counter() - started
+        save_checkpoint(checkpoint, run, model, optimizer, sampler, state)
+
+    with StopRequests() as stops:
+        for step in tqdm(range(state["step"], run.steps), initial=state["step"], total=run.steps,
+                         disable=not progress, desc=run.attention, mininterval=10):
+            losses.append(train_step(run, model, optimizer, train.batch(
+                torch.randint(len(train), (run.batch_size,), generator=sampler)), step))
+            state["step"] = step + 1
+            at_curve_point = (step + 1) % run.eval_interval == 0 or step + 1 == run.steps
+            if at_curve_point:
+                recent = losses[-run.eval_interval:]
+                curve.append({"step": step + 1, "train_loss": sum(recent) / len(recent),
+                              "valid_accuracy": accuracy(model, splits["valid"], 2 * run.batch_size)})
+                log(f"{run.attention} step {step + 1}: train loss {curve[-1]['train_loss']:.4f}, "
+                    f"valid accuracy {curve[-1]['valid_accuracy']:.4f}")
+            if at_curve_point or stops.requested:  # a process killed outright loses at most eval_interval steps
+                save()
+            if stops.requested and step + 1 < run.steps:
+                log(f"interrupted after step {step + 1}; saved {checkpoint}: run the same command again to resume")
+                raise Stopped(stops.signal)
     train_seconds = time.perf_counter() - started
     results = {
         "run": asdict(run),
@@ -175,4 +232,5 @@ def train_listops(run: ListOpsRun, out_dir: str | Path, progress: bool = True, l
         "mean_train_length": float(train.lengths.float().mean()),
     }
     write_json(out, results)
+    checkpoint.unlink()
     return results

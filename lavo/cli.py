@@ -324,7 +324,9 @@ def add_listops(commands) -> None:
                             "10 classes), train a non-causal encoder with mean pooling over --attention, report "
                             "validation accuracy during training and test accuracy at the end, and write "
                             "OUT/results.json (a rerun of the same settings finds it and skips; other settings "
-                            "are refused). Settings: the fields of lavo.classify.ListOpsRun, from --config (JSON) "
+                            "are refused). Until then OUT/checkpoint.pt holds the run, saved at every validation "
+                            "point and when Ctrl-C stops it after the current step: the same command again "
+                            "resumes it, to the numbers of an uninterrupted run. Settings: the fields of lavo.classify.ListOpsRun, from --config (JSON) "
                             "and --set, e.g. --set steps=2000 "
                             "--set spec.max_length=500 --set attention_options.dissection=false.")
     p.add_argument("--attention", help="a registered mechanism (default: lavo, or the config's)")
@@ -333,7 +335,8 @@ def add_listops(commands) -> None:
                    "(default: 0, or the config's)")
     p.add_argument("--config", help="a JSON file of ListOpsRun settings")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting (repeatable)")
-    p.add_argument("--out", required=True, help="directory for results.json")
+    p.add_argument("--out", required=True, help="directory for results.json (and checkpoint.pt until it is "
+                   "written)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_listops)
 

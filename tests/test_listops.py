@@ -371,3 +371,72 @@ def test_listops_report_refuses_runs_of_one_seed_with_different_floors(tmp_path)
     write_listops_run(tmp_path, "b", 0, 0.2, [0.2], floor=0.17)
     with pytest.raises(ValueError, match="seed 0: runs disagree on the test split's majority class"):
         report.floors(report.collect(tmp_path))
+
+
+def small_listops_config(folder) -> str:
+    """A config of a few seconds: 7 steps, a curve point every 3 (and at the last step)."""
+    import json
+    config = folder / "small.json"
+    config.write_text(json.dumps({"spec": {"min_length": 10, "max_length": 40, "max_depth": 4}, "dim": 16,
+                                  "depth": 1, "heads": 2, "train_size": 40, "valid_size": 10, "test_size": 10,
+                                  "steps": 7, "batch_size": 4, "warmup": 1, "eval_interval": 3}))
+    return str(config)
+
+
+def interrupt_listops(arguments, stop_during_step: int, monkeypatch) -> int:
+    """``lavo listops ARGUMENTS`` with a Ctrl-C (SIGINT) arriving during step ``stop_during_step`` (0-based)."""
+    import os
+    import signal
+
+    import lavo.classify
+    from lavo.cli import main
+
+    def learning_rate(step, run):
+        if step == stop_during_step:
+            os.kill(os.getpid(), signal.SIGINT)
+        return lavo.train.learning_rate(step, run)
+
+    monkeypatch.setattr(lavo.classify, "learning_rate", learning_rate)
+    status = main(arguments)
+    monkeypatch.undo()
+    return status
+
+
+def test_an_interrupted_listops_run_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path, capsys, monkeypatch):
+    """Ctrl-C lost the whole run: a rerun trained it again from step 0."""
+    import json
+
+    from lavo.cli import main
+    arguments = ["listops", "--config", small_listops_config(tmp_path), "--attention", "lavo", "--quiet", "--out"]
+    assert main(arguments + [str(tmp_path / "whole")]) == 0
+    stopped = tmp_path / "stopped"
+    # during the 5th step: the checkpoint holds step 5, between the curve points at 3 and 6, whose average reaches
+    # back before it, as the last point's (7) does
+    assert interrupt_listops(arguments + [str(stopped)], 4, monkeypatch) == 130
+    assert (f"interrupted after step 5; saved {stopped / 'checkpoint.pt'}: run the same command again to resume"
+            in capsys.readouterr().out)
+    assert not (stopped / "results.json").exists()
+    assert main(arguments + [str(stopped)]) == 0
+    assert f"resuming from {stopped / 'checkpoint.pt'} after step 5" in capsys.readouterr().out
+    whole, resumed = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("whole", "stopped"))
+    assert [point["step"] for point in resumed["curve"]] == [3, 6, 7]
+    assert {**resumed, "train_seconds": None} == {**whole, "train_seconds": None}
+    assert not (stopped / "checkpoint.pt").exists()  # the finished run keeps its results only
+
+
+def test_a_checkpoint_is_resumed_only_with_the_settings_it_was_made_with(tmp_path, capsys, monkeypatch):
+    from lavo.cli import main
+    stopped = tmp_path / "stopped"
+    arguments = ["listops", "--config", small_listops_config(tmp_path), "--attention", "lavo", "--quiet", "--out",
+                 str(stopped)]
+    assert interrupt_listops(arguments, 1, monkeypatch) == 130
+    capsys.readouterr()
+    assert main(arguments + ["--seed", "2"]) == 2
+    advice = f"train into another --out folder, or delete {stopped} to train this run there"
+    assert capsys.readouterr().err == (f"lavo listops: error: {stopped / 'checkpoint.pt'} was written with other "
+                                       f"settings (seed 0, asked for 2); {advice}\n")
+    (stopped / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    assert main(arguments) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"lavo listops: error: {stopped / 'checkpoint.pt'} is not a checkpoint of `lavo listops` (")
+    assert error.endswith(f"); {advice}\n")
