@@ -280,6 +280,7 @@ def test_the_results_file_is_checked_before_any_cell_trains(tmp_path, monkeypatc
     (dict(patience=0, eval_every=0), "forecast.eval_every must be an integer >= 1; got 0; "
                                      "forecast.patience must be an integer >= 1; got 0"),
     (dict(dropout=1.0), "forecast.dropout must be a number in [0, 1); got 1.0"),
+    (dict(label_len=0), "forecast.label_len must be an integer >= 1; got 0"),
 ])
 def test_settings_are_checked(changes, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):

@@ -40,7 +40,7 @@ class Settings:
     heads: int = setting(4, at_least(1))
     layers: int = setting(1, at_least(1))
     hidden: int = setting(64, at_least(1))
-    label_len: int = setting(48, at_least(0))
+    label_len: int = setting(48, at_least(1))  # the decoder's observed steps: the Forecaster needs one
     dropout: float = setting(0.05, between(0, 1, high_open=True))
     batch_size: int = setting(16, at_least(1))
     learning_rate: float = setting(1e-3, above(0))
