@@ -328,7 +328,8 @@ def add_listops(commands) -> None:
                             "point and when Ctrl-C stops it after the current step: the same command again "
                             "resumes it, to the numbers of an uninterrupted run. Settings: the fields of lavo.classify.ListOpsRun, from --config (JSON) "
                             "and --set, e.g. --set steps=2000 "
-                            "--set spec.max_length=500 --set attention_options.dissection=false.")
+                            "--set spec.min_length=50 --set spec.max_length=300 "
+                            "--set attention_options.dissection=false.")
     p.add_argument("--attention", help="a registered mechanism (default: lavo, or the config's)")
     p.add_argument("--seed", type=flag_type(ListOpsRun, "seed"),
                    help="seeds the data splits, the initialisation and the batches "
