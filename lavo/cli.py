@@ -344,14 +344,27 @@ def add_listops(commands) -> None:
 
 def cmd_forecast(args) -> None:
     from .forecast.data import load_series
-    from .forecast.experiment import Settings, run_cells
-    from .report import text_table
+    from .forecast.experiment import Settings, iter_cells
     methods = args.cross + args.baseline
     if not methods:
         raise ValueError("name at least one --cross or --baseline method")
     series = load_series(args.data, args.data_dir)
-    cells = run_cells(series, args.input, args.horizon, methods, args.seed, Settings(max_steps=args.max_steps),
-                      args.results, progress=not args.quiet)
+    cells = {}
+    try:
+        for key, cell in iter_cells(series, args.input, args.horizon, methods, args.seed,
+                                    Settings(max_steps=args.max_steps), args.results, progress=not args.quiet):
+            cells[key] = cell
+    except KeyboardInterrupt:  # the finished cells' scores are kept, as bench keeps its measurements
+        print_forecast_scores(cells)
+        kept = (f"{args.results} holds them and a rerun skips them" if args.results else
+                "with --results FILE a rerun would skip them")
+        print(f"interrupted: the table holds the {len(cells)} cells that finished; {kept}", file=sys.stderr)
+        raise
+    print_forecast_scores(cells)
+
+
+def print_forecast_scores(cells: dict[str, dict]) -> None:
+    from .report import text_table
     rows = [[key, f"{cell['mse']:.4f}", f"{cell['mae']:.4f}", cell.get("steps", 0), f"{cell['wall_s']:.1f}"]
             for key, cell in cells.items()]
     print(text_table(["cell", "MSE", "MAE", "steps", "wall s"], rows))
@@ -374,7 +387,8 @@ def add_forecast(commands) -> None:
                             description="Train and score forecasting cells (Informer-style encoder-decoder whose "
                             "cross attention is --cross, or a --baseline) on a dataset fetched from a pinned "
                             "package; MSE and MAE over every test window, on standardised values. Lists run every "
-                            "combination; with --results, finished cells are recorded there and skipped on a rerun.")
+                            "combination; with --results, finished cells are recorded there and skipped on a rerun. "
+                            "Ctrl-C prints the scores of the cells that finished.")
     p.add_argument("--data", required=True, choices=DATASETS)
     p.add_argument("--horizon", type=flag_type(Grid, "horizon"), required=True,
                    help="steps to forecast, e.g. 96 or 96,192,336,720")

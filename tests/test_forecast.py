@@ -356,3 +356,24 @@ def test_cli_forecast_asks_for_a_method_before_loading_the_data(monkeypatch, cap
     monkeypatch.setattr(forecast_data, "load_series", no_data)
     assert main(["forecast", "--data", "elecdemand", "--horizon", "12"]) == 2
     assert capsys.readouterr().err == "lavo forecast: error: name at least one --cross or --baseline method\n"
+
+
+def test_cli_forecast_stopped_midway_prints_the_cells_that_finished(monkeypatch, capsys):
+    """Ctrl-C printed nothing: without --results the finished cells' scores were lost."""
+    import lavo.forecast.experiment as experiment
+    monkeypatch.setattr(forecast_data, "load_series", lambda name, cache_dir: generated_series(300, name=name))
+    finished = []
+
+    def stopped_at_the_second_cell(*args, **kwargs):
+        if finished:
+            raise KeyboardInterrupt
+        finished.append(run_cell(*args, **kwargs))
+        return finished[-1]
+
+    monkeypatch.setattr(experiment, "run_cell", stopped_at_the_second_cell)
+    assert main(["forecast", "--data", "weather_nc", "--horizon", "12", "--input", "24", "--baseline",
+                 "repeat_last,seasonal_naive", "--quiet"]) == 130
+    out, err = capsys.readouterr()
+    assert f"weather_nc|L24|H12|repeat_last|seed0  {finished[0]['mse']:.4f}" in out and "seasonal_naive" not in out
+    assert err == ("interrupted: the table holds the 1 cells that finished; with --results FILE a rerun would skip "
+                   "them\n")

@@ -13,6 +13,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -198,10 +199,12 @@ def check_cells(series: Series, grid: Grid, settings: Settings) -> None:
             raise ValueError(f"{series.name}, input {L}, horizon {H}, {method}: {error}") from error
 
 
-def run_cells(series: Series, input_lens: list[int], horizons: list[int], methods: list[str], seeds: list[int],
-              settings: Settings, results_path: str | Path | None = None, progress: bool = True) -> dict[str, dict]:
-    """Every cell of the grid, skipping those already in ``results_path`` (written after each cell); the
-    settings must match the file's. Every cell is checked before the first one runs."""
+def iter_cells(series: Series, input_lens: list[int], horizons: list[int], methods: list[str], seeds: list[int],
+               settings: Settings, results_path: str | Path | None = None,
+               progress: bool = True) -> Iterator[tuple[str, dict]]:
+    """``(key, result)`` of every cell of the grid as it finishes, skipping those already in ``results_path``
+    (written after each cell); the settings must match the file's. Every cell is checked before the first one
+    runs."""
     grid = Grid(input_lens, horizons, methods, seeds)
     check_cells(series, grid, settings)
     results_path = None if results_path is None else Path(results_path)
@@ -214,7 +217,6 @@ def run_cells(series: Series, input_lens: list[int], horizons: list[int], method
     if results["settings"] is not None:
         check_same_settings(results_path, results["settings"], asdict(settings), "use another file")
     results["settings"] = asdict(settings)
-    done = {}
     for L, H, method, seed in tqdm(grid.cells(), disable=not progress, desc=series.name):
         key = cell_key(series.name, L, H, method, seed)
         if key not in results["cells"]:
@@ -224,5 +226,10 @@ def run_cells(series: Series, input_lens: list[int], horizons: list[int], method
             results["cells"][key] = cell
             if results_path:
                 write_json(results_path, results)
-        done[key] = results["cells"][key]
-    return done
+        yield key, results["cells"][key]
+
+
+def run_cells(series: Series, input_lens: list[int], horizons: list[int], methods: list[str], seeds: list[int],
+              settings: Settings, results_path: str | Path | None = None, progress: bool = True) -> dict[str, dict]:
+    """:func:`iter_cells`' results, ``{key: result}``, once every cell has finished."""
+    return dict(iter_cells(series, input_lens, horizons, methods, seeds, settings, results_path, progress))
