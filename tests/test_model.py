@@ -1,4 +1,6 @@
 """The GPT model: cached decoding equals the full forward, causality, positions, config."""
+import math
+
 import pytest
 import torch
 
@@ -50,6 +52,17 @@ def test_sinusoidal_positions_continue_in_the_cache():
     table = sinusoidal_positions(0, 10, 8)
     torch.testing.assert_close(sinusoidal_positions(4, 6, 8), table[4:])
     assert table[0, 1] == 1.0 and table[0, 0] == 0.0  # sin/cos interleaved
+
+
+@pytest.mark.parametrize("dim", [8, 7])
+def test_sinusoidal_positions_are_vaswanis(dim):
+    """Vaswani et al. (2017), 3.5: entry 2i of position p is sin(p / 10000^(2i / dim)), entry 2i + 1 its cosine;
+    an odd dim ends on a sine."""
+    positions = [0, 1, 5, 37, 500]
+    expected = [[math.sin(p / 10000 ** (j / dim)) if j % 2 == 0 else math.cos(p / 10000 ** ((j - 1) / dim))
+                 for j in range(dim)] for p in positions]
+    table = sinusoidal_positions(0, 501, dim)[positions]
+    torch.testing.assert_close(table, torch.tensor(expected), atol=1e-4, rtol=0)
 
 
 def test_sinusoidal_positions_are_as_large_as_the_initial_token_embeddings():
