@@ -232,6 +232,19 @@ def test_a_cell_trains_scores_every_test_window_and_beats_repeating_the_last_val
     assert len(cell["example"]["forecast"]) == 24 and len(cell["example"]["history"]) == 48
 
 
+def test_a_cells_scores_are_the_mean_squared_and_absolute_errors_over_every_test_window_step_and_variable():
+    """Repeating the last value, worked out here in numpy: standardised by the first 70% of the steps, the windows
+    whose 24 targets lie in the last 20%."""
+    series = generated_series(600)
+    train = series.values[:420].astype(np.float64)
+    values = (series.values - train.mean(0)) / train.std(0)
+    differences = np.stack([values[t:t + 24] - values[t - 1] for t in range(480, 600 - 24 + 1)])
+    cell = run_cell(series, 48, 24, "repeat_last", 0, SMALL)
+    assert cell["test_windows"] == len(differences) == 97
+    assert cell["mse"] == pytest.approx(np.square(differences).mean(), rel=1e-5)
+    assert cell["mae"] == pytest.approx(np.abs(differences).mean(), rel=1e-5)
+
+
 def test_a_diverging_training_is_named_instead_of_failing_on_its_missing_best_weights():
     with pytest.raises(ValueError, match=r"^training diverged: the validation MSE is (nan|inf) at step 3 \(learning "
                                          r"rate 1e\+30\); lower forecast.learning_rate$"):
