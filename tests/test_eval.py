@@ -1,5 +1,6 @@
 """Evaluation by length: the same tokens at every length, chunked scoring through the cache, outputs."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -39,6 +40,7 @@ def test_every_length_scores_the_same_tokens():
         logits = model.table(torch.from_numpy(tokens[:896].astype(np.int64)))
         expected = torch.nn.functional.cross_entropy(logits, torch.from_numpy(tokens[1:897].astype(np.int64)))
     assert abs(losses[0] - expected.item()) < 1e-5
+    assert results[16]["ppl"] == pytest.approx(math.exp(expected.item()), rel=1e-5)  # the perplexity: e^loss
 
 
 def test_max_tokens_and_too_short_text():
