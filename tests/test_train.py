@@ -166,7 +166,10 @@ def test_checkpoint_files(corpus, tmp_path):
 def test_learning_rate_schedule():
     config = TrainConfig(lr=1.0, min_lr=0.1, warmup=10, steps=110)
     assert learning_rate(0, config) == pytest.approx(0.1)
+    assert learning_rate(4, config) == pytest.approx(0.5)  # linear warmup: step s at (s + 1) / 10 of the rate
     assert learning_rate(9, config) == pytest.approx(1.0)
+    # cosine, not linear, decay: a quarter of the way 0.1 + 0.45 (1 + cos(pi / 4)), where a line is at 0.775
+    assert learning_rate(35, config) == pytest.approx(0.1 + 0.45 * (1 + 2 ** -0.5))
     assert learning_rate(60, config) == pytest.approx(0.55)
     assert learning_rate(110, config) == pytest.approx(0.1)
     values = [learning_rate(s, config) for s in range(10, 111)]
