@@ -4,7 +4,7 @@ import pytest
 import torch
 from reference_checks import forward_calls
 
-from lavo.generate import filter_logits, generate
+from lavo.generate import filter_logits, generate, sample_next
 from lavo.model import build_model
 
 
@@ -69,6 +69,15 @@ def test_filter_logits():
     assert torch.isinf(filter_logits(logits, top_p=0.7)).tolist() == [[False, False, True, True]]
     assert torch.isinf(filter_logits(logits, top_p=0.5)).tolist() == [[False, True, True, True]]
     assert torch.isinf(filter_logits(logits, top_p=0.81)).tolist() == [[False, False, False, True]]
+
+
+def test_top_p_keeps_the_nucleus_of_the_tempered_distribution():
+    """Temperature first, then top-k and top-p (docs/DESIGN.md): at temperature 0.5 the probabilities 0.5, 0.3,
+    0.15, 0.05 become 0.68, 0.25, 0.06, 0.01 (squared, renormalised), whose nucleus of 0.9 is the first two; the
+    untempered nucleus would keep the third."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, -1)
+    drawn = sample_next(logits, torch.Generator().manual_seed(0), temperature=0.5, top_p=0.9)
+    assert set(drawn.tolist()) == {0, 1}
 
 
 def test_the_prompt_is_fed_once_and_each_new_token_but_the_last():
