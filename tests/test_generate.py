@@ -63,6 +63,16 @@ def test_stop_token_ends_a_sample():
     assert stopped == free[:free.index(free[3]) + 1]
 
 
+def test_stop_token_ends_each_sample_where_it_draws_it():
+    """Every sample of a batch stops at its own first stop token; the others go on drawing as they would."""
+    m = model()
+    free = generate(m, [1], 20, temperature=1.0, seed=3, num_samples=3)
+    stop = free[1][2]
+    stopped = generate(m, [1], 20, temperature=1.0, seed=3, num_samples=3, stop_id=stop)
+    assert stopped == [row[:row.index(stop) + 1] if stop in row else row for row in free]
+    assert [len(row) for row in stopped] == [20, 3, 20]  # this seed: only the second sample draws it
+
+
 def test_filter_logits():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[False, False, True, True]]
