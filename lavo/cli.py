@@ -326,8 +326,8 @@ def add_listops(commands) -> None:
                             "OUT/results.json (a rerun of the same settings finds it and skips; other settings "
                             "are refused). Until then OUT/checkpoint.pt holds the run, saved at every validation "
                             "point and when Ctrl-C stops it after the current step: the same command again "
-                            "resumes it, to the numbers of an uninterrupted run. Settings: the fields of lavo.classify.ListOpsRun, from --config (JSON) "
-                            "and --set, e.g. --set steps=2000 "
+                            "resumes it, to the numbers of an uninterrupted run. Settings: the fields of "
+                            "lavo.classify.ListOpsRun, from --config (JSON) and --set, e.g. --set steps=2000 "
                             "--set spec.min_length=50 --set spec.max_length=300 "
                             "--set attention_options.dissection=false.")
     p.add_argument("--attention", help="a registered mechanism (default: lavo, or the config's)")

@@ -148,7 +148,7 @@ def _block_weights(q, keys, scale, bias, key_valid, masked, c0, allowed, shift=N
     shift = scores.amax(-1, keepdim=True) if shift is None else shift
     # exp() of a value that underflows takes a slow path on CPU (about 10x); clamp, then zero what is masked.
     weights = scores.sub_(shift).clamp_(min=EXP_FLOOR).exp_()
-    # Zeroed by products with 0/1 masks, exact on these finite weights: a broadcast masked_fill_ is about 9 times
+    # Zeroed by products with 0/1 masks, exact on these finite weights: a broadcast masked_fill_ is several times
     # slower on CPU.
     if padded:
         weights.mul_(key_valid[c0:c1, :, None, None, :])
