@@ -12,7 +12,6 @@ a rerun resumes from it.
 from __future__ import annotations
 
 import math
-import pickle
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .files import atomic_write, make_directory, write_json
+from .files import atomic_write, make_directory, read_saved_state, write_json
 from .layers.base import after_optimizer_step
 from .listops import CLASSES, VOCAB, ListOpsSpec, Split, make_splits
 from .model import Block, ModelConfig, add_positions, count_parameters, initialise, parameter_groups
@@ -158,10 +157,7 @@ def load_checkpoint(path: Path, run: ListOpsRun, model: nn.Module, optimizer: to
                     sampler: torch.Generator, advice: str) -> dict:
     """Load ``path`` (written by :func:`save_checkpoint` for the same settings) into the model, the optimizer
     and the generators; return the training state (step, curve, losses, train_seconds)."""
-    try:
-        saved = torch.load(path, weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError) as error:  # a damaged file, or another program's
-        raise ValueError(f"{path} is not a checkpoint of `lavo listops` ({error}); {advice}") from error
+    saved = read_saved_state(path, "a checkpoint of `lavo listops`", advice)
     check_same_settings(path, saved["run"], asdict(run), advice)
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])

@@ -79,6 +79,17 @@ def write_json(path: str | os.PathLike, value: Any) -> Path:
     return write_text(path, json.dumps(value, indent=1) + "\n")
 
 
+def read_saved_state(path: str | os.PathLike, what: str, advice: str, error: type[Exception] = ValueError) -> Any:
+    """``torch.load`` a training state this package saved, onto the CPU; ``weights_only=True``, so a file from
+    elsewhere can hold no code to run. A damaged or foreign file raises ``error``: ``PATH is not WHAT (reason);
+    ADVICE``."""
+    import torch
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as failure:  # a damaged file raises pickle, zip, EOF or runtime errors
+        raise error(f"{path} is not {what} ({type(failure).__name__}: {failure}); {advice}") from failure
+
+
 def process_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)

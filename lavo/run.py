@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save as save_weights
 
 from .config import RunConfig, apply_overrides, deep_merge
 from .data import Tokenizer, is_builtin, load_tokenizer_file
-from .files import atomic_write, fsync_path, remove_orphans, write_json, write_text
+from .files import atomic_write, fsync_path, read_saved_state, remove_orphans, write_json, write_text
 from .model import LanguageModel, ModelConfig
 from .registry import UnknownAttention
 
@@ -237,12 +237,8 @@ def save_checkpoint(run_dir: str | os.PathLike, model: LanguageModel, state: dic
 
 
 def read_state(run_dir: Path) -> dict:
-    path = run_dir / STATE
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # a damaged file raises pickle, zip or runtime errors
-        raise RunError(f"{path} is not a readable training state ({type(error).__name__}: {error}): the run "
-                       "cannot be resumed exactly; start it again with --overwrite") from error
+    return read_saved_state(run_dir / STATE, "a readable training state",
+                            "the run cannot be resumed exactly: start it again with --overwrite", RunError)
 
 
 def recover_checkpoint(run_dir: str | os.PathLike) -> None:

@@ -104,6 +104,16 @@ def test_interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one(corp
     assert steps == [1, 2, 3, 4, 4, 5, 6, 6]  # per-step records plus a final record per call
 
 
+def test_a_damaged_training_state_is_named_and_resuming_is_refused(corpus, tmp_path):
+    parted = run(corpus, tmp_path, "damaged", steps=4, checkpoint_interval=100)
+    train(parted, stop_after=2, log=quiet)
+    state = tmp_path / "damaged" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # cut short, as by a full disk
+    with pytest.raises(RunError, match=re.escape(f"{state} is not a readable training state (") + r".+\); "
+                       + re.escape("the run cannot be resumed exactly: start it again with --overwrite")):
+        train(parted, resume=True, log=quiet)
+
+
 def test_a_run_resumed_with_activation_checkpointing_ends_exactly_like_one_without(corpus, tmp_path, monkeypatch):
     checkpointed_calls = count_checkpoints(monkeypatch)
     settings = dict(steps=4, grad_accum=2)
