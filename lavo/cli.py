@@ -12,6 +12,8 @@ import signal
 import sys
 from pathlib import Path
 
+from .settings import comma_list
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -131,7 +133,7 @@ def add_train(commands) -> None:
 def cmd_eval(args) -> None:
     from .evaluate import evaluate_runs
     evaluate_runs(args.runs, lengths=args.lengths, multiples=args.multiples, split=args.split,
-                  parts=args.parts.split(",") if args.parts else None, text=args.text,
+                  parts=args.parts, text=args.text,
                   batch_size=args.batch_size, chunk_size=args.chunk_size or None, max_tokens=args.max_tokens,
                   spread=args.spread, data_dir=args.data_dir, device=args.device, dtype=args.dtype, out_dir=args.out,
                   progress=not args.quiet)
@@ -151,8 +153,9 @@ def add_eval(commands) -> None:
                        help="multiples of the first run's train_length (default: 1,2,4,8)")
     p.add_argument("--split", default="valid", choices=("train", "valid"),
                    help="split to score (default: valid, the held-out documents)")
-    p.add_argument("--parts", default=None, help="for a mixed source, only the documents of these parts, "
-                   "comma-separated (e.g. python, or austen,shakespeare)")
+    p.add_argument("--parts", type=comma_list(), default=None,
+                   help="for a mixed source, only the documents of these parts, comma-separated (e.g. python, or "
+                   "austen,shakespeare)")
     p.add_argument("--text", default=None, help="score this plain-text file, or every .txt file of this folder, "
                    "instead of a split (so without --split or --parts)")
     p.add_argument("--data-dir", default=None, help="where the runs' data was downloaded (default: the data_dir "
@@ -293,7 +296,8 @@ def cmd_bench(args) -> int:
 def add_bench(commands) -> None:
     from .bench.cli import DESCRIPTION, EPILOG, add_arguments
     p = commands.add_parser("bench", help="time and memory of every mechanism against SDPA, decoding, throughput",
-                            description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                            description=DESCRIPTION, epilog=EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(handler=cmd_bench)
 
@@ -376,13 +380,6 @@ def add_forecast(commands) -> None:
     from .registry import available_cross_attentions
     from .settings import flag_type
 
-    def names(allowed):
-        def parse(text: str) -> list[str]:
-            unknown = sorted(set(text.split(",")) - set(allowed))
-            if unknown:
-                raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(allowed)}")
-            return text.split(",")
-        return parse
     p = commands.add_parser("forecast", help="multivariate forecasting: an encoder-decoder per cross attention",
                             description="Train and score forecasting cells (Informer-style encoder-decoder whose "
                             "cross attention is --cross, or a --baseline) on a dataset fetched from a pinned "
@@ -394,9 +391,9 @@ def add_forecast(commands) -> None:
                    help="steps to forecast, e.g. 96 or 96,192,336,720")
     p.add_argument("--input", type=flag_type(Grid, "input"), default=[96], help="input steps (default: 96)")
     cross = available_cross_attentions()
-    p.add_argument("--cross", type=names(cross), default=[], action="extend",
+    p.add_argument("--cross", type=comma_list(allowed=cross), default=[], action="extend",
                    help=f"cross attentions, comma-separated or repeated: {', '.join(cross)}")
-    p.add_argument("--baseline", type=names(BASELINES), default=[], action="extend",
+    p.add_argument("--baseline", type=comma_list(allowed=BASELINES), default=[], action="extend",
                    help=f"baselines, comma-separated or repeated: {', '.join(BASELINES)}")
     p.add_argument("--seed", type=flag_type(Grid, "seed"), default=[0], help="seeds, comma-separated (default: 0)")
     p.add_argument("--max-steps", type=flag_type(Settings, "max_steps"), default=Settings.max_steps,

@@ -191,6 +191,21 @@ def check_known(cls: type, values: dict, section: str) -> None:
         raise ValueError(f"unknown {section} settings {unknown}; known: {', '.join(sorted(known))}")
 
 
+def comma_list(kind: Callable[[str], Any] = str, allowed: typing.Collection[str] = (), may_be_empty: bool = False):
+    """An argparse ``type=`` for a comma-separated list of ``kind``: ``"a, b"`` is ``["a", "b"]``, not ``" b"``.
+    ``allowed``: the only items taken, if given; empty only where that means "none of these" (mechanisms, ops)."""
+    def parse(text: str) -> list:
+        items = [kind(item.strip()) for item in text.split(",") if item.strip()]
+        if not items and not may_be_empty:
+            raise argparse.ArgumentTypeError(f"must be a non-empty comma-separated list; got {text!r}")
+        unknown = sorted(set(items) - set(allowed)) if allowed else []
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(allowed)}")
+        return items
+    parse.__name__ = f"comma-separated {kind.__name__}"  # argparse's "invalid comma-separated int value: '1,a'"
+    return parse
+
+
 def flag_type(cls: type, name: str) -> Callable[[str], Any]:
     """An argparse ``type=`` for a flag that sets the field ``name`` of the dataclass ``cls``: it parses the
     text as the field's type (a list is comma-separated) and checks the field's allowed values."""

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from lavo.cli import main
+from lavo.cli import build_parser, main
 from lavo.config import load_config
 from lavo.evaluate import perplexity_by_length
 from lavo.generate import generate
-from lavo.settings import SettingsError, at_least, check_settings, flag_type, one_of, setting
+from lavo.settings import SettingsError, at_least, check_settings, comma_list, flag_type, one_of, setting
 
 
 @pytest.mark.parametrize("override,message", [
@@ -93,6 +93,8 @@ def test_numbers_are_converted_to_their_type():
     (["curves", "r", "--smooth", "1"], "argument --smooth: must be a number in [0, 1); got '1'"),
     (["curves", "r", "--smooth", "-0.5"], "argument --smooth: must be a number in [0, 1); got '-0.5'"),
     (["curves", "r", "--smooth", "nan"], "argument --smooth: must be a number in [0, 1); got 'nan'"),
+    (["eval", "r", "--parts", " , "], "argument --parts: must be a non-empty comma-separated list; got ' , '"),
+    (["forecast", "--cross", "lavo, nope"], "argument --cross: unknown nope; choose from "),
 ])
 def test_bad_flags_are_refused_by_the_parser(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -106,6 +108,16 @@ def test_list_flags_drop_the_spaces_around_their_items():
     from lavo.evaluate import EvalSettings
     assert flag_type(DataConfig, "holdout")("doc0, doc1") == ["doc0", "doc1"]
     assert flag_type(EvalSettings, "lengths")(" 256 , 512") == [256, 512]
+    assert build_parser().parse_args(["eval", "r", "--parts", "austen, shakespeare"]).parts == ["austen", "shakespeare"]
+    assert comma_list(int)("0, 256,") == [0, 256]
+
+
+def test_a_list_item_of_the_wrong_type_is_named_by_argparse(capsys):
+    parser = argparse.ArgumentParser(prog="probe")
+    parser.add_argument("--contexts", type=comma_list(int))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--contexts", "0,a"])
+    assert "probe: error: argument --contexts: invalid comma-separated int value: '0,a'" in capsys.readouterr().err
 
 
 def test_the_library_checks_the_same_ranges():

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from lavo.files import write_json
 from lavo.report import line_plot
+from lavo.settings import comma_list
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from probe_runs import load_runs, run_parser  # noqa: E402  (experiments/ is not a package)
@@ -56,11 +57,11 @@ def target_loss(model, tokens: np.ndarray, contexts: list[int], target: int, seg
 
 def main(argv: list[str] | None = None) -> None:
     parser = run_parser(__doc__.splitlines()[0])
-    parser.add_argument("--contexts", default="0,256,1024,4096")
+    parser.add_argument("--contexts", type=comma_list(int), default=[0, 256, 1024, 4096])
     parser.add_argument("--target", type=int, default=256)
     parser.add_argument("--segments", type=int, default=8)
     args = parser.parse_args(argv)
-    contexts = [int(c) for c in args.contexts.split(",")]
+    contexts = args.contexts
     results = {}
     for name, model, _, _, tokens in load_runs(args.runs, args.data_dir, ("valid",)):
         losses = target_loss(model, tokens["valid"], contexts, args.target, args.segments)

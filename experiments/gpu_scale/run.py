@@ -36,6 +36,7 @@ sys.path.insert(0, str(HERE))
 from concurrent_runs import GpuUtilization, choose_workers, probe_throughput, probe_worker, run_workers  # noqa: E402
 from lavo.config import RunConfig, deep_merge  # noqa: E402
 from lavo.files import write_json  # noqa: E402
+from lavo.settings import comma_list  # noqa: E402
 
 DEFAULT_BUDGET = 390  # seconds of work in one 8-minute GPU call (run_device.sh's BUDGET_S); the rest is start-up,
 # the slack before run_device.sh's SIGTERM (LIMIT_S) and the 30 s until its SIGKILL
@@ -686,7 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET, help="seconds of work in this call")
     parser.add_argument("--dry-run", action="store_true", help="tiny models, a few steps, on the CPU (the plan's "
                         "dry_run section); results and runs go to dry-run/ unless given")
-    parser.add_argument("--only", default=None, help="comma-separated run names: train only these")
+    parser.add_argument("--only", type=comma_list(), default=None,
+                        help="comma-separated run names: train only these")
     parser.add_argument("--max-runs", type=int, default=None,
                         help="stop after this many runs finish (in each worker with --workers)")
     parser.add_argument("--step-limit", type=int, default=None,
@@ -722,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     results_dir = Path(args.results_dir or scratch / "results")
     runs = planned_runs(plan, args.dry_run, data_dir)
     if args.only:
-        wanted = args.only.split(",")
+        wanted = args.only
         unknown = sorted(set(wanted) - {run.name for run in runs})
         if unknown:
             parser.error(f"--only: no runs named {unknown} in the plan")
@@ -744,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
                 shared = {"--data-dir": data_dir, "--runs-dir": runs_dir, "--results-dir": results_dir}
                 command = [sys.executable, str(Path(__file__).resolve()), *["--dry-run"] * args.dry_run,
                            *(str(x) for option, value in shared.items() for x in (option, value))]
-                limits = {"--only": args.only, "--max-runs": args.max_runs, "--step-limit": args.step_limit}
+                limits = {"--only": args.only and ",".join(args.only), "--max-runs": args.max_runs,
+                          "--step-limit": args.step_limit}
                 limited = [str(x) for option, value in limits.items() if value is not None for x in (option, value)]
                 return call_with_workers(args.workers, command, limited, runs, results_dir, archive, args.budget,
                                          args.probe_seconds)

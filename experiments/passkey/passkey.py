@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from lavo.files import write_json
 from lavo.report import line_plot
+from lavo.settings import comma_list
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from probe_runs import load_runs, run_parser  # noqa: E402  (experiments/ is not a package)
@@ -101,13 +102,13 @@ def passkey_accuracy(model, prose, prompt, tokenizer, length: int, samples: int,
 
 def main(argv: list[str] | None = None) -> None:
     parser = run_parser(__doc__.splitlines()[0])
-    parser.add_argument("--multiples", default="1,2,4,8,16,32,64")
+    parser.add_argument("--multiples", type=comma_list(int), default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--steps", type=int, default=100, help="fine-tuning steps at 1x")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--samples", type=int, default=16, help="scored examples per length")
     args = parser.parse_args(argv)
-    multiples = [int(m) for m in args.multiples.split(",")]
+    multiples = args.multiples
     out = Path(args.out)
     settings = {"steps": args.steps, "samples": args.samples, "multiples": multiples}
     for name, model, config, tokenizer, splits in load_runs(args.runs, args.data_dir, ("train", "valid")):

@@ -15,7 +15,7 @@ import torch
 from ..model import PRESETS
 from ..ops.common import BACKENDS, make_current
 from ..registry import attention_class, available_attentions, check_options
-from ..settings import SettingsError, flag_type
+from ..settings import SettingsError, comma_list, flag_type
 from . import attention, decode, flops, model, profile
 from .measure import machine_info, ramp_up
 from .output import markdown, plots, write_records
@@ -30,16 +30,6 @@ DESCRIPTION = ("Efficiency benchmark of LAVO and the other attention mechanisms:
                "benchmarks/README.md.")
 EPILOG = ("Lengths accept a K suffix (1K = 1024). Defaults in brackets are the full run's; --quick uses tiny sizes "
           "for any setting not given.")
-
-
-def _list(kind, may_be_empty: bool = False):
-    """A comma-separated list of ``kind``; empty only where that means "none of these" (mechanisms, ops)."""
-    def parse(text: str) -> list:
-        items = [kind(item.strip()) for item in text.split(",") if item.strip()]
-        if not items and not may_be_empty:
-            raise argparse.ArgumentTypeError(f"must be a non-empty comma-separated list; got {text!r}")
-        return items
-    return parse
 
 
 def _flag(name: str):
@@ -69,16 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     registered = available_attentions()
     quadratic_ones = [name for name in registered if quadratic(name)]
     rotary = [name for name in registered if attention_class(name).accepts_rotary]
-    a("--sections", type=_list(str), default=list(DEFAULT_SECTIONS),
+    a("--sections", type=comma_list(str), default=list(DEFAULT_SECTIONS),
       help=f"comma-separated sections to run, of {','.join(SECTIONS)} [{','.join(DEFAULT_SECTIONS)}]")
     a("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run of every section in seconds")
-    a("--attentions", type=_list(str, may_be_empty=True), default=None,
+    a("--attentions", type=comma_list(str, may_be_empty=True), default=None,
       help="attention section: registered mechanisms to measure as layers ('' for none) [all registered]")
-    a("--ops", type=_list(str, may_be_empty=True), default=list(attention.DEFAULT_OPS),
+    a("--ops", type=comma_list(str, may_be_empty=True), default=list(attention.DEFAULT_OPS),
       help=f"raw ops to measure, of {','.join(attention.OPS)} (the fla ones need its package and a GPU) "
            f"[{','.join(attention.DEFAULT_OPS)}]")
-    a("--passes", type=_list(str), default=list(PASSES), help="fwd, fwd+bwd or both [both]")
-    a("--lengths", type=_list(parse_length), default=None, help="sequence lengths [1K,2K,...,64K]")
+    a("--passes", type=comma_list(str), default=list(PASSES), help="fwd, fwd+bwd or both [both]")
+    a("--lengths", type=comma_list(parse_length), default=None, help="sequence lengths [1K,2K,...,64K]")
     a("--max-quadratic-length", type=parse_length, default=None,
       help=f"longest sequence for the quadratic mechanisms ({','.join(quadratic_ones)}) and SDPA (attention, "
            f"model sections; decode fills their longer caches without running the attention) [16K]")
@@ -99,16 +89,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--warmup", type=_flag("warmup"), default=None, help="untimed calls before each measurement [1]")
     a("--time-limit", type=_flag("time_limit"), default=None,
       help="seconds one call may take; slower measurements and the longer lengths after them are skipped [60]")
-    a("--decode-attentions", type=_list(str, may_be_empty=True), default=["lavo", "softmax", "local"],
+    a("--decode-attentions", type=comma_list(str, may_be_empty=True), default=["lavo", "softmax", "local"],
       help="decode section: mechanisms (need a decoding form) [lavo,softmax,local]")
-    a("--decode-lengths", type=_list(parse_length), default=None, help="context lengths [1K,...,64K]")
+    a("--decode-lengths", type=comma_list(parse_length), default=None, help="context lengths [1K,...,64K]")
     a("--decode-steps", type=_flag("decode_steps"), default=None,
       help="timed single-token steps per context length [32]")
     a("--model-preset", default=None, help="model section: preset of lavo.model.PRESETS [small]")
-    a("--model-attentions", type=_list(str, may_be_empty=True), default=None,
+    a("--model-attentions", type=comma_list(str, may_be_empty=True), default=None,
       help=f"model section: attentions (those taking rotary positions, {','.join(rotary)}, run with rope; '' for "
            f"none) [all registered]")
-    a("--model-lengths", type=_list(parse_length), default=None, help="training sequence lengths [1K,4K]")
+    a("--model-lengths", type=comma_list(parse_length), default=None, help="training sequence lengths [1K,4K]")
     a("--model-batch", type=_flag("model_batch"), default=1, help="model section batch size [1]")
     a("--model-repeats", type=_flag("model_repeats"), default=None, help="timed training steps per measurement [3]")
     a("--model-compile", action="store_true",
