@@ -8,13 +8,16 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
 PIN="taskset -c ${LAVO_CORE:-0}"
 
 # timed EXP_DIR WHAT LOG COMMAND...: COMMAND on the pinned core, its output into LOG, its wall time appended to
-# EXP_DIR/wall_times.jsonl as WHAT.
+# EXP_DIR/wall_times.jsonl as WHAT; a stopped attempt (Ctrl-C saves a checkpoint, and lavo exits 130) is
+# appended as unfinished, so that the time of a step resumed later counts in full, then the queue stops.
 timed() {
-  local exp="$1" what="$2" log="$3"; shift 3
+  local exp="$1" what="$2" log="$3" status=0; shift 3
   local t0=$(date +%s)
-  $PIN "$@" > "$log" 2>&1
-  local t1=$(date +%s)
-  echo "{\"what\": \"$what\", \"wall_s\": $((t1 - t0))}" >> "$exp/wall_times.jsonl"
+  $PIN "$@" > "$log" 2>&1 || status=$?
+  local t1=$(date +%s) finished=true
+  [ "$status" = 0 ] || finished=false
+  echo "{\"what\": \"$what\", \"wall_s\": $((t1 - t0)), \"finished\": $finished}" >> "$exp/wall_times.jsonl"
+  if [ "$status" != 0 ]; then echo "[stopped] $what after $((t1 - t0)) s (exit $status)"; exit "$status"; fi
   echo "[done] $what in $((t1 - t0)) s"
 }
 

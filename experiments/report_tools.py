@@ -36,10 +36,17 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def wall_times(exp: Path) -> list[dict]:
-    """The wall time of each step of an experiment's queue (``wall_times.jsonl``, appended by common.sh), the
-    latest where a step ran again: a rerun from scratch must not count a run twice."""
-    latest = {entry["what"]: entry for entry in read_jsonl(exp / "wall_times.jsonl")}
-    return list(latest.values())
+    """The wall time of each finished step of an experiment's queue (``wall_times.jsonl``, appended by
+    common.sh): a step stopped and resumed counts its stopped attempts too; a step run again from scratch after it
+    finished counts its latest run only, not both."""
+    finished, stopped = {}, {}
+    for entry in read_jsonl(exp / "wall_times.jsonl"):
+        what, seconds = entry["what"], entry["wall_s"] + stopped.pop(entry["what"], 0)
+        if entry.get("finished", True):  # lines written before attempts were marked were finished ones
+            finished[what] = {"what": what, "wall_s": seconds}
+        else:
+            stopped[what] = seconds
+    return list(finished.values())
 
 
 def collect(exp: Path) -> dict:

@@ -1,6 +1,7 @@
 """The committed experiments compare like with like: every model an experiment's run.sh trains has, within 2%,
 the parameters of the others."""
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -57,6 +58,33 @@ def test_a_step_run_again_counts_once_in_the_wall_times(tmp_path):
     lines = [{"what": "train a", "wall_s": 10}, {"what": "train b", "wall_s": 20}, {"what": "train a", "wall_s": 12}]
     (tmp_path / "wall_times.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert report_tools.wall_times(tmp_path) == [{"what": "train a", "wall_s": 12}, {"what": "train b", "wall_s": 20}]
+
+
+def test_a_stopped_and_resumed_step_counts_both_attempts_in_the_wall_times(tmp_path):
+    report_tools = load_script("report_tools", "experiments/report_tools.py")
+    lines = [{"what": "listops a", "wall_s": 30, "finished": False},
+             {"what": "listops a", "wall_s": 5, "finished": True},
+             {"what": "listops b", "wall_s": 9, "finished": False},  # stopped, not resumed yet: not a finished step
+             {"what": "listops a", "wall_s": 40, "finished": False},  # run again from scratch
+             {"what": "listops a", "wall_s": 2, "finished": True}]
+    (tmp_path / "wall_times.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert report_tools.wall_times(tmp_path) == [{"what": "listops a", "wall_s": 42}]  # the latest run, both parts
+
+
+def test_the_queue_records_a_stopped_attempt_as_unfinished_and_stops(tmp_path):
+    root = tmp_path / "repo"  # common.sh with an empty virtual environment
+    (root / "experiments").mkdir(parents=True)
+    (root / ".venv" / "bin").mkdir(parents=True)
+    (root / ".venv" / "bin" / "activate").write_text("")
+    shutil.copy(ROOT / "experiments" / "common.sh", root / "experiments")
+    queue = f"source {root}/experiments/common.sh; timed {tmp_path} 'listops a' {tmp_path}/a.log "
+    stopped = subprocess.run(["bash", "-c", queue + "bash -c 'exit 130'; echo next"], capture_output=True, text=True)
+    assert stopped.returncode == 130 and "next" not in stopped.stdout  # lavo's exit after Ctrl-C ends the queue
+    assert re.fullmatch(r"\[stopped\] listops a after \d+ s \(exit 130\)\n", stopped.stdout)
+    resumed = subprocess.run(["bash", "-c", queue + "true"], capture_output=True, text=True, check=True)
+    assert re.fullmatch(r"\[done\] listops a in \d+ s\n", resumed.stdout)
+    entries = [json.loads(line) for line in (tmp_path / "wall_times.jsonl").read_text().splitlines()]
+    assert [entry["finished"] for entry in entries] == [False, True]
 
 
 @pytest.mark.parametrize("experiment", REPORTED)
