@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 if torch.__version__ < "2.6":  # a TorchVersion: compared as a version, not as a string
     pytest.skip("transformers 5 needs torch 2.6 or later", allow_module_level=True)
 
+import transformers  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, pipeline  # noqa: E402
 
 import lavo.hf as H  # noqa: E402
@@ -365,9 +366,30 @@ def test_padding_changes_no_rows_loss(side):
         columns = slice(9 - len(row), 9) if side == "left" else slice(0, len(row))
         ids[i, columns], mask[i, columns] = row, 1
     with torch.no_grad():
-        batch = hub(ids, attention_mask=mask, labels=ids, num_items_in_batch=8 + 4 + 6).loss
-        alone = sum(hub(row[None], labels=row[None], num_items_in_batch=1).loss for row in rows) / 18
+        batch = hub(ids, attention_mask=mask, labels=ids).loss
+        alone = sum(hub(row[None], labels=row[None], num_items_in_batch=1).loss for row in rows) / (8 + 4 + 6)
     torch.testing.assert_close(batch, alone)
+
+
+def trainer_count(labels):
+    """num_items_in_batch as Trainer counts it for a causal language model: the labels after the first column
+    that are not -100."""
+    return int((labels[:, 1:] != -100).sum())
+
+
+def test_labels_trainer_counts_but_the_loss_ignores_are_refused(tokenizer):
+    """Trainer divides the summed loss by its own count of labels, which takes the first real token of a
+    left-padded row (the tokenizer pads on the left) for a target: the loss, which ignores it, came out too small
+    by that share."""
+    hub = wrapped(native(tokenizer.vocab_size), pad_token_id=tokenizer.eot_id)
+    collate = transformers.DataCollatorForLanguageModeling(H.hub_tokenizer(tokenizer), mlm=False)
+    batch = collate([{"input_ids": tokenizer.encode(text)} for text in ("the sister said", "said the brother")])
+    message = (r"rows \[0\] have labels other than -100 at or just after padding, which the loss ignores \(padding "
+               r"predicts nothing\) but num_items_in_batch counts as Trainer does: pad on the right with labels -100 "
+               r"at padding \(lavo.hf.LanguageModelingCollator does\), or set those labels to -100")
+    with pytest.raises(ValueError, match=message):
+        hub(**batch, num_items_in_batch=trainer_count(batch["labels"]))
+
 
 
 def test_a_bfloat16_native_model_wraps_as_bfloat16():

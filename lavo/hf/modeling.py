@@ -150,7 +150,8 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         r"""``input_ids [B, T]`` -> ``logits [B, T, vocab]`` (zero at padding), the state to continue with (when
         ``use_cache``), and the next-token loss when ``labels [B, T]`` are given (-100 is ignored, and so is a
         label at or just after padding): the mean, or the sum over ``num_items_in_batch`` when given (``Trainer``
-        does, to weigh every token of an accumulated batch alike).
+        does, to weigh every token of an accumulated batch alike; it counts a label at or just after padding too,
+        so one other than -100 there is refused).
 
         ``attention_mask [B, past + T]`` (1 for real tokens) is the mask of the whole sequence so far, as
         ``generate()`` passes it; each row's real tokens must be consecutive. Padding is not fed to the model,
@@ -238,9 +239,24 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_bat
     predicts nothing (its logits are zeros), and a padded position is no target."""
     labels = labels[:, 1:].to(logits.device)
     if real is not None:
-        labels = labels.masked_fill(~(real[:, :-1] & real[:, 1:]).to(labels.device), -100)
+        unpredicted = ~(real[:, :-1] & real[:, 1:]).to(labels.device)
+        if num_items_in_batch is not None:
+            refuse_uncounted_targets(labels, unpredicted)
+        labels = labels.masked_fill(unpredicted, -100)
     logits, labels = logits[:, :-1].flatten(0, 1).float(), labels.flatten()
     if num_items_in_batch is None:
         return F.cross_entropy(logits, labels, ignore_index=-100)
     total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     return total / torch.as_tensor(num_items_in_batch, device=total.device)
+
+
+def refuse_uncounted_targets(labels: torch.Tensor, unpredicted: torch.Tensor) -> None:
+    """An error for shifted ``labels [B, T - 1]`` that padding leaves unpredicted (``unpredicted [B, T - 1]``) but
+    that are not -100: ``Trainer`` counts every such label in ``num_items_in_batch``, so the loss, which ignores
+    them, would come out too small by that share (one label per left-padded row, the first real token)."""
+    rows = ((labels != -100) & unpredicted).any(1).nonzero().flatten().tolist()
+    if rows:
+        raise ValueError(f"rows {rows} have labels other than -100 at or just after padding, which the loss ignores "
+                         "(padding predicts nothing) but num_items_in_batch counts as Trainer does: pad on the "
+                         "right with labels -100 at padding (lavo.hf.LanguageModelingCollator does), or set those "
+                         "labels to -100")
