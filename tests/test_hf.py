@@ -391,6 +391,22 @@ def test_labels_trainer_counts_but_the_loss_ignores_are_refused(tokenizer):
         hub(**batch, num_items_in_batch=trainer_count(batch["labels"]))
 
 
+def test_the_collator_pads_features_the_tokenizer_padded_on_the_right_and_trainer_counts_their_targets(tokenizer):
+    """Features the left-padding tokenizer padded once had their padding fed and trained on as end-of-text
+    tokens; the collator keeps their real tokens, and Trainer's count of its labels is that of the rows' targets."""
+    texts = ["the sister said", "said the brother to his sister", "said"]
+    hub = wrapped(native(tokenizer.vocab_size), pad_token_id=tokenizer.eot_id)
+    rows = [torch.tensor([tokenizer.encode(text)]) for text in texts]
+    tokenized = H.hub_tokenizer(tokenizer)(texts, padding=True)
+    batch = H.LanguageModelingCollator(tokenizer.eot_id)([dict(zip(tokenized, values))
+                                                          for values in zip(*tokenized.values())])
+    assert batch["input_ids"][:, 0].tolist() == [int(row[0, 0]) for row in rows]  # no padding fed first
+    with torch.no_grad():
+        targets = sum(row.shape[1] - 1 for row in rows)
+        alone = sum(hub(row, labels=row, num_items_in_batch=1).loss for row in rows) / targets
+        loss = hub(**batch, num_items_in_batch=trainer_count(batch["labels"])).loss
+    torch.testing.assert_close(loss, alone)
+
 
 def test_a_bfloat16_native_model_wraps_as_bfloat16():
     model = native().to(torch.bfloat16)

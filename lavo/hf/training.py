@@ -25,13 +25,15 @@ from ..model import parameter_groups
 class LanguageModelingCollator:
     """Batches features ``{"input_ids": [...]}`` for the next-token loss: padded on the right with ``pad_id``
     (to a multiple of ``pad_to_multiple_of`` when given), ``attention_mask`` 1 on real tokens, and ``labels`` the
-    ids with -100 at padding only, so every real token, the end-of-text token included, is a target."""
+    ids with -100 at padding only, so every real token, the end-of-text token included, is a target. A feature
+    that has its own ``attention_mask`` (one the tokenizer padded, on the left by default) keeps only the ids
+    where it is 1: its padding would otherwise be taken for end-of-text tokens, fed and trained on."""
 
     pad_id: int
     pad_to_multiple_of: int | None = None
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        rows = [list(feature["input_ids"]) for feature in features]
+        rows = [real_ids(feature) for feature in features]
         width = max(len(row) for row in rows)
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -40,6 +42,14 @@ class LanguageModelingCollator:
         for i, row in enumerate(rows):
             ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row, dtype=torch.long), 1
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def real_ids(feature: dict) -> list[int]:
+    """The ids of ``feature`` where its ``attention_mask``, if it has one, is 1."""
+    ids = [int(token) for token in feature["input_ids"]]
+    if "attention_mask" not in feature:
+        return ids
+    return [token for token, keep in zip(ids, feature["attention_mask"], strict=True) if keep]
 
 
 def lavo_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, **adamw) -> torch.optim.AdamW:
