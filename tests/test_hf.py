@@ -539,6 +539,30 @@ def test_input_ids_of_another_shape_or_outside_the_vocabulary_are_refused_by_nam
             call(torch.tensor([[1, 99, -1]]))
 
 
+
+@pytest.mark.parametrize("options, message", [
+    (dict(attention_mask=torch.ones(3, dtype=torch.long)),
+     "attention_mask must have shape [B, positions] with the 1 rows of input_ids, got (3,)"),
+    (dict(attention_mask=torch.ones(2, 3, dtype=torch.long)),
+     "attention_mask must have shape [B, positions] with the 1 rows of input_ids, got (2, 3)"),
+    (dict(labels=torch.tensor([[1, 2]])), "labels must have the shape of input_ids, (1, 3), got (1, 2)"),
+])
+def test_a_mask_or_labels_of_another_shape_are_refused_by_name(options, message):
+    """Once an IndexError (a mask of one dimension) and a broadcasting error from the loss (labels)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        wrapped(native())(torch.tensor([[1, 2, 3]]), **options)
+
+
+def test_sequences_packed_into_one_row_are_refused():
+    """DataCollatorWithFlattening packs sequences into one row and restarts position_ids at each: the model,
+    which counts positions itself, once attended across them, silently."""
+    batch = transformers.DataCollatorWithFlattening()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+    message = ("position_ids restart or skip within a row, as for sequences packed into one row: the model counts "
+               "positions itself and would attend across them; pad the sequences instead "
+               "(lavo.hf.LanguageModelingCollator)")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        wrapped(native())(**batch)
+
 def test_the_command_line_keeps_the_hub_offline_unless_told_otherwise():
     script = "import lavo.cli\nfrom huggingface_hub import constants\nprint(constants.HF_HUB_OFFLINE)\n"
     environment = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}

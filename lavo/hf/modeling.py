@@ -159,7 +159,8 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         mask, as exact.
         ``past_key_values`` is taken as another name for ``cache``. Other keyword arguments of the
         ``transformers`` interface (``position_ids``, ...) are accepted and unused: the model counts positions
-        itself. Embeddings in place of ids, hidden states and attention weights are refused.
+        itself, so ``position_ids`` that restart within a row (sequences packed into it) are refused. Embeddings
+        in place of ids, hidden states and attention weights are refused.
         """
         cache = merge_cache_names(cache, kwargs.pop("past_key_values", None))
         refuse_unsupported(input_ids, kwargs)
@@ -167,14 +168,10 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None and not self.lavo.supports_decoding:
             raise ValueError(f"attention {self.config.attention!r} has no decoding form: call without a cache")
         state = LavoState(input_ids.shape[0]) if cache is None else cache
-        real = None
-        if attention_mask is not None:
-            if attention_mask.shape[1] != state.columns + input_ids.shape[1]:
-                raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions, but the state has "
-                                 f"consumed {state.columns} and input_ids adds {input_ids.shape[1]}: pass the mask "
-                                 "of the whole sequence and only the new input_ids")
-            real = attention_mask[:, -input_ids.shape[1]:].bool()
+        refuse_mismatched_shapes(input_ids, attention_mask, labels, state.columns)
+        real = None if attention_mask is None else attention_mask[:, -input_ids.shape[1]:].bool()
         refuse_outside_vocabulary(input_ids, real, self.config.vocab_size)
+        refuse_packed_positions(kwargs.get("position_ids"), real)
         if cache is None and real is not None and not use_cache and bool(real[:, 0].all()):
             # right padding and no state wanted (use_cache=False): one call over the batch, whose real tokens start at
             # position 0 as alone, instead of one per row length
@@ -186,6 +183,38 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
             logits = state.feed(self.lavo, input_ids, real)
         loss = None if labels is None else next_token_loss(logits, labels, num_items_in_batch, real)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=state if use_cache else None)
+
+
+def refuse_mismatched_shapes(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                             labels: torch.Tensor | None, consumed: int) -> None:
+    """Errors for an ``attention_mask`` that is not ``[B, consumed + T]`` and ``labels`` that are not ``[B, T]``,
+    for ``input_ids [B, T]`` after a state that has consumed ``consumed`` positions."""
+    rows, new = input_ids.shape
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != rows:
+            raise ValueError(f"attention_mask must have shape [B, positions] with the {rows} rows of input_ids, got "
+                             f"{tuple(attention_mask.shape)}")
+        if attention_mask.shape[1] != consumed + new:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions, but the state has "
+                             f"consumed {consumed} and input_ids adds {new}: pass the mask of the whole sequence and "
+                             "only the new input_ids")
+    if labels is not None and labels.shape != input_ids.shape:
+        raise ValueError(f"labels must have the shape of input_ids, {tuple(input_ids.shape)}, got "
+                         f"{tuple(labels.shape)}")
+
+
+def refuse_packed_positions(position_ids: torch.Tensor | None, real: torch.Tensor | None) -> None:
+    """An error for ``position_ids`` that do not step by one between neighbouring real tokens (``real [B, T]``,
+    None: all), as for several sequences packed into one row (``DataCollatorWithFlattening``): the model counts
+    positions itself, so it would attend across their boundaries. ``generate()``'s positions step by one."""
+    if position_ids is None or position_ids.shape[-1] < 2:
+        return
+    steps = position_ids.diff(dim=-1)
+    neighbours = torch.ones_like(steps, dtype=torch.bool) if real is None else real[:, 1:] & real[:, :-1]
+    if bool(((steps != 1) & neighbours.to(steps.device)).any()):
+        raise ValueError("position_ids restart or skip within a row, as for sequences packed into one row: the model "
+                         "counts positions itself and would attend across them; pad the sequences instead "
+                         "(lavo.hf.LanguageModelingCollator)")
 
 
 def refuse_outside_vocabulary(input_ids: torch.Tensor, real: torch.Tensor | None, vocab_size: int) -> None:
