@@ -50,6 +50,22 @@ def test_tmy3_is_read_in_hour_order_with_its_variables():
     np.testing.assert_allclose(series.calendar[:, 0], [0, 1 / 24, 23 / 24])
 
 
+def test_tmy3_months_from_leap_years_keep_the_typical_years_days():
+    """A typical year's months come from different years: April from a leap year follows March 31 of another as
+    day 91 of 365, not day 92; December 31 of a leap year is day 365, not 366."""
+    header = ",".join(["Date (MM/DD/YYYY)", "Time (HH:MM)", *forecast_data.TMY3_COLUMNS])
+    dates = ("03/31/1990", "04/01/1980", "12/31/1980")
+    rows = [f"{date},01:00," + ",".join("0" * 12) for date in dates]
+    series = parse_tmy3(("723170,SITE\n" + header + "\n" + "\n".join(rows) + "\n").encode())
+    np.testing.assert_allclose(series.calendar[:, 1], np.array([89, 90, 364]) / 365, rtol=1e-6)
+
+
+def test_the_fraction_of_a_leap_year_counts_its_366_days():
+    times = pd.DatetimeIndex(["2016-02-28 12:00", "2016-02-29 12:00", "2016-03-01", "2016-12-31 23:00",
+                              "2017-01-01", "2017-12-31"])
+    np.testing.assert_allclose(forecast_data.calendar_of(times)[:, 1],
+                               np.array([58 / 366, 59 / 366, 60 / 366, 365 / 366, 0, 364 / 365]), rtol=1e-6)
+
 def test_nyc_weather_is_one_row_per_hour_with_gaps_filled_from_the_past_only():
     rows = []
     for origin in ("JFK", "EWR"):

