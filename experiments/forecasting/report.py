@@ -1,7 +1,7 @@
 """The forecasting tables and plots from results.json: MSE and MAE (mean ± std over the seeds that finished) per
 dataset, method and horizon, wins against the baselines, wall time, and one forecast against the truth per
-dataset; and, when results_400steps.json (run_longer.sh) exists, its cells beside seed 0 of the main run. Tables go to tables.md and into REPORT.md between its ``<!-- BEGIN name -->`` / ``<!-- END name -->``
-markers.
+dataset; and, when results_400steps.json (run_longer.sh) exists, its cells beside seed 0 of the main run. Tables
+go to tables.md and into REPORT.md between its ``<!-- BEGIN name -->`` / ``<!-- END name -->`` markers.
 
     python experiments/forecasting/report.py experiments/forecasting
 """
@@ -178,8 +178,9 @@ def longer_table(main: dict, longer: dict) -> str:
     return markdown_table(["data", "horizon", "method", f"MSE {a}", f"MSE {b}", f"MAE {a}", f"MAE {b}",
                            "rank (MSE)", "steps (best)", "stopped early"], rows,
                           notes=[f"seed 0 of results.json (at most {a} steps) → {LONGER} (at most {b} steps), "
-                                 "the same early-stopping rule; rank among the five transformers of the horizon; steps taken and, in "
-                                 "brackets, the step of the best validation score (the weights kept)."])
+                                 "the same early-stopping rule; rank among the five transformers of the horizon; "
+                                 "steps taken and, in brackets, the step of the best validation score (the weights "
+                                 "kept)."])
 
 
 def facts_table(grouped: dict, main: dict, longer: dict | None, input_len: int) -> str:
