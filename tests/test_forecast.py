@@ -166,10 +166,12 @@ def test_window_targets_stay_inside_their_split():
 
 def test_windows_are_the_steps_before_and_after_their_start():
     values = np.arange(40, dtype=np.float32)[:, None].repeat(2, 1)
-    calendar = np.zeros((40, 2), np.float32)
+    calendar = -values  # told apart from the values
     inputs, targets, times = gather_windows(values, calendar, np.array([10, 30]), 6, 4)
     np.testing.assert_array_equal(inputs[1, :, 0], np.arange(24, 30))
     np.testing.assert_array_equal(targets[1, :, 0], np.arange(30, 34))
+    # the calendar of the inputs' steps, then of the targets'
+    np.testing.assert_array_equal(times[1, :, 1], -np.arange(24, 34))
     assert times.shape == (2, 10, 2)
 
 
