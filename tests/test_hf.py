@@ -539,7 +539,6 @@ def test_input_ids_of_another_shape_or_outside_the_vocabulary_are_refused_by_nam
             call(torch.tensor([[1, 99, -1]]))
 
 
-
 @pytest.mark.parametrize("options, message", [
     (dict(attention_mask=torch.ones(3, dtype=torch.long)),
      "attention_mask must have shape [B, positions] with the 1 rows of input_ids, got (3,)"),
@@ -562,6 +561,7 @@ def test_sequences_packed_into_one_row_are_refused():
                "(lavo.hf.LanguageModelingCollator)")
     with pytest.raises(ValueError, match=re.escape(message)):
         wrapped(native())(**batch)
+
 
 def test_the_command_line_keeps_the_hub_offline_unless_told_otherwise():
     script = "import lavo.cli\nfrom huggingface_hub import constants\nprint(constants.HF_HUB_OFFLINE)\n"
