@@ -412,10 +412,12 @@ def test_files_left_out_of_a_folder_are_reported_and_names_match_in_either_unico
     (source / "more" / "inner.txt").write_text("words in a subfolder")
     (source / "LOUD.TXT").write_text("words in capitals")
     (source / "Cafe\u0301.txt").write_text("the name spelt as macOS spells it")  # decomposed
+    (source / "drafts.txt").mkdir()  # were read as files: IsADirectoryError, FileNotFoundError
+    (source / "gone.txt").symlink_to(tmp_path / "deleted.txt")
     lines = []
     splits, _ = sources.source_splits(str(source), tmp_path / "data", ["Caf\u00e9"], log=lines.append)
     assert lines == [f"note: the documents are the .txt files directly in {source}; not read: LOUD.TXT, "
-                     "more/inner.txt"]
+                     "drafts.txt, gone.txt, more/inner.txt"]
     assert [doc.name for doc in splits["valid"]] == ["Cafe\u0301"]
 
 

@@ -30,15 +30,16 @@ class Document:
 
 def read_documents(directory: str | os.PathLike, log=None) -> list[Document]:
     """One document per ``.txt`` file of ``directory``, sorted by name; ``log`` is told of the files it leaves
-    out (in subfolders, or named ``.TXT``)."""
+    out (in subfolders, named ``.TXT``, or not a file: a folder or a dangling link)."""
     directory = Path(directory)
-    files = sorted(directory.glob("*.txt"))
+    # a folder or a dangling link named *.txt holds no text: it is left out and named, not read (an OSError)
+    files = sorted(path for path in directory.glob("*.txt") if path.is_file())
     if not files:
         raise DataError(f"no .txt files in {directory}: put one document per .txt file there "
                         "(or use --source austen / --source shakespeare)")
     read = set(files)
     left_out = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
-                      if p.suffix.lower() == ".txt" and p not in read and p.is_file())
+                      if p.suffix.lower() == ".txt" and p not in read)
     if left_out and log is not None:
         log(f"note: the documents are the .txt files directly in {directory}; not read: {listing(left_out, 5)}")
     documents = []
