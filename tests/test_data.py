@@ -194,6 +194,11 @@ def test_error_unknown_holdout_and_tokenizer(corpus, tmp_path):
         D.prepare(str(corpus), "wordpiece", tmp_path, log=quiet)
 
 
+def test_error_every_document_held_out(corpus):
+    with pytest.raises(D.DataError, match="^every document is held out: leave at least one for training$"):
+        D.split_documents(D.read_documents(corpus), ["doc0", "doc1", "doc2", "doc3"])
+
+
 def test_error_not_utf8(tmp_path):
     write_corpus(tmp_path / "c", documents=2, words=50)
     (tmp_path / "c" / "doc1.txt").write_bytes(b"caf\xe9\n")
