@@ -165,6 +165,7 @@ def test_a_failed_write_leaves_no_half_prepared_data(corpus, tmp_path, limit):
 def test_token_dtype_by_vocab_size():
     assert D.token_dtype(4096) == np.uint16
     assert D.token_dtype(50257) == np.uint16
+    assert D.token_dtype(2 ** 16) == np.uint16 and D.token_dtype(2 ** 16 + 1) == np.uint32  # ids up to 65535 fit
     assert D.token_dtype(100_000) == np.uint32
 
 
