@@ -1,6 +1,7 @@
 """The efficiency benchmark harness (``python -m lavo.bench``): output formats, helpers, FLOP formula. No timing
 is asserted."""
 import gc
+import io
 import json
 import os
 import re
@@ -71,10 +72,15 @@ def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
     assert {r["mechanism"] for r in decode} == {"lavo", "lavo (step)", "softmax", "local"}
     through_cache = [r for r in decode if r["mechanism"] != "lavo (step)"]
     assert all(0 < r["cache_bytes"] <= r["cache_bound_bytes"] and r["ms"] > 0 for r in through_cache)
-    assert len({r["cache_bytes"] for r in decode if r["mechanism"] == "lavo (step)"}) == 1  # a fixed layout
+    # the fixed layout at every context (B=1, H=2, D=16, r=16, w=32): a ring of 2w keys and values in fp32, its
+    # mask, the two fp32 sums of r and their counts per head, the int64 position per head
+    step_layout = 2 * 2 * 64 * 16 * 4 + 64 + 2 * 2 * 16 * 4 + 2 * 2 * 4 + 2 * 8
+    assert {r["cache_bytes"] for r in decode if r["mechanism"] == "lavo (step)"} == {step_layout}
     assert all(r["ratio_to"] == "softmax" for r in decode)
+    assert all(len(r["times_ms"]) == payload["settings"]["decode_steps"] for r in decode)
     model = [r for r in records if r["section"] == "model"]
     assert "softmax+rope" in {r["mechanism"] for r in model}
+    assert all(len(r["times_ms"]) == payload["settings"]["model_repeats"] for r in model)
     assert all(r["ratio_to"] == "softmax+rope" for r in model)
     assert all(r["tokens_per_s"] > 0 for r in model)
     flops = [r for r in records if r["section"] == "flops" and r["mechanism"] != "matmul"]
@@ -201,6 +207,20 @@ def test_declared_time_complexity_decides_the_lengths_run_and_the_skips_predicte
 
 
 
+def test_a_length_whose_predicted_peak_memory_would_not_fit_is_skipped(monkeypatch):
+    peaks_mib = iter([100.0, 200.0])
+    monkeypatch.setattr(Runner, "measure", lambda self, fn, repeats=None: Measurement(1.0, [1.0], next(peaks_mib)))
+    monkeypatch.setattr("lavo.bench.runner.available_mib", lambda device: 400.0)
+    s = quick_settings("--attentions", "local", "--ops", "", "--passes", "fwd", "--lengths", "128,256,512")
+    runner = Runner(s, None)
+    attention.run(runner)
+    # from the last length: 100 MiB at 128 predicts 200 MiB at 256, within 80% of 400 MiB; 200 MiB there predicts
+    # 400 MiB at 512, which is not
+    assert [(r["length"], r["status"], r["note"]) for r in runner.records] == [
+        (128, "ok", ""), (256, "ok", ""),
+        (512, "skipped", "skipped: predicted peak 400 MiB > 80% of the 400 MiB available")]
+
+
 def test_a_run_stopped_midway_has_written_and_prints_what_it_measured(monkeypatch, tmp_path, capsys):
     calls = []
 
@@ -235,6 +255,26 @@ def test_the_first_quadratic_mechanism_is_the_reference_of_decode_and_model(monk
     assert [(r["mechanism"], r["ratio_to"]) for r in runner.records] == [
         ("quadratic_local", "quadratic_local"), ("lavo", "quadratic_local"), ("lavo (step)", "quadratic_local"),
         ("quadratic_local", "quadratic_local"), ("lavo", "quadratic_local")]
+
+
+def test_ratios_are_each_time_over_the_reference_time_at_the_same_point(monkeypatch):
+    # in run order: sdpa, LAVO's op; softmax, lavo, lavo (step) decoding; the softmax+rope and lavo models
+    times_ms = iter([2.0, 6.0, 8.0, 2.0, 1.0, 4.0, 2.0])
+    monkeypatch.setattr(Runner, "measure", lambda self, fn, repeats=None: Measurement(next(times_ms), [], None))
+    s = quick_settings("--attentions", "", "--ops", "lavo_attention,sdpa", "--passes", "fwd", "--lengths", "128",
+                       "--decode-attentions", "lavo,softmax", "--decode-lengths", "64", "--model-attentions",
+                       "lavo,softmax", "--model-lengths", "32", "--model-batch", "2")
+    runner = Runner(s, None)
+    for section in (attention, decode, model):
+        section.run(runner)
+    assert [(r["mechanism"], r["ratio"]) for r in runner.records] == [
+        ("sdpa (op)", 1.0), ("lavo_attention (op)", 3.0), ("softmax", 1.0), ("lavo", 0.25), ("lavo (step)", 0.125),
+        ("softmax+rope", 1.0), ("lavo", 0.5)]
+    assert [r["tokens_per_s"] for r in runner.records if r["section"] == "model"] == [
+        pytest.approx(2 * 32 / 4e-3), pytest.approx(2 * 32 / 2e-3)]  # both sequences of the batch
+    text = output.markdown(runner.records, {"device": "cpu", "cpu": "test", "threads": 1, "torch": "test"}, s)
+    for row in ("| lavo_attention (op) | 6.00 (×3.0) |", "| lavo | 2.00 (×0.25) |", "| lavo | 32000 (×0.50) / — |"):
+        assert row in text.splitlines()
 
 
 def test_a_quadratic_mechanism_without_a_cache_is_not_the_reference(monkeypatch):
@@ -430,6 +470,29 @@ def test_the_flops_section_counts_recomputed_scores_only_where_the_torch_path_re
     assert entry["gflop_local"] * 1e9 == (7 if torch_path else 6) * local_products
 
 
+def test_the_flops_rate_is_the_counted_work_over_the_attention_sections_time(monkeypatch):
+    s = quick_settings("--sections", "flops", "--passes", "fwd", "--lengths", "64,128")
+    monkeypatch.setattr(Runner, "measure", lambda self, fn, repeats=None: Measurement(8.388608, [8.388608], None))
+    runner = Runner(s, None)
+    lavo_op, sdpa_op = attention.OPS["lavo_attention"].label, attention.SDPA
+    runner.records = [dict(section="attention", mechanism=lavo_op, op="fwd", length=64, ms=0.657408,
+                           times_ms=[0.657408], peak_mib=None, note=""),
+                      dict(section="attention", mechanism=sdpa_op, op="fwd", length=64, ms=0.1, times_ms=[0.1],
+                           peak_mib=None, note=""),
+                      dict(section="attention", mechanism=lavo_op, op="fwd", length=128, ms=None, times_ms=None,
+                           peak_mib=None, note="skipped: too slow")]
+    flops.run(runner)
+    matmul, at_64, at_128 = runner.records[3:]
+    # quick shapes: H=2, D=16, r=16, w=32; at T=64: local 2 * 2*64*64*16*2, memory 2 * 2*64*16*16*2 + 2*2*16*16*2
+    assert at_64["gflop"] * 1e9 == 524288 + 133120 == 657408
+    assert matmul["gflops_per_s"] == pytest.approx(2 * 256 ** 3 / 1e9 / 8.388608e-3) == 4.0  # --matmul-size 256
+    assert at_64["gflops_per_s"] == pytest.approx(1.0) and at_64["ratio"] == pytest.approx(0.25)
+    assert (at_128["status"], at_128["note"]) == (
+        "skipped", "skipped: not measured in the attention section (skipped: too slow)")
+    text = output.markdown([matmul, at_64, at_128], {"device": "cpu", "cpu": "test", "threads": 1, "torch": "test"}, s)
+    assert "| fwd | 1.00 (25%) | — [1] |" in text.splitlines()
+
+
 def test_peak_memory_reports_none_without_proc(monkeypatch):
     real_open = open
 
@@ -451,6 +514,22 @@ def test_peak_memory_sees_a_large_allocation():
     if peak.mib is None:
         pytest.skip("/proc/self/clear_refs is not writable here")
     assert peak.mib >= 60
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_peak_memory_is_the_growth_above_what_was_held_before_the_call(monkeypatch, device):
+    # CPU: the resident set's high-water mark after the call over the resident set before (KiB);
+    # CUDA: the peak allocated after the call over the memory allocated before (bytes)
+    monkeypatch.setattr(measure, "_proc_status_kib", {"VmRSS": 500_000, "VmHWM": 502_048}.get)
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *args, **kwargs: io.StringIO() if (
+        str(path) == "/proc/self/clear_refs") else real_open(path, *args, **kwargs))
+    for name, value in (("synchronize", None), ("reset_peak_memory_stats", None),
+                        ("memory_allocated", 10 * measure.MIB), ("max_memory_allocated", 12 * measure.MIB)):
+        monkeypatch.setattr(torch.cuda, name, lambda *device, value=value: value)
+    with measure.PeakMemory(torch.device(device)) as peak:
+        pass
+    assert peak.mib == 2.0
 
 
 def test_wide_table_marks_skipped_cells_and_lists_their_reasons_once():
@@ -732,6 +811,13 @@ def test_a_series_first_call_may_compile_but_later_calls_keep_the_time_limit(mon
         measure.measure(lambda: None, torch.device("cpu"), repeats=3, warmup=2, time_limit=20)
 
 
+def test_a_measurement_reports_the_median_of_its_timed_calls(monkeypatch):
+    durations = iter([0.5, 0.001, 0.009, 0.002, 0.004])  # seconds: one warm-up call, three timed, the memory one
+    monkeypatch.setattr(measure, "_timed", lambda fn, device: next(durations))
+    result = measure.measure(lambda: None, torch.device("cpu"), repeats=3, warmup=1, time_limit=20)
+    assert result.times_ms == pytest.approx([1.0, 9.0, 2.0]) and result.ms == pytest.approx(2.0)  # the mean: 4
+
+
 def test_attention_runs_length_by_length_with_sdpa_first():
     s = quick_settings("--lengths", "128,256", "--ops", "lavo_attention,sdpa", "--attentions", "", "--passes", "fwd")
     assert [(name, length) for name, _, length in attention.plan(s)] == [
@@ -776,6 +862,11 @@ def test_growth_reports_the_median_of_every_timed_call(monkeypatch):
     record = growth.growth_record("lavo", "glibc default", times_ms, 64, 128)
     assert record["ms"] == {64: 2.5, 128: 7.0} and record["growth"] == 7.0 / 2.5
     assert record["times_ms"] == {64: [4.0, 1.0, 2.0, 3.0], 128: [9.0, 5.0]}
+
+
+def test_growth_times_the_repeats_asked_for_and_not_the_warm_up_call():
+    times_ms = growth.measure("local", 8, 16, 2, {})  # a child process at tiny lengths; no time is asserted
+    assert {length: len(times) for length, times in times_ms.items()} == {8: 2, 16: 2}
 
 
 def test_the_benchmark_scripts_show_their_progress_outside_the_tables(tmp_path):
