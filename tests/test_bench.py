@@ -770,6 +770,22 @@ def test_gpu_check_judges_every_context_only_on_all_of_them():
         assert verdicts["decoding step <= 0.3 ms at every context: fused kernel"] == verdict
 
 
+def test_gpu_check_judges_lavo_against_sdpa_and_softmax_by_their_ratio():
+    def op(mechanism, length, ms, peak_mib):
+        return dict(step="ops", mechanism=mechanism, op="fwd+bwd", length=length, ms=ms, peak_mib=peak_mib,
+                    status="ok")
+    rows = [op("lavo_attention (op)", 1024, 3.0, 10.0), op("sdpa (op)", 1024, 2.0, 10.0),
+            op("lavo_attention (op)", 16384, 4.0, 50.0), op("sdpa (op)", 16384, 2.0, 100.0)]
+    rows += [dict(step="model", mechanism=mechanism, length=length, tokens_per_s=tokens_per_s, status="ok")
+             for length in (4096, 16384) for mechanism, tokens_per_s in (("lavo", 3000.0), ("softmax+rope", 2000.0))]
+    judged = {target: (measured, met) for target, measured, met in gpu_check.targets(rows)}
+    assert judged["fwd+bwd 1K: within 2x of SDPA"] == ("1.50 x SDPA's time", "yes")
+    assert judged["fwd+bwd 16K: no slower than SDPA"] == ("2.00 x SDPA's time", "no")
+    assert judged["peak memory 16K <= SDPA's"] == ("50.0 vs 100 MiB", "yes")
+    assert judged["`small` training 4K: LAVO tokens/s >= 1x softmax+RoPE"] == ("1.50x", "yes")
+    assert judged["`small` training 16K: LAVO tokens/s >= 2x softmax+RoPE"] == ("1.50x", "no")
+
+
 def test_peak_memory_is_taken_after_the_timed_calls_so_never_on_the_first_call(monkeypatch):
     calls = []
 
