@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lavo import report
 from lavo.bench import attention, cli, decode, flops, measure, model, output, profile, settings
 from lavo.bench.measure import Measurement
-from lavo.bench.runner import Runner
+from lavo.bench.runner import Runner, record
 from lavo.layers.local import LocalAttention
 from lavo.model import LanguageModel
 from lavo.ops import lavo_attention, orthogonal_basis
@@ -806,6 +806,18 @@ def test_peak_memory_is_taken_after_the_timed_calls_so_never_on_the_first_call(m
     assert calls == ["call", "call", "peak", "call"]
 
 
+def test_the_memory_tables_show_each_peak_and_cache_in_mib():
+    s = quick_settings("--sections", "attention,decode", "--passes", "fwd")
+    records = [record("attention", "op", "sdpa (op)", "fwd", 128, s, ms=2.0, peak_mib=5.0),
+               record("decode", "layer", "lavo", "decode_step", 128, s, ms=0.5, cache_bytes=3 * 2 ** 20)]
+    text = output.markdown(records, {"device": "cpu", "cpu": "test", "threads": 1, "torch": "test"}, s)
+    tables = {block.splitlines()[0]: block.splitlines()[4] for block in text.split("## ")[1:]}
+    assert tables == {"Attention, fwd: B=1, H=2, D=16; ms (× SDPA op at the same length)": "| sdpa (op) | 2.00 |",
+                      "Attention, fwd: peak memory growth, MiB": "| sdpa (op) | 5.00 |",
+                      "Decoding: ms per token step at a context length (× —)": "| lavo | 0.500 |",
+                      "Decoding: cache MiB after the context": "| lavo | 3.00 |"}
+
+
 def test_a_flops_cell_without_the_matmul_rate_shows_no_fraction():
     records = [dict(section="flops", mechanism="matmul", op="matmul", length=3000, dtype="fp32", status="skipped",
                     note="skipped: one call took 1 s > --time-limit 0.2 s"),
@@ -875,9 +887,9 @@ def test_growth_reports_the_median_of_every_timed_call(monkeypatch):
     child = subprocess.CompletedProcess([], 0, stdout='{"64": [4.0, 1.0, 2.0, 3.0], "128": [9.0, 5.0]}\n')
     monkeypatch.setattr(growth.subprocess, "run", lambda *args, **kwargs: child)
     times_ms = growth.measure("lavo", 64, 128, 4, {})
-    record = growth.growth_record("lavo", "glibc default", times_ms, 64, 128)
-    assert record["ms"] == {64: 2.5, 128: 7.0} and record["growth"] == 7.0 / 2.5
-    assert record["times_ms"] == {64: [4.0, 1.0, 2.0, 3.0], 128: [9.0, 5.0]}
+    entry = growth.growth_record("lavo", "glibc default", times_ms, 64, 128)
+    assert entry["ms"] == {64: 2.5, 128: 7.0} and entry["growth"] == 7.0 / 2.5
+    assert entry["times_ms"] == {64: [4.0, 1.0, 2.0, 3.0], 128: [9.0, 5.0]}
 
 
 def test_growth_times_the_repeats_asked_for_and_not_the_warm_up_call():
