@@ -284,6 +284,28 @@ def test_cells_are_recorded_and_skipped_on_a_rerun(tmp_path):
         run_cells(series, [24], [12], ["softmax"], [0], replace(SMALL, max_steps=7), path, progress=False)
 
 
+def test_cells_scored_on_other_data_are_trained_again(tmp_path, capsys):
+    """A results file's cells once stayed whatever the data they were scored on: weather_nc's calendar, parsed
+    otherwise since, kept its earlier scores on a rerun."""
+    path, grid = tmp_path / "results.json", ([24], [12], ["repeat_last", "seasonal_naive"], [0])
+    series = generated_series(300)
+    run_cells(series, *grid, SMALL, path, progress=False)
+    assert capsys.readouterr().out == ""
+    recalendared = generated_series(300)
+    recalendared.calendar[5, 1] += 1 / 365  # the values as they were: only the calendar differs
+    assert generated_series(300).sha256() == series.sha256() != recalendared.sha256()
+    again = run_cells(recalendared, *grid, SMALL, path, progress=False)
+    assert capsys.readouterr().out == (f"note: 2 cells of {path} were scored on other weather_nc data (no "
+                                       "data_sha256, or another one): trained again\n")
+    assert {cell["data_sha256"] for cell in again.values()} == {recalendared.sha256()}
+    recorded = json.loads(path.read_text())
+    assert {cell["data_sha256"] for cell in recorded["cells"].values()} == {recalendared.sha256()}
+    del recorded["cells"]["weather_nc|L24|H12|repeat_last|seed0"]["data_sha256"]  # as written before digests
+    path.write_text(json.dumps(recorded))
+    run_cells(recalendared, *grid, SMALL, path, progress=False)
+    assert capsys.readouterr().out.startswith("note: 1 cell of ")
+
+
 def test_a_file_that_is_not_a_results_file_is_named(tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("not json\n")

@@ -21,6 +21,7 @@ Standardisation uses the mean and standard deviation of the training steps only.
 from __future__ import annotations
 
 import hashlib
+import json
 import io
 import lzma
 import pickle
@@ -58,6 +59,14 @@ class Series:
     columns: tuple[str, ...]
     calendar: np.ndarray
     steps_per_day: int
+
+    def sha256(self) -> str:
+        """A digest of everything a cell reads: a recorded cell of another digest was trained on other data (an
+        older parser's, say) and is trained again."""
+        digest = hashlib.sha256(json.dumps([self.name, list(self.columns), self.steps_per_day]).encode())
+        for array in (self.values, self.calendar):
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return digest.hexdigest()
 
 
 ARCHIVES = {

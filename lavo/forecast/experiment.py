@@ -23,6 +23,7 @@ from ..data import DataError
 from ..files import make_directory, write_json
 from ..layers.base import after_optimizer_step
 from ..model import count_parameters
+from ..report import counted
 from ..registry import available_cross_attentions
 from ..settings import (SEED, above, at_least, between, check_same_settings, check_settings, one_of, read_results,
                         setting)
@@ -200,11 +201,12 @@ def check_cells(series: Series, grid: Grid, settings: Settings) -> None:
 
 
 def iter_cells(series: Series, input_lens: list[int], horizons: list[int], methods: list[str], seeds: list[int],
-               settings: Settings, results_path: str | Path | None = None,
-               progress: bool = True) -> Iterator[tuple[str, dict]]:
+               settings: Settings, results_path: str | Path | None = None, progress: bool = True,
+               log=print) -> Iterator[tuple[str, dict]]:
     """``(key, result)`` of every cell of the grid as it finishes, skipping those already in ``results_path``
-    (written after each cell); the settings must match the file's. Every cell is checked before the first one
-    runs."""
+    (written after each cell) that were scored on the same data (``data_sha256``: :meth:`Series.sha256`); ``log``
+    is told of those trained again. The settings must match the file's. Every cell is checked before the first
+    one runs."""
     grid = Grid(input_lens, horizons, methods, seeds)
     check_cells(series, grid, settings)
     results_path = None if results_path is None else Path(results_path)
@@ -217,10 +219,16 @@ def iter_cells(series: Series, input_lens: list[int], horizons: list[int], metho
     if results["settings"] is not None:
         check_same_settings(results_path, results["settings"], asdict(settings), "use another file")
     results["settings"] = asdict(settings)
-    for L, H, method, seed in tqdm(grid.cells(), disable=not progress, desc=series.name):
-        key = cell_key(series.name, L, H, method, seed)
-        if key not in results["cells"]:
-            cell = run_cell(series, L, H, method, seed, settings, progress=progress)
+    data_sha256 = series.sha256()
+    cells = {cell_key(series.name, *cell): cell for cell in grid.cells()}
+    stale = [key for key in cells
+             if key in results["cells"] and results["cells"][key].get("data_sha256") != data_sha256]
+    if stale:
+        log(f"note: {counted(len(stale), 'cell')} of {results_path} were scored on other {series.name} data (no "
+            f"data_sha256, or another one): trained again")
+    for key, (L, H, method, seed) in tqdm(cells.items(), disable=not progress, desc=series.name):
+        if key in stale or key not in results["cells"]:
+            cell = run_cell(series, L, H, method, seed, settings, progress=progress) | {"data_sha256": data_sha256}
             if seed != 0:
                 del cell["example"]  # one example forecast per method is enough for the plot
             results["cells"][key] = cell
