@@ -262,8 +262,8 @@ def add_export(commands) -> None:
                             "AutoModelForCausalLM.from_pretrained(OUT_DIR) and pipeline('text-generation', "
                             "model=OUT_DIR) load it offline; `lavo generate` and `lavo eval` take OUT_DIR too. Needs "
                             "the extra hf (`pip install -e '.[hf]'`).")
-    p.add_argument("run", help="run directory")
-    p.add_argument("out", help="output directory (new or empty)")
+    p.add_argument("run", metavar="RUN_DIR", help="run directory")
+    p.add_argument("out", metavar="OUT_DIR", help="output directory (new or empty)")
     p.add_argument("--overwrite", action="store_true", help="write into OUT_DIR even if it is not empty")
     p.set_defaults(handler=cmd_export)
 
@@ -296,8 +296,7 @@ def cmd_bench(args) -> int:
 def add_bench(commands) -> None:
     from .bench.cli import DESCRIPTION, EPILOG, add_arguments
     p = commands.add_parser("bench", help="time and memory of every mechanism against SDPA, decoding, throughput",
-                            description=DESCRIPTION, epilog=EPILOG,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                            description=DESCRIPTION, epilog=EPILOG)
     add_arguments(p)
     p.set_defaults(handler=cmd_bench)
 

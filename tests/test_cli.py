@@ -15,11 +15,14 @@ from lm_corpus import tiny_run, write_corpus
 
 @pytest.mark.parametrize("command", [[], ["data"], ["train"], ["curves"], ["eval"], ["generate"], ["export"],
                                      ["demo"], ["bench"], ["forecast"], ["listops"]])
-def test_help(command, capsys):
+def test_help(command, capsys, monkeypatch):
+    """Wrapped to the terminal's width (`lavo bench --help` printed its description as one line of 270 columns)."""
+    monkeypatch.setenv("COLUMNS", "80")
     with pytest.raises(SystemExit) as exit_info:
         main(command + ["--help"])
     assert exit_info.value.code == 0
-    assert "usage: lavo" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "usage: lavo" in text and max(len(line) for line in text.splitlines()) <= 80
 
 
 def test_every_flag_with_a_default_says_it_in_help():

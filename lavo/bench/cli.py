@@ -122,8 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lavo.bench", formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     description=DESCRIPTION, epilog=EPILOG)
+    parser = argparse.ArgumentParser(prog="python -m lavo.bench", description=DESCRIPTION, epilog=EPILOG)
     add_arguments(parser)
     return parser
 
