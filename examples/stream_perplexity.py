@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
 import lavo.hf  # noqa: E402,F401  (registers the lavo_lm model type)
+from lavo.devices import resolve_device  # noqa: E402
 from lavo.run import is_exported, is_run  # noqa: E402
 
 
@@ -44,7 +45,7 @@ def text_pieces(path: str, block_chars: int) -> Iterator[str]:
     """The file's text in consecutive pieces of about ``block_chars`` characters, each (but the last) ending
     where a word starts."""
     carry = ""
-    with open(path, encoding="utf-8") as file:
+    with open(path, encoding="utf-8-sig") as file:  # without a byte-order mark, as lavo eval --text reads it
         while block := file.read(block_chars):
             text = carry + block
             cut = last_word_start(text)
@@ -105,26 +106,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model", help="a directory written by `lavo export`")
     parser.add_argument("text", help="a UTF-8 text file of any length")
     parser.add_argument("--chunk-tokens", type=positive, default=2048, help="tokens per forward pass (default: 2048)")
-    parser.add_argument("--report-every", type=positive, default=100_000, help="tokens between reports")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--report-every", type=positive, default=100_000,
+                        help="tokens between reports (default: 100000)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     args = parser.parse_args(argv)
     check_paths(parser, args.model, args.text)
+    try:
+        device = resolve_device(args.device)
+    except (RuntimeError, ValueError) as error:  # torch's for a name it does not know, lavo's for a missing GPU
+        parser.error(str(error))
     logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(args.model).to(args.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model).to(device).eval()
     if not model.lavo.supports_decoding:  # every chunk would start from an empty context
         parser.error(f"{args.model} is a {model.config.attention} model, which has no decoding form, so no state "
                      "carries the text before a chunk: score it with `lavo eval` at a fixed length instead")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     start, next_report, report = time.perf_counter(), args.report_every, None
-    for report in running_perplexity(model, tokenizer, args.text, args.chunk_tokens):
-        if report["tokens"] >= next_report:
-            speed = report["tokens"] / (time.perf_counter() - start)
-            print(f"{report['tokens']:>10,d} tokens  perplexity {report['ppl']:8.2f}  "
-                  f"state {report['state_bytes']:,d} bytes  {speed:,.0f} tokens/s", flush=True)
-            next_report += args.report_every
-    if report is not None:
-        print(f"{report['tokens']:>10,d} tokens  perplexity {report['ppl']:8.2f}  (whole text, "
-              f"{time.perf_counter() - start:.0f} s)")
+    try:
+        for report in running_perplexity(model, tokenizer, args.text, args.chunk_tokens):
+            if report["tokens"] >= next_report:
+                speed = report["tokens"] / (time.perf_counter() - start)
+                print(f"{report['tokens']:>10,d} tokens  perplexity {report['ppl']:8.2f}  "
+                      f"state {report['state_bytes']:,d} bytes  {speed:,.0f} tokens/s", flush=True)
+                next_report += args.report_every
+    except UnicodeDecodeError as error:
+        parser.error(f"{args.text} is not UTF-8 text ({error.reason}): convert it, e.g. "
+                     f"`iconv -f latin1 -t utf-8 {args.text} -o {args.text}.new` (-f utf-16 for UTF-16 text)")
+    if report is None:
+        parser.error(f"{args.text} holds fewer than two tokens: nothing to score")
+    print(f"{report['tokens']:>10,d} tokens  perplexity {report['ppl']:8.2f}  (whole text, "
+          f"{time.perf_counter() - start:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -714,18 +714,26 @@ def test_the_cli_loads_an_export_without_progress_bars_and_leaves_them_as_they_w
     hf_logging.enable_progress_bar()
 
 
-def test_the_stream_example_names_a_run_directory_and_a_missing_text(trained, tmp_path, capsys):
+def test_the_stream_example_names_a_run_directory_and_a_missing_text(trained, tmp_path, capsys, monkeypatch):
+    """Also (was: a traceback, or nothing printed and status 0) an empty or Latin-1 text and a missing GPU."""
     from script_loader import load_script
     example = load_script("stream_perplexity", "examples/stream_perplexity.py")
     run, exported, text = trained / "run", trained / "exported", trained / "corpus" / "doc3.txt"
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')  # another model's folder, not a run
     no_state = tmp_path / "longshort"
     wrapped(native(attention="longshort", attention_options={"window": 4})).save_pretrained(no_state)
+    empty, latin1 = tmp_path / "empty.txt", tmp_path / "latin1.txt"
+    empty.write_text("")
+    latin1.write_bytes("the sister said caf\u00e9 au lait".encode("latin-1"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for argv, message in [((run, text), f"{run} is a training run: export it first (`lavo export {run} OUT_DIR`)"),
                           ((tmp_path, text), f"{tmp_path} is not a directory written by `lavo export`"),
                           ((exported, tmp_path / "missing.txt"), f"{tmp_path / 'missing.txt'} is not a file"),
                           ((exported, text, "--chunk-tokens", "0"), "must be an integer >= 1; got '0'"),
-                          ((no_state, text), "is a longshort model, which has no decoding form, so no state")]:
+                          ((no_state, text), "is a longshort model, which has no decoding form, so no state"),
+                          ((exported, empty), f"{empty} holds fewer than two tokens: nothing to score"),
+                          ((exported, latin1), f"{latin1} is not UTF-8 text (invalid continuation byte): convert it"),
+                          ((exported, text, "--device", "cuda"), "no CUDA device is available: choose the CPU")]:
         with pytest.raises(SystemExit) as stopped:
             example.main([str(path) for path in argv])
         assert stopped.value.code == 2 and message in capsys.readouterr().err
@@ -749,6 +757,16 @@ def test_the_stream_example_scores_a_long_text_with_a_constant_state(saved, toke
         logits, _ = model(torch.tensor([tokens[:-1]]))
     nll = torch.nn.functional.cross_entropy(logits[0], torch.tensor(tokens[1:]))
     assert reports[-1]["ppl"] == pytest.approx(nll.exp().item(), rel=1e-4)
+
+
+def test_the_stream_example_reads_a_text_without_its_byte_order_mark(tokenizer, tmp_path):
+    """As lavo eval --text reads it (was: the mark, U+FEFF, was the first token's text)."""
+    from script_loader import load_script
+    example = load_script("stream_perplexity", "examples/stream_perplexity.py")
+    marked = tmp_path / "marked.txt"
+    marked.write_text("the sister said to her mother", encoding="utf-8-sig")
+    tokens = tokenizer.encode("the sister said to her mother")
+    assert list(example.token_chunks(str(marked), H.hub_tokenizer(tokenizer), 64, 300)) == [tokens]
 
 
 def test_from_native_keeps_the_models_mode():
