@@ -385,7 +385,7 @@ def add_forecast(commands) -> None:
                             "package; MSE and MAE over every test window, on standardised values. Lists run every "
                             "combination; with --results, finished cells are recorded there and skipped on a rerun. "
                             "Ctrl-C prints the scores of the cells that finished.")
-    p.add_argument("--data", required=True, choices=DATASETS)
+    p.add_argument("--data", required=True, choices=DATASETS, help="the dataset (fetched with pip into --data-dir)")
     p.add_argument("--horizon", type=flag_type(Grid, "horizon"), required=True,
                    help="steps to forecast, e.g. 96 or 96,192,336,720")
     p.add_argument("--input", type=flag_type(Grid, "input"), default=[96], help="input steps (default: 96)")

@@ -110,7 +110,8 @@ def check_parts(source: str, parts: list[str]) -> None:
     mixed = mix_parts(source) or []
     unknown = [part for part in parts if part not in mixed]
     if unknown:
-        raise DataError(f"{unknown} are not parts of the source {source!r}"
+        verb = "is not a part" if len(unknown) == 1 else "are not parts"
+        raise DataError(f"{', '.join(unknown)} {verb} of the source {source!r}"
                         + (f" (its parts: {', '.join(mixed)})" if mixed else " (it is not a mix)"))
 
 
