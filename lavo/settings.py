@@ -215,8 +215,7 @@ def flag_type(cls: type, name: str) -> Callable[[str], Any]:
 
     def parse_flag(text: str) -> Any:
         try:
-            items = [item.strip() for item in text.split(",")]  # "doc0, doc1": the names, not " doc1"
-            value = [parse(item) for item in items if item] if kind.base is list else parse(text)
+            value = comma_list(parse, may_be_empty=True)(text) if kind.base is list else parse(text)
         except ValueError:
             value = text
         value, ok = check_value(value, kind, allowed)
