@@ -25,6 +25,7 @@ from lavo.run import RunError, RunLock, load_run
 from lavo.train import train, weights_digest
 from file_limits import file_size_limit
 from lm_corpus import tiny_run, write_corpus
+from paused_trainer import waiting_file
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, INTERVAL = 60, 10
@@ -106,18 +107,19 @@ def resume_paused(tmp_path: Path) -> None:
     (tmp_path / GATE).touch()
 
 
-def wait_for_step(run_dir: Path, process: subprocess.Popen, step: int, timeout: float = 120) -> None:
-    """Wait until the training process has logged ``step``."""
+def wait_until_paused(tmp_path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Wait until the paused trainer of :func:`start` waits at its gate (tests/paused_trainer.py). Not until its
+    step is logged: between that record and its stop check, a signal would stop it a step early."""
     deadline = time.time() + timeout
-    metrics = run_dir / "metrics.jsonl"
+    waiting = waiting_file(tmp_path / GATE)
     while time.time() < deadline:
-        if metrics.exists() and any(f'"step": {step},' in line for line in metrics.read_text().splitlines()):
+        if waiting.exists():
             return
         if process.poll() is not None:
-            pytest.fail(f"training ended before step {step}:\n{process.stdout.read()[-3000:]}")
+            pytest.fail(f"training ended before its pause:\n{process.stdout.read()[-3000:]}")
         time.sleep(0.02)
     process.kill()
-    pytest.fail(f"no step {step} in {timeout}s")
+    pytest.fail(f"no pause in {timeout}s")
 
 
 def finish(process: subprocess.Popen) -> tuple[int, str]:
@@ -129,7 +131,7 @@ def finish(process: subprocess.Popen) -> tuple[int, str]:
 def test_ctrl_c_saves_the_exact_position_and_resume_continues_exactly(setup, tmp_path, number, status):
     config = config_for(setup, tmp_path)
     process = start(config, tmp_path, pause_after=15)
-    wait_for_step(tmp_path / "run", process, 15)
+    wait_until_paused(tmp_path, process)
     process.send_signal(number)  # while it waits before step 16: that step still runs, then it stops
     resume_paused(tmp_path)
     code, output = finish(process)
@@ -146,7 +148,7 @@ def test_ctrl_c_after_the_output_pipe_closed_still_saves_the_checkpoint(setup, t
     BrokenPipeError, and the steps since the last checkpoint were lost)."""
     config = config_for(setup, tmp_path)
     process = start(config, tmp_path, pause_after=15)
-    wait_for_step(tmp_path / "run", process, 15)
+    wait_until_paused(tmp_path, process)
     process.stdout.close()  # the reader is gone: every later write of the trainer meets a broken pipe
     process.send_signal(signal.SIGINT)
     resume_paused(tmp_path)
@@ -165,7 +167,7 @@ def test_ctrl_c_during_the_last_step_leaves_a_finished_run(setup, tmp_path):
     summary, and --resume found nothing to do and wrote none either, so reports failed on the run)."""
     config = config_for(setup, tmp_path)
     process = start(config, tmp_path, pause_after=STEPS - 1)
-    wait_for_step(tmp_path / "run", process, STEPS - 1)
+    wait_until_paused(tmp_path, process)
     process.send_signal(signal.SIGINT)  # while it waits before the last step
     resume_paused(tmp_path)
     code, output = finish(process)
@@ -223,7 +225,7 @@ def test_resume_refuses_another_number_of_processes(setup, tmp_path):
 def test_kill_9_mid_training_and_a_second_trainer_meanwhile(setup, tmp_path):
     config = config_for(setup, tmp_path)
     process = start(config, tmp_path, pause_after=15)
-    wait_for_step(tmp_path / "run", process, 15)
+    wait_until_paused(tmp_path, process)
     with pytest.raises(RunError, match=rf"{tmp_path / 'run'} is being trained by another process \(pid "
                                        rf"{process.pid}, which holds .*\.lock\)"):
         train(RunConfig.from_dict(config), resume=True, log=quiet)
@@ -237,7 +239,7 @@ def test_kill_9_before_the_first_checkpoint_then_resume_starts_it_again(setup, t
     """Nothing but metrics was written: --resume starts the run again, as an uninterrupted run would have been."""
     config = config_for(setup, tmp_path, checkpoint_interval=STEPS)
     process = start(config, tmp_path, pause_after=5)
-    wait_for_step(tmp_path / "run", process, 5)
+    wait_until_paused(tmp_path, process)
     process.kill()
     finish(process)
     assert not (tmp_path / "run" / "state.pt").exists() and (tmp_path / "run" / "metrics.jsonl").exists()
