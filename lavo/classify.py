@@ -23,7 +23,8 @@ from torch import nn
 from .files import atomic_write, make_directory, read_saved_state, write_json
 from .layers.base import after_optimizer_step
 from .listops import CLASSES, VOCAB, ListOpsSpec, Split, make_splits
-from .model import Block, ModelConfig, add_positions, count_parameters, initialise, parameter_groups
+from .model import (Block, ModelConfig, add_positions, count_parameters, initialise, parameter_groups,
+                    set_learning_rate)
 from .settings import (SEED, SettingsError, above, at_least, check_at_most, check_known, check_same_settings,
                        check_settings, read_results, setting)
 from .train import Stopped, StopRequests, learning_rate
@@ -125,9 +126,7 @@ def accuracy(model: SequenceClassifier, split: Split, batch_size: int) -> float:
 def train_step(run: ListOpsRun, model: nn.Module, optimizer: torch.optim.Optimizer,
                batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int) -> float:
     """One optimizer step (0-based ``step``) at the scheduled learning rate; returns the batch's loss."""
-    rate = learning_rate(step, run)
-    for group in optimizer.param_groups:
-        group["lr"] = group["lr_scale"] * rate
+    set_learning_rate(optimizer, learning_rate(step, run))
     ids, mask, labels = batch
     loss = F.cross_entropy(model(ids, mask), labels)
     optimizer.zero_grad(set_to_none=True)

@@ -186,6 +186,12 @@ def parameter_groups(model: nn.Module, weight_decay: float, lr: float) -> list[d
             for (decay, lr_scale), params in groups.items()]
 
 
+def set_learning_rate(optimizer: torch.optim.Optimizer, rate: float) -> None:
+    """Set each group of :func:`parameter_groups` to ``lr_scale`` times the scheduled ``rate``."""
+    for group in optimizer.param_groups:
+        group["lr"] = rate * group.get("lr_scale", 1.0)  # an optimiser state saved without scales has none
+
+
 class LanguageModel(nn.Module):
     r"""The causal decoder of this module's description, built from a :class:`ModelConfig`:
     ``forward(ids [B, T], padding_mask [B, T] | None, cache | None) -> (logits [B, T, vocab], cache)``, where the

@@ -30,7 +30,7 @@ from .data import SPLITS, Prepared, check_source, describe_changes, prepare
 from .devices import autocast_for, resolve_device
 from .files import make_directory
 from .layers.base import after_optimizer_step
-from .model import LanguageModel, count_parameters
+from .model import LanguageModel, count_parameters, set_learning_rate
 from .ops.common import make_current
 from .run import (METRICS, MetricsLog, RunError, RunLock, clear_run, has_checkpoint, load_checkpoint,
                   read_run_config, recorded_documents, recover_checkpoint, save_checkpoint, save_run_config,
@@ -385,8 +385,7 @@ class Trainer:
         """One optimiser step over ``grad_accum`` micro-batches; returns the mean loss (over the processes too)
         and the gradient norm before clipping (None without clipping)."""
         tc, env = self.tc, self.env
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)  # an optimiser state saved without scales has none
+        set_learning_rate(self.optimizer, lr)
         total = torch.zeros((), device=self.device)
         # one draw a step, dealt out by micro-batch, then process: every split of the step's windows into
         # batch_size x grad_accum x processes trains on the same windows
