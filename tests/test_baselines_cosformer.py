@@ -42,7 +42,8 @@ def test_noncausal_matches_quadratic_form(length, padded):
     q, k, v = _qkv(length)
     mask = _mask(length) if padded else None
     out = cosformer_attention(q, k, v, padding_mask=mask)
-    assert_same_outputs_and_grads(out, cosformer_attention_naive(q, k, v, causal=False, padding_mask=mask), [q, k, v], mask)
+    reference = cosformer_attention_naive(q, k, v, causal=False, padding_mask=mask)
+    assert_same_outputs_and_grads(out, reference, [q, k, v], mask)
 
 
 def test_noncausal_right_padding_equals_the_shorter_sequence():

@@ -273,7 +273,8 @@ def test_ratios_are_each_time_over_the_reference_time_at_the_same_point(monkeypa
     assert [r["tokens_per_s"] for r in runner.records if r["section"] == "model"] == [
         pytest.approx(2 * 32 / 4e-3), pytest.approx(2 * 32 / 2e-3)]  # both sequences of the batch
     text = output.markdown(runner.records, {"device": "cpu", "cpu": "test", "threads": 1, "torch": "test"}, s)
-    for row in ("| lavo_attention (op) | 6.00 (×3.0) |", "| lavo | 2.00 (×0.25) |", "| lavo | 32000 (×0.50) / — |"):
+    for row in ("| lavo_attention (op) | 6.00 (×3.0) |", "| lavo | 2.00 (×0.25) |",
+                "| lavo | 32000 (×0.50) / — |"):
         assert row in text.splitlines()
 
 

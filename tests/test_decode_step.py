@@ -193,7 +193,8 @@ def test_each_op_names_the_lavo_cache_it_continues():
     for wrong in (None, cache):
         with pytest.raises(ValueError, match=rf"^lavo_decode_step continues a LavoStepCache, got a "
                                              rf"{type(wrong).__name__}: make one from a LavoCache with "
-                                             r"LavoStepCache.from_cache\(cache, window\), or layer.step_cache\(cache\)$"):
+                                             r"LavoStepCache.from_cache\(cache, window\), or "
+                                             r"layer.step_cache\(cache\)$"):
             lavo_decode_step(q, k, v, basis, wrong)
     for wrong in (None, LavoStepCache.from_cache(cache, 4)):
         with pytest.raises(ValueError, match=rf"^lavo_attention_cached continues a LavoCache, got a "

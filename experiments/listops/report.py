@@ -114,8 +114,8 @@ def accuracy_table(runs: dict[str, dict[int, dict]]) -> str:
     named = " / ".join(map(str, seeds))
     header = ["model", "test acc % (mean ± std)", f"test acc % (seeds {named})", "seeds past the plateau",
               f"first step at >= {100 * PAST_PLATEAU:.0f}% valid (seeds {named})", "published ListOps %"]
-    rows = [["majority class (the floor)", mean_pm_std(*mean_std(list(floor.values()))), per_seed(floor, seeds, percent),
-             "—", "—", "—"]]
+    rows = [["majority class (the floor)", mean_pm_std(*mean_std(list(floor.values()))),
+             per_seed(floor, seeds, percent), "—", "—", "—"]]
     for name, by_seed in runs.items():
         summary = summarize(by_seed)
         rows.append([name, mean_pm_std(summary["test_accuracy_mean"], summary["test_accuracy_std"]),

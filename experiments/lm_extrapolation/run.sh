@@ -15,5 +15,6 @@ train_run $E longshort-noln  --set model.attention=longshort --set model.attenti
 train_run $E s4d             --set model.attention=s4d --set model.attention_options.state_size=128
 # N = 24576 scored tokens: a multiple of every length (384 = 1.5 L included)
 eval_runs $E all --lengths 256,384,512,1024,2048,4096 --max-tokens 24576 --batch-size 16 --chunk-size 1024 -- \
-  $E/runs/lavo $E/runs/softmax-sin $E/runs/softmax-rope $E/runs/local $E/runs/abc $E/runs/longshort $E/runs/longshort-noln $E/runs/s4d
+  $E/runs/lavo $E/runs/softmax-sin $E/runs/softmax-rope $E/runs/local $E/runs/abc $E/runs/longshort \
+  $E/runs/longshort-noln $E/runs/s4d
 python experiments/report_tools.py results $E

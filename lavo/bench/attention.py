@@ -1,5 +1,6 @@
 """The ``attention`` section: every registered layer and raw ops (LAVO's, SDPA, and fla's when asked for), forward
-and forward + backward, time and peak memory against the sequence length, each as a ratio to the SDPA op at the same length and pass."""
+and forward + backward, time and peak memory against the sequence length, each as a ratio to the SDPA op at the
+same length and pass."""
 from __future__ import annotations
 
 import importlib
