@@ -313,6 +313,19 @@ def test_what_the_model_cannot_return_is_refused(options, message):
         wrapped(native())(ids, **options)
 
 
+@pytest.mark.parametrize("flag, what", [("output_hidden_states", "hidden states"),
+                                        ("output_attentions", "attention weights")])
+def test_what_the_config_asks_the_model_to_return_and_it_cannot_is_refused(flag, what, saved):
+    with pytest.raises(ValueError, match=f"^LavoLMForCausalLM does not return {what}: {flag}=True is not supported$"):
+        AutoModelForCausalLM.from_pretrained(saved[0], **{flag: True})
+    hub, ids = wrapped(native()), torch.tensor([[1, 2, 3]])
+    setattr(hub.config, flag, True)
+    with pytest.raises(ValueError, match=f"^LavoLMForCausalLM does not return {what}: set model.config.{flag} = "
+                       "False$"):
+        hub(ids)
+    assert hub(ids, **{flag: False}).logits.shape == (1, 3, 61)  # the call's choice before the config's
+
+
 def test_use_cache_on_a_mechanism_without_decoding_recomputes_instead_of_feeding_one_token():
     model = native(50, attention="longshort", attention_options={})
     prompt = [5, 6, 7, 8, 9, 10, 11]

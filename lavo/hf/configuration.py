@@ -10,6 +10,9 @@ from transformers import PreTrainedConfig
 from ..model import ModelConfig
 from ..run import EXPORTED_MODEL_TYPE as MODEL_TYPE
 
+# the outputs transformers models return on request and LavoLMForCausalLM does not: the flag, and what it asks for
+UNRETURNED_OUTPUTS = {"output_hidden_states": "hidden states", "output_attentions": "attention weights"}
+
 
 @strict
 class LavoLMConfig(PreTrainedConfig):
@@ -46,14 +49,18 @@ class LavoLMConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         self.model_config()  # a bad mechanism, option or position fails here, with ModelConfig's message
-        self.check_tied()
+        self.check_supported()
 
-    def check_tied(self) -> None:
-        """Refuse untied output embeddings, here and again when the model is built (``from_pretrained`` sets
-        its keyword arguments on the config after it is made)."""
+    def check_supported(self) -> None:
+        """Refuse untied output embeddings and outputs the model does not return, here and again when the model
+        is built (``from_pretrained`` sets its keyword arguments on the config after it is made): the model would
+        otherwise ignore them."""
         if not self.tie_word_embeddings:
             raise ValueError("LavoLMForCausalLM reads its logits from the token embedding matrix: "
                              "tie_word_embeddings=False is not supported")
+        for flag, what in UNRETURNED_OUTPUTS.items():
+            if getattr(self, flag):
+                raise ValueError(f"LavoLMForCausalLM does not return {what}: {flag}=True is not supported")
 
     def model_config(self) -> ModelConfig:
         """The native model's settings."""

@@ -17,7 +17,7 @@ from transformers.utils.generic import can_return_tuple
 
 from ..generate import check_room
 from ..model import Block, LanguageModel
-from .configuration import LavoLMConfig
+from .configuration import UNRETURNED_OUTPUTS, LavoLMConfig
 from .state import LavoState, real_spans
 
 # what generate() continues a prompt by when neither max_new_tokens nor max_length is set (transformers' default
@@ -51,7 +51,7 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
     _is_stateful = True
 
     def __init__(self, config: LavoLMConfig):
-        config.check_tied()
+        config.check_supported()
         super().__init__(config)
         self.lavo = LanguageModel(config.model_config())
         check_buffers_persist(self.lavo)
@@ -163,7 +163,7 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         in place of ids, hidden states and attention weights are refused.
         """
         cache = merge_cache_names(cache, kwargs.pop("past_key_values", None))
-        refuse_unsupported(input_ids, kwargs)
+        refuse_unsupported(input_ids, kwargs, self.config)
         use_cache = (self.config.use_cache if use_cache is None else use_cache) and self.lavo.supports_decoding
         if cache is not None and not self.lavo.supports_decoding:
             raise ValueError(f"attention {self.config.attention!r} has no decoding form: call without a cache")
@@ -243,9 +243,9 @@ def merge_cache_names(cache: HubCache | None, past_key_values: HubCache | None) 
                     f"{type(given).__name__}{holding}: pass no cache to start, or the one a call returned")
 
 
-def refuse_unsupported(input_ids: torch.Tensor | None, kwargs: dict) -> None:
+def refuse_unsupported(input_ids: torch.Tensor | None, kwargs: dict, config: LavoLMConfig) -> None:
     """Errors for ids of another shape and for the ``transformers`` options that would change what forward
-    returns but that it lacks."""
+    returns but that it lacks, asked for in the call or, where the call does not name them, in ``config``."""
     if kwargs.get("inputs_embeds") is not None:
         raise ValueError("LavoLMForCausalLM takes input_ids only, not inputs_embeds")
     if input_ids is None:
@@ -255,9 +255,11 @@ def refuse_unsupported(input_ids: torch.Tensor | None, kwargs: dict) -> None:
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids has no positions; generate() takes the whole sequence so far (the positions a "
                          "state passed with it has consumed, then the new ones), a call of the model only the new ones")
-    for flag, what in (("output_hidden_states", "hidden states"), ("output_attentions", "attention weights")):
-        if kwargs.get(flag):
-            raise ValueError(f"LavoLMForCausalLM does not return {what}: call it without {flag}=True")
+    for flag, what in UNRETURNED_OUTPUTS.items():
+        asked = kwargs.get(flag)
+        if asked or (asked is None and getattr(config, flag)):
+            fix = f"call it without {flag}=True" if asked else f"set model.config.{flag} = False"
+            raise ValueError(f"LavoLMForCausalLM does not return {what}: {fix}")
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
