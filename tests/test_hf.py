@@ -1,4 +1,5 @@
 """lavo.hf: the native model under transformers' AutoModelForCausalLM, generate(), save/load and pipelines."""
+import copy
 import json
 import re
 import os
@@ -222,6 +223,20 @@ def test_generate_continues_from_a_returned_state_given_the_whole_sequence(name)
                        pad_token_id=0)
     expected = native_greedy(model, extended[0].tolist(), 6)
     assert len(set(expected)) > 2 and out[0, extended.shape[1]:].tolist() == expected
+
+
+def test_a_state_passed_to_a_beam_search_is_repeated_as_the_message_says():
+    """generate() repeats the prompt for each beam but not a state passed with it."""
+    hub, prompt = wrapped(native(50)), torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        state = hub(prompt[:, :4]).cache
+    options = dict(max_new_tokens=4, num_beams=2, eos_token_id=None, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"^the state holds 1 rows, got input of batch size 2: generate\(\) repeats "
+                       r"each prompt 2 times \(num_beams, num_return_sequences\) but not a state passed to it; call "
+                       r"state\.batch_repeat_interleave\(2\) first$"):
+        hub.generate(prompt, cache=copy.deepcopy(state), **options)
+    state.batch_repeat_interleave(2)
+    assert hub.generate(prompt, cache=state, **options).tolist() == hub.generate(prompt, **options).tolist()
 
 
 def test_past_key_values_is_another_name_for_the_state():

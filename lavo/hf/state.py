@@ -44,6 +44,16 @@ def real_spans(real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first, count
 
 
+def repeated_rows_advice(rows: int, batch: int) -> str:
+    """What to do when ``generate()`` has repeated each of a state's ``rows`` prompts into a ``batch`` of rows (for
+    ``num_beams`` or ``num_return_sequences``): it repeats the ids and the mask, not a state passed to it."""
+    if batch % rows:
+        return ""
+    times = batch // rows
+    return (f": generate() repeats each prompt {times} times (num_beams, num_return_sequences) but not a state "
+            f"passed to it; call state.batch_repeat_interleave({times}) first")
+
+
 class LavoState(HubCache):
     """A batch's decoding state for ``generate()``: row groups, each with its native cache.
 
@@ -79,7 +89,8 @@ class LavoState(HubCache):
         return ``logits [B, T, vocab]``, zero at padding."""
         B, T = ids.shape
         if B != self.batch_size:
-            raise ValueError(f"the state holds {self.batch_size} rows, got input of batch size {B}")
+            raise ValueError(f"the state holds {self.batch_size} rows, got input of batch size {B}"
+                             f"{repeated_rows_advice(self.batch_size, B)}")
         first, count = real_spans(real) if real is not None else (torch.zeros(B, dtype=torch.long),
                                                                   torch.full((B,), T))
         pieces, groups = [], []
