@@ -117,13 +117,18 @@ def load_weights(model: LanguageModel, path: Path, config_path: Path) -> None:
     expected = model.state_dict()
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
-    resized = sorted(f"{name} {tuple(weights[name].shape)} (model: {tuple(expected[name].shape)})"
+    resized = sorted(resized_weight(name, weights[name].shape, expected[name].shape)
                      for name in set(weights) & set(expected) if weights[name].shape != expected[name].shape)
     problems = weight_differences(missing, unexpected, resized)
     if problems:
         raise RunError(f"{path} does not hold the weights of the model {config_path} describes "
                        f"({model.config.attention}, dim {model.config.dim}, depth {model.config.depth}): {problems}")
     model.load_state_dict(weights)
+
+
+def resized_weight(name: str, saved: torch.Size, expected: torch.Size) -> str:
+    """``"name (320, 32) (model: (330, 32))"``: a weight saved in another shape than the model's."""
+    return f"{name} {tuple(saved)} (model: {tuple(expected)})"
 
 
 def weight_differences(missing: list[str], unexpected: list[str], resized: list[str]) -> str:

@@ -522,12 +522,14 @@ def test_the_tokenizer_round_trips_and_a_missing_file_is_an_error(saved, tokeniz
 
 
 def test_an_export_missing_weights_or_holding_others_is_refused_by_name(saved, tmp_path):
-    """transformers loads a missing weight as the memory it allocated (NaN, say), and `lavo eval` scored it."""
+    """transformers loads a missing weight as the memory it allocated (NaN, say), and `lavo eval` scored it; for
+    one of another shape it raised an error that pointed to a report in its log."""
     from safetensors.torch import load_file, save_file
     directory, _ = saved
     weights = load_file(str(directory / "model.safetensors"))
     for name, change in (("missing", lambda w: w.pop("lavo.blocks.0.mlp.0.weight")),
-                         ("unexpected", lambda w: w.__setitem__("lavo.extra", torch.zeros(2)))):
+                         ("unexpected", lambda w: w.__setitem__("lavo.extra", torch.zeros(2))),
+                         ("resized", lambda w: w.__setitem__("lavo.blocks.0.mlp.0.weight", torch.zeros(3, 32)))):
         damaged = tmp_path / name
         shutil.copytree(directory, damaged)
         edited = dict(weights)

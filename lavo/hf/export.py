@@ -19,8 +19,8 @@ from ..config import RunConfig
 from ..data import Tokenizer, load_tokenizer_file
 from ..files import give_default_mode, make_directory, write_json
 from ..model import LanguageModel
-from ..run import (DOCUMENTS, TOKENIZER, RunError, is_exported, load_run, recorded_documents, run_config_at,
-                   weight_differences)
+from ..run import (DOCUMENTS, TOKENIZER, RunError, is_exported, load_run, recorded_documents, resized_weight,
+                   run_config_at, weight_differences)
 from .modeling import LavoLMForCausalLM
 from .tokenization import hub_tokenizer
 
@@ -74,8 +74,11 @@ def load_exported(directory: str | os.PathLike, device: str | torch.device = "cp
         raise FileNotFoundError(f"{directory} has no {TOKENIZER}: export the run again (`lavo export RUN_DIR "
                                 f"{directory} --overwrite`) or copy the run's {TOKENIZER} there")
     with no_progress_bars():  # the CLI reports its own progress; a small model loads at once
-        wrapped, loading = LavoLMForCausalLM.from_pretrained(directory, output_loading_info=True)
-    resized = [" ".join(map(str, mismatch)) for mismatch in loading.get("mismatched_keys", [])]
+        # weights of other shapes than config.json's are reported in the loading info, and refused below with the
+        # rest, instead of transformers' error that points to a report in its log
+        wrapped, loading = LavoLMForCausalLM.from_pretrained(directory, output_loading_info=True,
+                                                             ignore_mismatched_sizes=True)
+    resized = sorted(resized_weight(*mismatch) for mismatch in loading["mismatched_keys"])  # (name, saved, model)
     problems = weight_differences(sorted(loading["missing_keys"]), sorted(loading["unexpected_keys"]), resized)
     if problems:  # transformers would leave missing weights as they were allocated, uninitialised
         raise RunError(f"{directory} does not hold the weights of the model its config.json describes "
