@@ -93,6 +93,20 @@ def test_a_learned_basis_saves_and_loads_in_float32_and_bfloat16(rank, tmp_path)
             torch.testing.assert_close(loaded(ids).logits.float(), expected, rtol=0, atol=tolerance)
 
 
+def test_logits_to_keep_selects_the_returned_logits_and_the_loss_stays_over_all():
+    """As in transformers: the last n positions, all for 0, or the positions a tensor lists (was ignored: every
+    position came back)."""
+    model = wrapped(native(**SETTINGS["lavo"]))
+    ids = torch.randint(0, 61, (2, 9))
+    with torch.no_grad():
+        full = model(ids, labels=ids)
+        for keep, positions in ((0, slice(None)), (1, slice(8, None)), (3, slice(6, None)),
+                                (torch.tensor([0, 4]), [0, 4])):
+            out = model(ids, labels=ids, logits_to_keep=keep)
+            torch.testing.assert_close(out.logits, full.logits[:, positions], rtol=0, atol=0)
+            assert out.loss == full.loss
+
+
 @pytest.mark.parametrize("name", SETTINGS)
 def test_logits_and_loss_equal_the_native_model(name):
     model = native(**SETTINGS[name])

@@ -160,9 +160,12 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         ``past_key_values`` is taken as another name for ``cache``. Other keyword arguments of the
         ``transformers`` interface (``position_ids``, ...) are accepted and unused: the model counts positions
         itself, so ``position_ids`` that restart within a row (sequences packed into it) are refused. Embeddings
-        in place of ids, hidden states and attention weights are refused.
+        in place of ids, hidden states and attention weights are refused. ``logits_to_keep`` (an int ``n``: the last
+        ``n`` positions, 0 for all; or a tensor of position indices) selects the logits returned, as in
+        ``transformers``; the loss is over every position still.
         """
         cache = merge_cache_names(cache, kwargs.pop("past_key_values", None))
+        keep = kwargs.pop("logits_to_keep", 0)
         refuse_unsupported(input_ids, kwargs, self.config)
         use_cache = (self.config.use_cache if use_cache is None else use_cache) and self.lavo.supports_decoding
         if cache is not None and not self.lavo.supports_decoding:
@@ -182,6 +185,7 @@ class LavoLMForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             logits = state.feed(self.lavo, input_ids, real)
         loss = None if labels is None else next_token_loss(logits, labels, num_items_in_batch, real)
+        logits = logits[:, slice(-keep, None) if isinstance(keep, int) else keep]
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=state if use_cache else None)
 
 
