@@ -450,6 +450,12 @@ def test_the_collator_pads_features_the_tokenizer_padded_on_the_right_and_traine
     torch.testing.assert_close(loss, alone)
 
 
+def test_the_collator_refuses_a_mask_of_another_length_than_the_ids():
+    with pytest.raises(ValueError, match=r"^a feature's attention_mask has 2 entries for its 3 input_ids: give one "
+                                         r"entry per id$"):
+        H.LanguageModelingCollator(0)([{"input_ids": [5, 6, 7], "attention_mask": [1, 1]}])
+
+
 def test_a_bfloat16_native_model_wraps_as_bfloat16():
     model = native().to(torch.bfloat16)
     hub = wrapped(model)

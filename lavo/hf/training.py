@@ -49,7 +49,11 @@ def real_ids(feature: dict) -> list[int]:
     ids = [int(token) for token in feature["input_ids"]]
     if "attention_mask" not in feature:
         return ids
-    return [token for token, keep in zip(ids, feature["attention_mask"], strict=True) if keep]
+    mask = feature["attention_mask"]
+    if len(mask) != len(ids):
+        raise ValueError(f"a feature's attention_mask has {len(mask)} entries for its {len(ids)} input_ids: "
+                         "give one entry per id")
+    return [token for token, keep in zip(ids, mask) if keep]
 
 
 def lavo_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, **adamw) -> torch.optim.AdamW:
