@@ -80,6 +80,25 @@ def test_cross_attention_matches_naive(padding):
                                    code_cross_attention_naive(q, x, basis, padding_mask=mask), [q, x, basis])
 
 
+def test_cross_attention_takes_a_source_narrower_than_its_queries():
+    """float64 queries reading a float32 source and basis, as a float32 source under float64 queries (was: the
+    read's `expected scalar type Double but found Float`; a source wider than the queries was already read)."""
+    q, _, _, basis, _, _ = random_inputs(9, 4, 8, 5, True, False, False)
+    _, x, _, _, _, mask = random_inputs(11, 4, 8, 5, True, False, True, seed=1)
+    narrow = [x.detach().float().requires_grad_(), basis.detach().float().requires_grad_()]
+    wide = [t.detach().double().requires_grad_() for t in narrow]  # the same values
+    out = code_cross_attention(q, *narrow, padding_mask=mask, backend="torch")
+    reference = code_cross_attention_naive(q, *wide, padding_mask=mask)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-6)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    grads = torch.autograd.grad((out * weights).sum(), [q, *narrow])
+    expected = torch.autograd.grad((reference * weights).sum(), [q, *wide])
+    assert [g.dtype for g in grads] == [torch.float64, torch.float32, torch.float32]
+    for got, wanted in zip(grads, expected):
+        torch.testing.assert_close(got.double(), wanted, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("variant", [dict(dissection=True), dict(dissection=False), dict(write="gated"),
                                      dict(write="decay", memory="vector")])
 def test_a_sequence_continued_chunk_by_chunk_has_the_references_gradients(variant):

@@ -98,7 +98,9 @@ def memory_read(q: torch.Tensor, coefficients: torch.Tensor, basis: torch.Tensor
             memory shared by all queries).
         basis: ``[H, r, D]``.
     Returns:
-        ``[N, ..., H, L, D]`` in ``q``'s dtype.
+        ``[N, ..., H, L, D]`` in ``q``'s dtype, read at least at ``q``'s precision (float64 queries of float32
+        coefficients, as cross attention's over a float32 source, take them as float64).
     """
-    return _MemoryRead.apply(q, coefficients, basis, scale)
+    acc = torch.promote_types(coefficients.dtype, accumulation_dtype(q.dtype))
+    return _MemoryRead.apply(q, coefficients.to(acc), basis, scale)
 
