@@ -323,6 +323,9 @@ ERRORS = [
      r"^basis has shape \(2, 0, 8\), rank 0: the memory needs at least one slot$"),
     (lambda: code_cross_attention(torch.randn(1, 4, 2, 8), torch.randn(1, 3, 2, 8), orthogonal_basis(2, 4, 8)[:, :0]),
      r"^basis has shape \(2, 0, 8\), rank 0: the memory needs at least one slot$"),
+    # a head size computed as dim / heads, a float (was: torch.randn's `argument 'size' failed to unpack`)
+    (lambda: orthogonal_basis(2, 4, 16 / 2), r"^orthogonal_basis head_dim must be a positive integer, got 8.0$"),
+    (lambda: orthogonal_basis(0, 4, 8), r"^orthogonal_basis heads must be a positive integer, got 0$"),
 ]
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..common import check_positive
+
 
 def orthogonal_basis(heads: int, rank: int, head_dim: int, *, generator: torch.Generator | None = None,
                      dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> torch.Tensor:
@@ -11,9 +13,7 @@ def orthogonal_basis(heads: int, rank: int, head_dim: int, *, generator: torch.G
     Returns:
         basis: ``[H, r, D]`` with ``basis[h] @ basis[h].T == I_r``.
     """
-    if rank < 1 or head_dim < 1 or heads < 1:
-        raise ValueError(f"heads, rank and head_dim must be positive, got heads={heads}, rank={rank}, "
-                         f"head_dim={head_dim}")
+    check_positive("orthogonal_basis", heads=heads, rank=rank, head_dim=head_dim)
     if rank > head_dim:
         raise ValueError(f"rank ({rank}) must be <= head_dim ({head_dim}): at most head_dim orthonormal vectors exist")
     gaussian = torch.randn(heads, head_dim, rank, generator=generator, dtype=torch.float64)
