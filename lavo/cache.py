@@ -11,6 +11,12 @@ from .ops.common import accumulation_dtype, dtypes_may_differ
 C = TypeVar("C", bound="Cache")
 
 
+def read_only_here(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` was made under ``torch.inference_mode()`` and this code runs outside it, where torch
+    refuses to write into it in place. Asked eagerly only (Dynamo does not trace ``is_inference``)."""
+    return not torch.compiler.is_compiling() and tensor.is_inference() and not torch.is_inference_mode_enabled()
+
+
 class Cache:
     r"""Base of every cache: a frozen dataclass with a ``position: int`` field (tokens seen, padding included)
     whose tensors all have the batch first. A field may also hold caches, or a list or tuple of them (a model's
@@ -149,6 +155,8 @@ class KVCache(Cache):
             return None  # autograd may have saved the buffers: writing into them would change what it saved
         if torch.compiler.is_compiling():
             return None  # Dynamo cannot trace a storage's address; a compiled step copies instead
+        if read_only_here(buffers.keys):
+            return None
         if self.keys.untyped_storage().data_ptr() != buffers.keys.untyped_storage().data_ptr():
             return None  # a copy (to, select): the views are no longer in these buffers
         end = self.keys.storage_offset() // self.keys.shape[-1] + self.keys.shape[1]

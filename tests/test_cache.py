@@ -104,6 +104,32 @@ def test_a_cache_made_outside_autocast_continues_under_it(name):
 
 
 @pytest.mark.parametrize("name", DECODING)
+def test_a_cache_made_under_inference_mode_continues_outside_it(name):
+    """A prompt read under torch.inference_mode(), then tokens decoded under torch.no_grad() (was: softmax's and
+    local attention's caches, written in place, met torch's `Inplace update to inference tensor outside
+    InferenceMode is not allowed`). LAVO's step cache, which a step updates in place by design, is refused by
+    name when it was made under inference mode; one made outside it from such a cache continues."""
+    layer = _build(name)
+    x, mask, whole, _ = _prefix(layer)
+    with torch.inference_mode():
+        _, prompt = layer(x[:, :5], padding_mask=mask[:, :5])
+        _, prompt = layer(x[:, 5:6], cache=prompt)  # a key-value cache now has buffers to write in place
+        stepped = layer.step_cache(prompt)
+    with torch.no_grad():
+        rest, _ = _decode(layer, x[:, 6:], prompt, sizes=(1, 1, 3))
+        torch.testing.assert_close(rest, whole[:, 6:])
+        rest, _ = _decode(layer, x[:, 6:], layer.step_cache(prompt), sizes=(1, 1, 3))
+        torch.testing.assert_close(rest, whole[:, 6:])
+        if layer.has_step_layout:
+            with pytest.raises(ValueError, match=r"^this LavoStepCache was made under torch.inference_mode\(\), "
+                                                 r"whose tensors torch lets only inference mode update in place"):
+                layer(x[:, 6:7], cache=stepped)
+    with torch.inference_mode():
+        rest, _ = _decode(layer, x[:, 6:], stepped, sizes=(1, 1, 1))
+    torch.testing.assert_close(rest, whole[:, 6:9])
+
+
+@pytest.mark.parametrize("name", DECODING)
 def test_a_float32_cache_continues_in_a_float64_layer(name):
     """Widened, as the key-value caches are; S4D's state met float64 inputs with torch's "expected scalar type
     Float but found Double". LAVO refuses it by name (its cached sums keep their precision)."""

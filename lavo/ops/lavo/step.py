@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from ...cache import LavoStepCache, check_kind, check_made_by
+from ...cache import LavoStepCache, check_kind, check_made_by, read_only_here
 from ..common import accumulation_dtype, constant_scale, neg_inf, uses_triton, zero_padding
 from .blocked import check_inputs, check_read_scale, scaled_queries
 from .memory import memory_read, project
@@ -58,6 +58,11 @@ def lavo_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: t
                          f"{(B, H, D, basis.shape[1])}")
     check_made_by(cache, dissection=dissection)
     cache.check_dtype(q.dtype)
+    if read_only_here(cache.keys):
+        raise ValueError("this LavoStepCache was made under torch.inference_mode(), whose tensors torch lets only "
+                         "inference mode update in place, as a step does: take the steps under "
+                         "torch.inference_mode() too, or make the step cache outside it (layer.step_cache(cache) "
+                         "of the LavoCache a call returned)")
     scale = constant_scale(scale, D)
     q, k, v = zero_padding(padding_mask, q, k, v)
     real = torch.ones(B, dtype=torch.bool, device=q.device) if padding_mask is None else padding_mask[:, 0]
