@@ -362,6 +362,14 @@ def test_local_attention_chunk_names_inputs_that_do_not_fit():
                                     r"got \(2, 11\)")]:
         with pytest.raises(ValueError, match=f"^{message}$"):
             local_attention_chunk(q, q, q, start=0, window=window, pos_bias=pos_bias)
+    # the start of the keys given for the queries' (was: accepted, keys at negative positions, wrong outputs)
+    keys = torch.randn(1, 5, 2, 4)
+    for start, message in [(0, r"start=0 puts the first of the 5 keys at position -2: they end at the last query's "
+                               r"position, start \+ 3 - 1, so start must be at least 5 - 3 = 2"),
+                           (2.0, r"start must be an integer, the position of the first query; got 2.0")]:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            local_attention_chunk(q, keys, keys, start=start, window=4)
+    local_attention_chunk(q, keys, keys, start=2, window=4)
 
 
 @pytest.mark.parametrize("name", ["lavo", "lavo non-causal", "local", "longshort"])

@@ -38,6 +38,17 @@ def visible_length(position: int, window: int) -> int:
     return position - max(0, (position // window - 1) * window)
 
 
+def check_start(start: int, queries: int, keys: int) -> None:
+    """Refuse a ``start`` that puts keys before position 0: the position of the first key given, rather than of
+    the first query, would otherwise be taken silently."""
+    if not isinstance(start, int) or isinstance(start, bool):
+        raise ValueError(f"start must be an integer, the position of the first query; got {start!r}")
+    if start < keys - queries:
+        raise ValueError(f"start={start} puts the first of the {keys} keys at position {start + queries - keys}: "
+                         f"they end at the last query's position, start + {queries} - 1, so start must be at least "
+                         f"{keys} - {queries} = {keys - queries}")
+
+
 @without_autocast
 def local_attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int, window: int,
                           pos_bias: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
@@ -62,6 +73,7 @@ def local_attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         raise ValueError(f"k and v hold {Tk} positions, fewer than the {Tq} queries: they end with the queries' "
                          "positions and hold at least those")
     check_padding_mask(key_mask, B, Tk, "key_mask", device=k.device)
+    check_start(start, Tq, Tk)
     k, v = zero_padding(key_mask, k, v)
     return chunk_attention(q, k, v, start=start, window=window, pos_bias=pos_bias, key_mask=key_mask,
                            scale=query_scale(scale, D))
