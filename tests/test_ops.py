@@ -6,7 +6,7 @@ from reference_checks import assert_padding_reaches_no_output, assert_same_outpu
 from lavo import LavoCache
 from lavo.ops import (code_cross_attention, code_cross_attention_naive, lavo_attention, lavo_attention_cached,
                       lavo_attention_naive, local_attention, local_attention_chunk, local_attention_naive,
-                      orthogonal_basis)
+                      memory_read, orthogonal_basis, project)
 from lavo.ops.abc import abc_attention
 from lavo.ops.common import reciprocal
 from lavo.ops.cosformer import cosformer_attention, cosformer_attention_causal, cosformer_cross_attention
@@ -401,6 +401,22 @@ def test_inputs_laid_out_as_sdpa_takes_them_are_named_rather_than_the_basis():
     lavo_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), BASIS, window=4)
     with pytest.raises(ValueError, match=r"^basis must have shape \[H, r, D\] with H=2, D=8, got \(3, 4, 8\)$"):
         lavo_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), torch.randn(3, 4, 8), window=4)
+
+
+def test_the_memory_functions_name_inputs_laid_out_by_position():
+    """project and memory_read take heads before positions (was: `Expected size for first two dimensions of batch2
+    tensor to be: [9, 8] but got: [2, 8]`)."""
+    q = torch.randn(1, 9, 2, 8)  # [B, T, H, D]
+    message = (r"^{} must have shape \[\.\.\., H, L, D\] with the basis's H=2, D=8 \(heads before positions: a "
+               r"\[B, T, H, D\] tensor needs \.transpose\(1, 2\)\), got \(1, 9, 2, 8\)$")
+    with pytest.raises(ValueError, match=message.format("x")):
+        project(q, BASIS)
+    with pytest.raises(ValueError, match=message.format("q")):
+        memory_read(q, torch.randn(1, 2, 1, 6), BASIS, 0.5)
+    with pytest.raises(ValueError, match=r"^coefficients must have one per slot, \[\.\.\., r\] with the basis's "
+                                         r"r=6, got \(1, 2, 1, 5\)$"):
+        memory_read(q.transpose(1, 2), torch.randn(1, 2, 1, 5), BASIS, 0.5)
+    assert project(q.transpose(1, 2), BASIS).shape == (1, 2, 9, 6)
 
 
 @pytest.mark.parametrize("op", [

@@ -20,10 +20,20 @@ def per_head_matmul(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return out.view(*heads_first.shape[:-1], m.shape[-1]).movedim(0, -3)
 
 
+def check_head_major(name: str, x: torch.Tensor, basis: torch.Tensor) -> None:
+    """Refuse ``x`` unless it is ``[..., H, L, D]`` with the basis's ``H`` and ``D``: these functions take heads
+    before positions, unlike the ops' ``[B, T, H, D]`` (else a ``bmm`` size error, or positions taken as heads)."""
+    heads, _, head_dim = basis.shape
+    if x.dim() < 3 or x.shape[-3] != heads or x.shape[-1] != head_dim:
+        raise ValueError(f"{name} must have shape [..., H, L, D] with the basis's H={heads}, D={head_dim} (heads "
+                         f"before positions: a [B, T, H, D] tensor needs .transpose(1, 2)), got {tuple(x.shape)}")
+
+
 def project(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     r"""Coordinates on the basis: ``x [..., H, L, D]``, ``basis [H, r, D]`` -> ``[..., H, L, r]``, computed in at
     least float32: the coordinates of 16-bit inputs are not rounded to 16 bits (what the Triton kernels, which
     accumulate their products in float32, compute too), autocast or not."""
+    check_head_major("x", x, basis)
     acc = accumulation_dtype(x.dtype)
     with torch.autocast(x.device.type, enabled=False):
         return per_head_matmul(x.to(acc), basis.to(acc).transpose(-1, -2))
@@ -101,6 +111,10 @@ def memory_read(q: torch.Tensor, coefficients: torch.Tensor, basis: torch.Tensor
         ``[N, ..., H, L, D]`` in ``q``'s dtype, read at least at ``q``'s precision (float64 queries of float32
         coefficients, as cross attention's over a float32 source, take them as float64).
     """
+    check_head_major("q", q, basis)
+    if coefficients.shape[-1] != basis.shape[1]:
+        raise ValueError(f"coefficients must have one per slot, [..., r] with the basis's r={basis.shape[1]}, got "
+                         f"{tuple(coefficients.shape)}")
     acc = torch.promote_types(coefficients.dtype, accumulation_dtype(q.dtype))
     return _MemoryRead.apply(q, coefficients.to(acc), basis, scale)
 
