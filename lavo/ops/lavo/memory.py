@@ -22,7 +22,7 @@ def per_head_matmul(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 def check_head_major(name: str, x: torch.Tensor, basis: torch.Tensor) -> None:
     """Refuse ``x`` unless it is ``[..., H, L, D]`` with the basis's ``H`` and ``D``: these functions take heads
-    before positions, unlike the ops' ``[B, T, H, D]`` (else a ``bmm`` size error, or positions taken as heads)."""
+    before positions, unlike the ops' ``[B, T, H, D]`` (else a ``bmm`` size error; one with ``T = H`` passes)."""
     heads, _, head_dim = basis.shape
     if x.dim() < 3 or x.shape[-3] != heads or x.shape[-1] != head_dim:
         raise ValueError(f"{name} must have shape [..., H, L, D] with the basis's H={heads}, D={head_dim} (heads "
