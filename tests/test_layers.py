@@ -430,7 +430,8 @@ VARIANT_ERRORS = [
 
 
 @pytest.mark.parametrize("call,message", VARIANT_ERRORS,
-                         ids=[m.replace("the cache was made by another LAVO layer: ", "")[:40] for _, m in VARIANT_ERRORS])
+                         ids=[m.replace("the cache was made by another LAVO layer: ", "")[:40]
+                              for _, m in VARIANT_ERRORS])
 def test_bad_variant_gets_a_clear_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()

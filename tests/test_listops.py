@@ -189,8 +189,8 @@ def planned_listops_runs() -> dict[str, ListOpsRun]:
     experiment = root / "experiments" / "listops"
     listing = subprocess.run(
         ["bash", "--norc", "-c", 'source() { :; }; PYTHONPATH=; python() { :; }; '
-         'listops_run() { printf "%s\\t" "$@"; printf "\\n"; }; . "$0"', str(experiment / "run.sh")], cwd=root, capture_output=True, text=True,
-        check=True).stdout
+         'listops_run() { printf "%s\\t" "$@"; printf "\\n"; }; . "$0"', str(experiment / "run.sh")],
+        cwd=root, capture_output=True, text=True, check=True).stdout
     base = deep_merge(asdict(ListOpsRun()), json.loads((experiment / "base.json").read_text()))
     runs = {}
     for line in listing.splitlines():

@@ -55,7 +55,8 @@ def _rotate(x, position):
     for i in range(D // 2):
         angle = position / 10000 ** (2 * i / D)
         a, b = x[:, 2 * i], x[:, 2 * i + 1]
-        out[:, 2 * i], out[:, 2 * i + 1] = a * math.cos(angle) - b * math.sin(angle), a * math.sin(angle) + b * math.cos(angle)
+        cos, sin = math.cos(angle), math.sin(angle)
+        out[:, 2 * i], out[:, 2 * i + 1] = a * cos - b * sin, a * sin + b * cos
     return out
 
 

@@ -46,7 +46,8 @@ class LongShortAttention(AttentionLayer):
         self.short_norm, self.long_norm = (nn.LayerNorm(dim), nn.LayerNorm(dim)) if dual_ln else (None, None)
 
     def attend(self, q, k, v, padding_mask, cache):
-        norms = None if self.short_norm is None else tuple((n.weight, n.bias) for n in (self.short_norm, self.long_norm))
+        norms = None if self.short_norm is None else tuple((n.weight, n.bias)
+                                                           for n in (self.short_norm, self.long_norm))
         out = longshort_attention(q, k, v, self.projection, window=self.window, causal=self.causal,
                                   padding_mask=padding_mask, dual_norm=norms)
         return out, None

@@ -9,6 +9,6 @@ from .local import local_attention, local_attention_chunk, local_attention_naive
 
 __all__ = [
     "orthogonal_basis", "lavo_attention", "lavo_attention_cached", "lavo_decode_step", "local_attention",
-    "local_attention_chunk", "code_cross_attention", "memory_read", "project", "lavo_attention_naive", "local_attention_naive",
-    "code_cross_attention_naive",
+    "local_attention_chunk", "code_cross_attention", "memory_read", "project", "lavo_attention_naive",
+    "local_attention_naive", "code_cross_attention_naive",
 ]

@@ -4,8 +4,9 @@ The weight of key ``j`` for query ``i`` is ``relu(q_i) . relu(k_j) cos(pi/2 (i -
 ``cos(a - b) = cos a cos b + sin a sin b`` it is a product of the ``2D`` features
 ``phi(x_i) = [relu(x_i) cos(pi i / 2M), relu(x_i) sin(pi i / 2M)]``. Weights stay non-negative while
 ``|i - j| < M``: non-causal attention takes ``M`` = the sequence's length: one past its last real token when
-padded, so that right padding changes nothing and weights stay non-negative whatever the mask; causal attention a fixed ``M`` (``max_length``), since a decoder does not know the
-final length, and positions from ``M`` on are refused. Denominators are clamped at
+padded, so that right padding changes nothing and weights stay non-negative whatever the mask; causal attention a
+fixed ``M`` (``max_length``), since a decoder does not know the final length, and positions from ``M`` on are
+refused. Denominators are clamped at
 ``1e-6`` as in the paper.
 """
 from __future__ import annotations

@@ -7,5 +7,5 @@ from .blocked import block_bias, blocked_local_attention, from_blocks, local_att
 from .decoding import keep_visible, local_attention_chunk, visible_keys, visible_length
 from .naive import local_attention_naive
 
-__all__ = ["local_attention", "local_attention_chunk", "local_attention_naive", "keep_visible", "visible_keys", "visible_length",
-           "block_bias", "blocked_local_attention", "to_blocks", "from_blocks", "real_tokens"]
+__all__ = ["local_attention", "local_attention_chunk", "local_attention_naive", "keep_visible", "visible_keys",
+           "visible_length", "block_bias", "blocked_local_attention", "to_blocks", "from_blocks", "real_tokens"]
