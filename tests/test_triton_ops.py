@@ -116,6 +116,58 @@ def test_window_kernel_matches_naive(T, window, D, causal, padding):
         [q, k, v, pos_bias], device=DEVICE, **FLOAT32)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_kernel_of_one_token_windows_over_a_block_and_one_matches_naive(causal):
+    """``w = 1`` at ``T = 65`` (a block of 64 and one): the last query of the first block sees the first key of the
+    next one, the key a key range ending one short leaves out."""
+    q, k, v, _, pos_bias, mask = _triton_inputs(65, 1, 16, 4, causal, True, H=1)
+    options = dict(window=1, causal=causal)
+    assert_matches_reference(
+        lambda *x: local_attention(*x[:3], pos_bias=x[3], padding_mask=_on(mask, DEVICE), backend="triton",
+                                   **options),
+        lambda *x: local_attention_naive(*x[:3], pos_bias=x[3], padding_mask=mask, **options),
+        [q, k, v, pos_bias], device=DEVICE, **FLOAT32)
+
+
+def _heads_outermost(x):
+    """``x [B, T, H, D]`` stored as ``[B, H, T, D]``: a stride along the heads of ``T D``, not ``D``."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("dissection", [True, False])
+def test_kernels_read_inputs_stored_heads_outermost(dissection):
+    """q, k, v as transposes of ``[B, H, T, D]`` tensors, which the kernels take as they are (one set of strides):
+    outputs and gradients of every input as the naive reference's."""
+    q, k, v, basis, pos_bias, mask = _triton_inputs(21, 8, 32, 12, True, True)
+    assert _heads_outermost(q).stride(2) == 21 * 32
+    options = dict(window=8, dissection=dissection)
+
+    def fast(q, k, v, basis, pos_bias):
+        q, k, v = (_heads_outermost(x) for x in (q, k, v))
+        return lavo_attention(q, k, v, basis, pos_bias=pos_bias, padding_mask=_on(mask, DEVICE), backend="triton",
+                              **options)
+    assert_matches_reference(
+        fast, lambda *x: lavo_attention_naive(*x[:4], pos_bias=x[4], padding_mask=mask, **options),
+        [q, k, v, basis, pos_bias], device=DEVICE, **FLOAT32)
+
+
+@pytest.mark.parametrize("name", ["local", "cross"])
+def test_a_broadcast_output_gradient_reaches_the_kernels_as_values(name):
+    """``out.sum().backward()`` hands the kernels' backward a gradient expanded from one number (strides of zero):
+    it is laid out before the kernels read it as contiguous, giving the naive reference's gradients."""
+    q, k, v, basis, _, _ = _triton_inputs(13, 4, 32, 8, True, False, H=1)
+    ops = {"local": (lambda q, k: local_attention(q, k, k, window=4, backend="triton"),
+                     lambda q, k: local_attention_naive(q, k, k, window=4)),
+           "cross": (lambda q, k: code_cross_attention(q, k, basis.to(q), backend="triton"),
+                     lambda q, k: code_cross_attention_naive(q, k, basis.detach()))}
+    fast, naive = ops[name]
+    inputs = [x.detach().float().to(DEVICE).requires_grad_() for x in (q, k)]
+    grads = torch.autograd.grad(fast(*inputs).sum(), inputs)
+    expected = torch.autograd.grad(naive(q, k).sum(), (q, k))
+    for got, wanted in zip(grads, expected):
+        torch.testing.assert_close(got.double().cpu(), wanted, **FLOAT32)
+
+
 @pytest.mark.parametrize("padding", [False, True])
 def test_cross_attention_kernel_matches_naive(padding):
     q, _, _, basis, _, _ = _triton_inputs(9, 4, 48, 20, True, False)
