@@ -218,8 +218,8 @@ def test_bfloat16_kernels_are_close_to_the_float32_reference(dissection):
 def test_16_bit_query_and_key_gradients_do_not_take_the_rounded_output(dtype):
     """Values sharing a large offset, where the score gradients ``p (dO . v - dO . O)`` cancel: with ``dO . O``
     taken from the output rounded to 16 bits, the q and k gradients had many times the error of the kernels on
-    float32 inputs (rounded back; docs/DESIGN.md gives the ratio); summed from the float32 weights and ``dO V^T``, at most about twice it, as
-    on the PyTorch path (test_16_bit_numerics.py)."""
+    float32 inputs (rounded back; docs/DESIGN.md gives the ratio); summed from the float32 weights and ``dO V^T``,
+    at most about twice it, as on the PyTorch path (test_16_bit_numerics.py)."""
     g = torch.Generator().manual_seed(0)
     B, T, H, D = 1, 96, 2, 32
     q, k = (4 * torch.randn(B, T, H, D, generator=g) for _ in range(2))
@@ -576,7 +576,8 @@ def test_every_kernel_launches_on_its_inputs_gpu(monkeypatch):
 
 
 def test_an_interpreter_that_cannot_run_with_this_numpy_is_named():
-    for triton_version, numpy_version in [("3.6.0", "2.3.5"), ("3.7.0", "2.4.6"), ("3.9.0", "2.4.0"), ("3.5.1", "1.26.4")]:
+    for triton_version, numpy_version in [("3.6.0", "2.3.5"), ("3.7.0", "2.4.6"), ("3.9.0", "2.4.0"),
+                                          ("3.5.1", "1.26.4")]:
         check_interpreter_numpy(triton_version, numpy_version)
     for triton_version, numpy_version in [("3.6.0", "2.4.0"), ("3.3.1+git1a2b", "2.5.1")]:
         with pytest.raises(ValueError, match=rf"^Triton {re.escape(triton_version)}'s CPU interpreter does not run "
@@ -630,7 +631,8 @@ def test_deterministic_algorithms_keep_auto_on_torch_and_triton_says_why(monkeyp
             uses_triton("triton", cuda_like)
         with torch.no_grad():  # the forward kernels are deterministic
             assert uses_triton("auto", cuda_like) and uses_triton("triton", cuda_like)
-        frozen = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 4, 1, 8), requires_grad=False)  # no backward
+        # a tensor with no backward: its forward kernels are deterministic too
+        frozen = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(1, 4, 1, 8), requires_grad=False)
         assert uses_triton("auto", frozen) and uses_triton("triton", frozen)
         torch.use_deterministic_algorithms(True, warn_only=True)
         with pytest.warns(UserWarning, match=message):
