@@ -733,8 +733,11 @@ def test_export_writes_a_directory_pipelines_and_the_cli_read(trained, tmp_path,
     shutil.copytree(run, old_run)
     (old_run / "documents.json").unlink()
     shutil.copytree(exported, again)
+    for stale in ("model-00001-of-00002.safetensors", "model.safetensors.index.json"):  # as a sharded save leaves
+        (again / stale).write_text("{}")
     assert main(["export", str(old_run), str(again), "--overwrite"]) == 0
     assert not (again / "documents.json").exists()  # not the overwritten export's, which eval would check against
+    assert sorted(p.name for p in again.glob("*.safetensors*")) == ["model.safetensors"]
 
 
 def test_an_export_without_its_run_config_needs_a_text_and_lengths(trained, tmp_path, capsys):

@@ -37,6 +37,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite
     model, config, tokenizer = load_run(run_dir)  # first: a run that cannot be read leaves no folder behind
     if any(make_directory(out, "the export directory").iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty: choose another directory or pass --overwrite")
+    for weights in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
+        weights.unlink()  # an overwritten export's shards and their index would outlive it beside the new file
     run = config.to_dict()
     del run["train"]["out_dir"]
     ids = dict(bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id, pad_token_id=tokenizer.eot_id)
