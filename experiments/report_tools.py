@@ -220,15 +220,25 @@ def tables(exp: Path) -> None:
     fill(exp / "REPORT.md", out, reported_tables(exp.name))
 
 
+def experiment_folder(argv: list[str], usage: str) -> Path:
+    """``argv[0]``, an experiment's folder; exits with ``usage`` when it is not given or not a folder."""
+    if not argv or not Path(argv[0]).is_dir():
+        sys.exit(f"usage: {usage}" + (f"\n{argv[0]} is not a folder" if argv else ""))
+    return Path(argv[0])
+
+
 def main(argv: list[str]) -> None:
-    command, exp = argv[0], Path(argv[1])
+    usage = "report_tools.py {results,tables} EXPERIMENT_DIR"
+    if not argv or argv[0] not in ("results", "tables"):
+        sys.exit(f"usage: {usage}")
+    command, exp = argv[0], experiment_folder(argv[1:], usage)
     if command == "results":
         result = collect(exp)
         write_json(exp / "results.json", result)
         plot(exp, result)
     tables(exp)
-    print(f"{exp}: results.json, {exp.name}.png, tables.md" + (", REPORT.md tables" if (exp / 'REPORT.md').exists()
-                                                               else ""))
+    written = [f"results.json, {exp.name}.png"] * (command == "results") + ["tables.md"]
+    print(f"{exp}: {', '.join(written)}" + (", REPORT.md tables" if (exp / "REPORT.md").exists() else ""))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """The committed experiments compare like with like: every model an experiment's run.sh trains has, within 2%,
 the parameters of the others."""
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,17 @@ def test_rewriting_a_clones_tables_says_nothing_is_missing(experiment, tmp_path,
     report_tools.tables(exp)
     assert capsys.readouterr().err == ""
     assert (exp / "REPORT.md").read_text() == (ROOT / "experiments" / experiment / "REPORT.md").read_text()
+
+
+@pytest.mark.parametrize("script", ["listops/report.py", "forecasting/report.py", "memory_lm/report.py",
+                                    "recall/report.py", "report_tools.py tables"])
+def test_a_report_without_its_experiment_folder_prints_its_usage(script, tmp_path):
+    """Was: IndexError: list index out of range (none given), or a FileNotFoundError traceback."""
+    path, *command = script.split()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for folder, says in (([], ""), ([str(tmp_path / "nowhere")], f"\n{tmp_path / 'nowhere'} is not a folder")):
+        done = subprocess.run([sys.executable, str(ROOT / "experiments" / path), *command, *folder], env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 1 and done.stdout == "", done.stderr
+        assert re.fullmatch(rf"usage: {re.escape(Path(path).name)} .*EXPERIMENT_DIR.*{re.escape(says)}\n", done.stderr,
+                            re.S), done.stderr

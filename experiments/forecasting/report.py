@@ -17,7 +17,7 @@ from lavo.files import write_text
 from lavo.report import line_plot, markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from report_tools import fill  # noqa: E402  (experiments/ is not a package)
+from report_tools import experiment_folder, fill  # noqa: E402  (experiments/ is not a package)
 
 DATASETS = ("weather_nc", "weather_nyc", "elecdemand")
 CROSS = ("softmax", "lavo", "abc", "performer", "cosformer")
@@ -269,4 +269,4 @@ def main(exp: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(experiment_folder(sys.argv[1:], "report.py EXPERIMENT_DIR (experiments/forecasting)"))

@@ -17,7 +17,7 @@ from lavo.listops import ListOpsSpec, make_splits
 from lavo.report import markdown_table, panel_plot
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from report_tools import fill, wall_times  # noqa: E402  (experiments/ is not a package)
+from report_tools import experiment_folder, fill, wall_times  # noqa: E402  (experiments/ is not a package)
 
 # ListOps test accuracy (%) as published. LRA: Tay et al. 2020 (arXiv 2011.04006), Table 1, ListOps column.
 LRA_TABLE_1 = {"softmax": ("Transformer", 36.37), "local": ("Local Attention", 15.82),
@@ -188,4 +188,4 @@ def main(exp: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(experiment_folder(sys.argv[1:], "report.py EXPERIMENT_DIR (experiments/listops)"))

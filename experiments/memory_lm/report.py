@@ -14,7 +14,7 @@ from lavo.files import write_text
 from lavo.report import markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from report_tools import fill  # noqa: E402  (experiments/ is not a package)
+from report_tools import experiment_folder, fill  # noqa: E402  (experiments/ is not a package)
 
 
 def context_table(result: dict) -> str:
@@ -40,7 +40,7 @@ def versus_table(result: dict, reference: str) -> str:
 
 
 def main(argv: list[str]) -> None:
-    exp = Path(argv[0])
+    exp = experiment_folder(argv, "report.py EXPERIMENT_DIR (experiments/memory_lm)")
     tables = {"versus_local": versus_table(json.loads((exp / "results.json").read_text()), "local")}
     for probe, table in (("context_use", context_table), ("passkey", passkey_table)):
         for path in sorted(exp.glob(f"{probe}*/results.json")):  # the probe's folder and its kept earlier runs

@@ -17,7 +17,7 @@ from lavo.model import build_model
 from lavo.report import line_plot, markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from report_tools import fill  # noqa: E402  (experiments/ is not a package)
+from report_tools import experiment_folder, fill  # noqa: E402  (experiments/ is not a package)
 
 STATE_CONTEXT = 4096  # decoding-state bytes are quoted at this context
 
@@ -70,7 +70,7 @@ def plots(exp: Path, result: dict) -> None:
 
 
 def main(argv: list[str]) -> None:
-    exp = Path(argv[0])
+    exp = experiment_folder(argv, "report.py EXPERIMENT_DIR [REPORT.md] (experiments/recall, or its single/)")
     report = Path(argv[1]) if len(argv) > 1 else exp / "REPORT.md"
     result = json.loads((exp / "results.json").read_text())
     plots(exp, result)
