@@ -31,6 +31,7 @@ VOCAB = (PAD, *DIGITS, *OPERATORS, CLOSE)
 TOKEN_ID = {token: i for i, token in enumerate(VOCAB)}
 CLASSES = 10
 OPERATOR_PROBABILITY = 0.25
+SHORTEST = 4  # tokens of the shortest expression, e.g. [MAX 1 2 ]: the root is always an operator
 
 
 def apply_operator(operator: str, values: list[int]) -> int:
@@ -64,15 +65,19 @@ class ListOpsSpec:
     def __post_init__(self):
         check_settings(self, "listops.spec")
         check_at_most(self, "listops.spec", "min_length", "max_length")
+        if self.max_length < SHORTEST:  # every draw would pass the limit: generate() would never end
+            raise SettingsError(f"listops.spec.max_length ({self.max_length}) is shorter than any expression can be "
+                                f"({SHORTEST} tokens: an operator over two digits): raise max_length")
         if self.min_length > self.longest():  # no draw could ever be long enough: generate() would never end
             raise SettingsError(f"listops.spec.min_length ({self.min_length}) is longer than any expression of "
                                 f"depth {self.max_depth} with {self.max_args} arguments per operator can be "
                                 f"({self.longest()} tokens): raise max_depth or max_args, or lower min_length")
 
     def longest(self) -> int:
-        """Tokens of the longest expression: every operator below ``max_depth`` with ``max_args`` arguments."""
+        """Tokens of the longest expression: the root and every operator below ``max_depth`` with ``max_args``
+        arguments."""
         length = 1  # a digit at the deepest level
-        for _ in range(self.max_depth - 1):
+        for _ in range(max(self.max_depth - 1, 1)):  # the root is an operator even at max_depth 1
             length = 2 + self.max_args * length  # operator, arguments, closing bracket
         return length
 

@@ -126,6 +126,16 @@ def test_spec_is_checked():
     assert [len(tokens) for tokens, _ in generate(4, 0, longest)] == [5] * 4
 
 
+def test_a_spec_whose_window_no_expression_fits_is_refused_and_depth_one_is_an_operator_over_digits():
+    """Was: max_length 3 (below the 4 tokens of the shortest expression, `[MAX d d ]`) made generate() draw forever;
+    max_depth 1 (the root is always an operator) was said to allow 1 token at most, refusing its lengths 4..5."""
+    with pytest.raises(ValueError, match=r"^listops.spec.max_length \(3\) is shorter than any expression can be "
+                       r"\(4 tokens: an operator over two digits\): raise max_length$"):
+        ListOpsSpec(min_length=1, max_length=3, max_depth=3, max_args=3)
+    flat = ListOpsSpec(min_length=5, max_length=5, max_depth=1, max_args=3)
+    assert flat.longest() == 5 and [len(tokens) for tokens, _ in generate(3, 0, flat)] == [5] * 3
+
+
 MECHANISMS = ["lavo", "softmax", "local", "performer", "cosformer", "abc", "s4d", "longshort"]
 
 
