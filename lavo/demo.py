@@ -13,6 +13,9 @@ Its settings are one file, the bundled ``lavo/configs/demo.json`` unless ``--con
   trains first) stops early (a busier machine than measured), the others stop at the same step, on the same
   learning-rate schedule. 0 or null trains exactly ``train.steps`` with no time limit;
 * ``eval``: the lengths (``multiples`` of the training length, or ``lengths``) and batching of the evaluation.
+
+The demo does not resume: run again, it trains every model from the start, and says so. Stopped with Ctrl-C
+after its models are trained, it prints the ``lavo eval`` command that scores them with its settings.
 """
 from __future__ import annotations
 
@@ -111,12 +114,53 @@ def check_only_demo_runs(out: Path, runs: dict) -> None:
                               "train over them: choose another out_dir (--set out_dir=FOLDER)")
 
 
+def train_models(configs: dict[str, RunConfig], steps: int, budget: float | None, log) -> tuple[list, dict]:
+    """Train every model afresh for ``steps`` steps (at most ``budget`` seconds each; the first to stop early
+    stops the others at its step); returns their run directories and training summaries."""
+    from .train import train
+
+    runs, summaries, cap = [], {}, None
+    for run_name, config in configs.items():
+        config.train.steps = steps  # the same schedule for every model, even if one is cut short
+        if budget and config.train.time_limit is None:
+            config.train.time_limit = float(budget)
+        log(f"\n== training {run_name} ==")
+        summary = train(config, overwrite=True, stop_after=cap, log=log)
+        log(f"{run_name}: {summary['step']} steps, {summary['tokens']:,} tokens, final training loss "
+            f"{summary['loss']:.3f}, {summary['elapsed']:.0f}s")
+        if cap is None and summary["step"] < steps:
+            cap = summary["step"]
+            log(f"{run_name} reached the time limit after {cap} of {steps} steps (the machine is busier than when "
+                f"measured): the other models stop at step {cap} too, on the same learning-rate schedule")
+        elif cap is not None and summary["step"] < cap:
+            log(f"warning: {run_name} reached the time limit after {summary['step']} steps, before the others: "
+                "token budgets differ")
+        runs.append(config.train.out_dir)
+        summaries[run_name] = summary
+    return runs, summaries
+
+
+def stopped_advice(runs: list[str] | None, settings: EvalSettings, out: Path) -> str:
+    """What to do after Ctrl-C: the demo does not resume, but models it has finished training (``runs``, None
+    while training) can be scored as they are, with the demo's evaluation settings."""
+    advice = "the demo stopped: `lavo demo` run again trains every model from the start (it does not resume)"
+    if runs is None:
+        return advice
+    values = {key: value for key, value in asdict(settings).items() if value is not None}
+    if settings.lengths is not None:  # lavo eval takes one of the two
+        del values["multiples"]
+    flags = [f"--{key.replace('_', '-')} {','.join(map(str, value)) if isinstance(value, list) else value}"
+             for key, value in values.items()]
+    return (f"{advice}; its models are trained: `lavo eval {' '.join(runs)} {' '.join(flags)} --out {out}` "
+            "scores them")
+
+
 def run_demo(name: str | None = None, overrides: list[str] = (), log=print) -> dict:
     from .curves import show_curves
     from .data import describe, prepare
     from .evaluate import evaluate_runs
     from .registry import available_attentions
-    from .train import train
+    from .run import trained_files
 
     demo = demo_config(name, overrides)
     out = Path(demo.out_dir)
@@ -152,29 +196,20 @@ def run_demo(name: str | None = None, overrides: list[str] = (), log=print) -> d
     window_tokens = tc.batch_size * tc.grad_accum * tc.train_length
     log(f"training every model for {steps} steps of {tc.batch_size * tc.grad_accum} x {tc.train_length} tokens "
         f"({steps * window_tokens:,} tokens each)" + (f", at most {budget:g}s each" if budget else ""))
-    runs, summaries, cap = [], {}, None
-    for run_name, config in configs.items():
-        config.train.steps = steps  # the same schedule for every model, even if one is cut short
-        if budget and config.train.time_limit is None:
-            config.train.time_limit = float(budget)
-        log(f"\n== training {run_name} ==")
-        summary = train(config, overwrite=True, stop_after=cap, log=log)
-        log(f"{run_name}: {summary['step']} steps, {summary['tokens']:,} tokens, final training loss "
-            f"{summary['loss']:.3f}, {summary['elapsed']:.0f}s")
-        if cap is None and summary["step"] < steps:
-            cap = summary["step"]
-            log(f"{run_name} reached the time limit after {cap} of {steps} steps (the machine is busier than when "
-                f"measured): the other models stop at step {cap} too, on the same learning-rate schedule")
-        elif cap is not None and summary["step"] < cap:
-            log(f"warning: {run_name} reached the time limit after {summary['step']} steps, before the others: "
-                "token budgets differ")
-        runs.append(config.train.out_dir)
-        summaries[run_name] = summary
-    log("\n== training curves ==")
-    show_curves(runs, out_dir=out, log=log)
-    log("\n== held-out perplexity by evaluation length ==")
-    # every eval setting, so that none is accepted and then dropped
-    results = evaluate_runs(runs, **asdict(demo.eval), device=tc.device, out_dir=str(out), log=log)
+    earlier = [name for name, config in configs.items() if trained_files(config.train.out_dir)]
+    if earlier:
+        log(f"{out} holds an earlier demo's {', '.join(earlier)}: the demo trains every model again from the start")
+    runs = None
+    try:
+        runs, summaries = train_models(configs, steps, budget, log)
+        log("\n== training curves ==")
+        show_curves(runs, out_dir=out, log=log)
+        log("\n== held-out perplexity by evaluation length ==")
+        # every eval setting, so that none is accepted and then dropped
+        results = evaluate_runs(runs, **asdict(demo.eval), device=tc.device, out_dir=str(out), log=log)
+    except KeyboardInterrupt:
+        log(stopped_advice(runs, demo.eval, out))
+        raise
     for run_name, summary in summaries.items():
         log(f"{run_name}: {summary['parameters'] / 1e6:.2f}M parameters, {summary['tokens']:,} training tokens, "
             f"{summary['elapsed']:.0f}s")

@@ -221,16 +221,17 @@ def test_demo_config_errors():
         demo_config(None, ["runs.lavo.model.attention.window=3"])
 
 
-def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, monkeypatch):
+def stub_demo_work(monkeypatch, calls: list, scored: list):
+    """The demo's training, scoring and step timing replaced by stand-ins: ``calls`` records each training
+    (attention, steps, stop_after, time_limit), ``scored`` each scoring's settings; the first model trained
+    stops at step 7, as at its time limit."""
     import lavo.demo
     import lavo.evaluate
     import lavo.train
-    corpus = write_corpus(tmp_path / "corpus", documents=3, words=400)
-    calls = []
 
     def fake_train(config, overwrite=False, stop_after=None, log=print):
         calls.append((config.model["attention"], config.train.steps, stop_after, config.train.time_limit))
-        step = 7 if stop_after is None else stop_after  # the first (slowest) model hits its time limit
+        step = 7 if stop_after is None else stop_after
         run_dir = Path(config.train.out_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").write_text(json.dumps({"step": step, "loss": 1.0, "lr": 1e-3, "tokens": step * 100,
@@ -238,10 +239,16 @@ def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, mon
         return {"step": step, "tokens": step * 100, "loss": 1.0, "elapsed": 1.0, "parameters": 10}
 
     monkeypatch.setattr(lavo.train, "train", fake_train)
-    scored = []
     monkeypatch.setattr(lavo.evaluate, "evaluate_runs", lambda runs, **kwargs: scored.append(kwargs) or {})
     monkeypatch.setattr(lavo.demo, "seconds_per_step",
                         lambda config, vocab: {"lavo": 2.0, "softmax": 1.0}[config.model["attention"]])
+
+
+def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, monkeypatch):
+    import lavo.demo
+    corpus = write_corpus(tmp_path / "corpus", documents=3, words=400)
+    calls, scored = [], []
+    stub_demo_work(monkeypatch, calls, scored)
     lines = []
     lavo.demo.run_demo(None, [f"out_dir={tmp_path / 'demo'}", f"data.source={corpus}", "data.tokenizer=bpe300",
                               f"data.data_dir={tmp_path / 'data'}", "seconds_per_model=100", "train.steps=1000"],
@@ -261,3 +268,39 @@ def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, mon
                        log=lambda *a, **k: None)
     assert {key: scored[-1][key] for key in ("dtype", "chunk_size", "lengths")} == {
         "dtype": "bfloat16", "chunk_size": 5, "lengths": [8, 16]}
+
+
+def test_a_demo_run_again_or_stopped_says_it_trains_afresh_and_how_to_score_trained_models(tmp_path, monkeypatch):
+    """Was: a second run silently deleted and retrained the first's models, and Ctrl-C left only the trainer's
+    `(resume with --resume)`, a flag `lavo demo` does not have, even when both models had finished training."""
+    import shlex
+    import lavo.demo
+    import lavo.evaluate
+    from lavo.cli import build_parser
+    corpus = write_corpus(tmp_path / "corpus", documents=3, words=400)
+    stub_demo_work(monkeypatch, [], [])
+    demo = tmp_path / "demo"
+    settings = [f"out_dir={demo}", f"data.source={corpus}", "data.tokenizer=bpe300",
+                f"data.data_dir={tmp_path / 'data'}", "seconds_per_model=100", "train.steps=3", "eval.max_tokens=64"]
+    lines = []
+    lavo.demo.run_demo(None, settings, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    assert not any("earlier demo" in line for line in lines)
+    lavo.demo.run_demo(None, settings, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    assert (f"{demo} holds an earlier demo's lavo, softmax-rope: the demo trains every model again from the start"
+            in lines)
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(lavo.evaluate, "evaluate_runs", stop)  # Ctrl-C while scoring: both models are trained
+    lines.clear()
+    with pytest.raises(KeyboardInterrupt):
+        lavo.demo.run_demo(None, settings, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    advice = "the demo stopped: `lavo demo` run again trains every model from the start (it does not resume)"
+    command = re.fullmatch(re.escape(advice) + "; its models are trained: `(.*)` scores them", lines[-1]).group(1)
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    assert args.runs == [str(demo / "lavo"), str(demo / "softmax-rope")] and args.out == str(demo)
+    assert (args.multiples, args.max_tokens, args.batch_size, args.chunk_size) == ([1, 2, 4, 8], 64, 4, 512)
+    monkeypatch.setattr(lavo.train, "train", stop)  # Ctrl-C while training
+    with pytest.raises(KeyboardInterrupt):
+        lavo.demo.run_demo(None, settings, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    assert lines[-1] == advice
