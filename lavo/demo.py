@@ -128,13 +128,14 @@ def train_models(configs: dict[str, RunConfig], steps: int, budget: float | None
         summary = train(config, overwrite=True, stop_after=cap, log=log)
         log(f"{run_name}: {summary['step']} steps, {summary['tokens']:,} tokens, final training loss "
             f"{summary['loss']:.3f}, {summary['elapsed']:.0f}s")
-        if cap is None and summary["step"] < steps:
-            cap = summary["step"]
-            log(f"{run_name} reached the time limit after {cap} of {steps} steps (the machine is busier than when "
-                f"measured): the other models stop at step {cap} too, on the same learning-rate schedule")
-        elif cap is not None and summary["step"] < cap:
-            log(f"warning: {run_name} reached the time limit after {summary['step']} steps, before the others: "
-                "token budgets differ")
+        if summary["step"] < (steps if cap is None else cap):
+            if not runs:  # the first model: the others can still stop where it did
+                cap = summary["step"]
+                log(f"{run_name} reached the time limit after {cap} of {steps} steps (the machine is busier than "
+                    f"when measured): the other models stop at step {cap} too, on the same learning-rate schedule")
+            else:  # a model trained before it took more steps
+                log(f"warning: {run_name} reached the time limit after {summary['step']} steps, before the others: "
+                    "token budgets differ")
         runs.append(config.train.out_dir)
         summaries[run_name] = summary
     return runs, summaries

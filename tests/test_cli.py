@@ -221,17 +221,19 @@ def test_demo_config_errors():
         demo_config(None, ["runs.lavo.model.attention.window=3"])
 
 
-def stub_demo_work(monkeypatch, calls: list, scored: list):
+def stub_demo_work(monkeypatch, calls: list, scored: list, time_limit_steps: dict | None = None):
     """The demo's training, scoring and step timing replaced by stand-ins: ``calls`` records each training
-    (attention, steps, stop_after, time_limit), ``scored`` each scoring's settings; the first model trained
-    stops at step 7, as at its time limit."""
+    (attention, steps, stop_after, time_limit), ``scored`` each scoring's settings; ``time_limit_steps``: the
+    step at which each attention reaches its time limit (default: LAVO, trained first, at step 7)."""
+    time_limit_steps = {"lavo": 7} if time_limit_steps is None else time_limit_steps
     import lavo.demo
     import lavo.evaluate
     import lavo.train
 
     def fake_train(config, overwrite=False, stop_after=None, log=print):
         calls.append((config.model["attention"], config.train.steps, stop_after, config.train.time_limit))
-        step = 7 if stop_after is None else stop_after
+        step = min(config.train.steps if stop_after is None else stop_after,
+                   time_limit_steps.get(config.model["attention"], config.train.steps))
         run_dir = Path(config.train.out_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").write_text(json.dumps({"step": step, "loss": 1.0, "lr": 1e-3, "tokens": step * 100,
@@ -261,6 +263,16 @@ def test_demo_gives_every_model_the_same_steps_even_when_cut_short(tmp_path, mon
                               f"data.data_dir={tmp_path / 'data'}", "seconds_per_model=100", "train.steps=3"],
                        log=lambda *a, **k: None)
     assert [steps for _, steps, _, _ in calls] == [3, 3]
+    calls.clear()  # the second model reaches the time limit before the first: said, and the first is not cut
+    stub_demo_work(monkeypatch, calls, scored, {"softmax": 5})
+    lines.clear()
+    lavo.demo.run_demo(None, [f"out_dir={tmp_path / 'demo'}", f"data.source={corpus}", "data.tokenizer=bpe300",
+                              f"data.data_dir={tmp_path / 'data'}", "seconds_per_model=100", "train.steps=1000"],
+                       log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    assert [stop_after for _, _, stop_after, _ in calls] == [None, None]
+    assert ("warning: softmax-rope reached the time limit after 5 steps, before the others: token budgets differ"
+            in lines)
+    assert not any("stop at step" in line for line in lines)  # was: "the other models stop at step 5 too"
     calls.clear()  # the eval section reaches the scoring whole (eval.dtype was dropped)
     lavo.demo.run_demo(None, [f"out_dir={tmp_path / 'demo'}", f"data.source={corpus}", "data.tokenizer=bpe300",
                               f"data.data_dir={tmp_path / 'data'}", "seconds_per_model=100", "train.steps=3",
