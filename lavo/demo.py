@@ -20,6 +20,7 @@ after its models are trained, it prints the ``lavo eval`` command that scores th
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -150,10 +151,14 @@ def stopped_advice(runs: list[str] | None, settings: EvalSettings, out: Path) ->
     values = {key: value for key, value in asdict(settings).items() if value is not None}
     if settings.lengths is not None:  # lavo eval takes one of the two
         del values["multiples"]
-    flags = [f"--{key.replace('_', '-')} {','.join(map(str, value)) if isinstance(value, list) else value}"
-             for key, value in values.items()]
-    return (f"{advice}; its models are trained: `lavo eval {' '.join(runs)} {' '.join(flags)} --out {out}` "
-            "scores them")
+    flags = [item for key, value in values.items() for item in (f"--{key.replace('_', '-')}", flag_text(value))]
+    command = shlex.join(["lavo", "eval", *runs, *flags, "--out", str(out)])
+    return f"{advice}; its models are trained: `{command}` scores them"
+
+
+def flag_text(value) -> str:
+    """A setting as a command-line flag's value: a list comma-separated, as the flags read it."""
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def run_demo(name: str | None = None, overrides: list[str] = (), log=print) -> dict:

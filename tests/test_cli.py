@@ -291,7 +291,7 @@ def test_a_demo_run_again_or_stopped_says_it_trains_afresh_and_how_to_score_trai
     from lavo.cli import build_parser
     corpus = write_corpus(tmp_path / "corpus", documents=3, words=400)
     stub_demo_work(monkeypatch, [], [])
-    demo = tmp_path / "demo"
+    demo = tmp_path / "my demo"  # the printed command quotes it
     settings = [f"out_dir={demo}", f"data.source={corpus}", "data.tokenizer=bpe300",
                 f"data.data_dir={tmp_path / 'data'}", "seconds_per_model=100", "train.steps=3", "eval.max_tokens=64"]
     lines = []
