@@ -207,6 +207,7 @@ def cmd_generate(args) -> None:
     from .run import load_model_dir
     from .devices import resolve_device
     device = resolve_device(args.device)
+    check_utf8(args.prompt, "--prompt")
     model, _, tokenizer = load_model_dir(args.run, device)
     prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_id]
     samples = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
@@ -216,6 +217,16 @@ def cmd_generate(args) -> None:
         if args.num_samples > 1:
             print(f"--- sample {i} ---")
         print(sample_text(tokenizer, args.prompt, sample))
+
+
+def check_utf8(text: str, flag: str) -> None:
+    """Refuse a command-line argument that held bytes that are not UTF-8 (Python keeps them as lone surrogates,
+    which no tokenizer takes), e.g. text typed in a Latin-1 terminal."""
+    try:
+        text.encode("utf-8", "surrogateescape").decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{flag} holds bytes that are not UTF-8 text (byte {error.object[error.start]:#x} at "
+                         f"position {error.start}): give it in UTF-8") from None
 
 
 def sample_text(tokenizer, prompt: str, sample: list[int]) -> str:

@@ -173,6 +173,10 @@ def test_misused_run_folders_and_outputs_are_refused_with_what_to_do(tmp_path, c
     if not torch.cuda.is_available():
         assert main(["generate", run, "--device", "cuda", "--prompt", "the"]) == 2
         assert "no CUDA device is available: choose the CPU (--device cpu" in capsys.readouterr().err
+    # b"caf\xe9" from a Latin-1 terminal, as Python decodes the command line (was: a TypeError traceback)
+    assert main(["generate", run, "--prompt", "caf\udce9"]) == 2
+    assert capsys.readouterr().err == ("lavo generate: error: --prompt holds bytes that are not UTF-8 text (byte 0xe9 "
+                                       "at position 3): give it in UTF-8\n")
 
     shutil.move(corpus, tmp_path / "moved")  # the folder the run read its texts from
     assert main(evaluate) == 2
