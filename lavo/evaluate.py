@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,9 +111,11 @@ def segment_starts(num_tokens: int, n: int, lengths: list[int], length: int, spr
 @torch.no_grad()
 def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch_size: int = 8,
                          chunk_size: int | None = 512, max_tokens: int | None = None, device="cpu",
-                         progress: bool = False, spread: bool = False) -> dict[int, dict]:
+                         progress: bool = False, spread: bool = False,
+                         into: dict[int, dict] | None = None) -> dict[int, dict]:
     """``{L: {"loss", "ppl", "tokens", "segments"}}`` over the same ``N`` targets for every ``L``: the first ones,
-    or windows of them spread over the whole text (:func:`segment_starts`)."""
+    or windows of them spread over the whole text (:func:`segment_starts`). ``into``: the dict to fill and
+    return, each length added as soon as it is scored, so that a caller stopped midway (Ctrl-C) keeps those."""
     EvalSettings(lengths=list(lengths), batch_size=batch_size, chunk_size=chunk_size, max_tokens=max_tokens)  # a check
     lengths = sorted(set(int(length) for length in lengths))
     chunk_size = chunk_size or None
@@ -124,23 +127,25 @@ def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch
     stream = torch.from_numpy(np.asarray(tokens if spread else tokens[:n + 1], dtype=np.int64))
     was_training = model.training
     model.eval()
-    results = {}
-    for length in lengths:
-        offsets = segment_starts(len(tokens), n, lengths, length, spread)
-        count = len(offsets)
-        nll = 0.0
-        starts = list(range(0, count, batch_size))
-        iterator = starts
-        if progress:
-            from tqdm import tqdm
-            iterator = tqdm(starts, desc=f"length {length}", leave=False, dynamic_ncols=True)
-        for first in iterator:
-            rows = offsets[first:first + batch_size]
-            segments = torch.stack([stream[j:j + length + 1] for j in rows]).to(device)
-            nll += segment_nll(model, segments, chunk_size).sum().item()
-        loss = nll / n
-        results[length] = {"loss": loss, "ppl": math.exp(loss), "tokens": n, "segments": count}
-    model.train(was_training)
+    results = {} if into is None else into
+    try:
+        for length in lengths:
+            offsets = segment_starts(len(tokens), n, lengths, length, spread)
+            count = len(offsets)
+            nll = 0.0
+            starts = list(range(0, count, batch_size))
+            iterator = starts
+            if progress:
+                from tqdm import tqdm
+                iterator = tqdm(starts, desc=f"length {length}", leave=False, dynamic_ncols=True)
+            for first in iterator:
+                rows = offsets[first:first + batch_size]
+                segments = torch.stack([stream[j:j + length + 1] for j in rows]).to(device)
+                nll += segment_nll(model, segments, chunk_size).sum().item()
+            loss = nll / n
+            results[length] = {"loss": loss, "ppl": math.exp(loss), "tokens": n, "segments": count}
+    finally:
+        model.train(was_training)
     return results
 
 
@@ -274,6 +279,20 @@ def write_results(out_dir: str, loaded: list[LoadedModel], results: dict[str, di
     log(f"wrote {out / 'results.json'} and {plot}")
 
 
+def report_interrupted(results: dict[str, dict[int, dict]], lengths: int, scored: str, same_text: bool,
+                       out_dir: str | None, log=print) -> None:
+    """After Ctrl-C: the table of the lengths scored so far, and (on stderr) how many of all; nothing is written
+    to ``out_dir``, so that a partial evaluation is never taken for a whole one."""
+    finished = {name: per_model for name, per_model in results.items() if per_model}
+    if finished:
+        log(format_table(finished, scored, same_text=same_text))
+    done = sum(map(len, results.values()))
+    each = f" ({lengths} for each of {len(results)} runs)" if len(results) > 1 else ""
+    kept = f"; {out_dir} is left as it was" if out_dir is not None else ""
+    print(f"interrupted: the table holds the {done} of {counted(lengths * len(results), 'length')}{each} scored "
+          f"before it{kept}", file=sys.stderr)
+
+
 def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, multiples: list[float] | None = None,
                   split: str = "valid", parts: list[str] | None = None, text: str | None = None,
                   batch_size: int = 8, chunk_size: int | None = 512,
@@ -310,14 +329,18 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
         raise ValueError("the models do not record their training length: give --lengths")
     lengths = settings.lengths_for(train_length)
     check_position_bounds(loaded, max(lengths))
-    results = {}
-    for run in loaded:
-        if progress:
-            log(f"scoring {run.name} at lengths {', '.join(map(str, lengths))}")
-        with autocast():
-            results[run.name] = perplexity_by_length(run.model, tokens[run.name], lengths, batch_size=batch_size,
-                                                     chunk_size=chunk_size, max_tokens=max_tokens, device=device,
-                                                     progress=progress, spread=spread)
+    results = {run.name: {} for run in loaded}
+    try:
+        for run in loaded:
+            if progress:
+                log(f"scoring {run.name} at lengths {', '.join(map(str, lengths))}")
+            with autocast():
+                perplexity_by_length(run.model, tokens[run.name], lengths, batch_size=batch_size,
+                                     chunk_size=chunk_size, max_tokens=max_tokens, device=device, progress=progress,
+                                     spread=spread, into=results[run.name])
+    except KeyboardInterrupt:
+        report_interrupted(results, len(set(lengths)), scored_tokens(split, text), same_text, out_dir, log)
+        raise
     log(format_table(results, scored_tokens(split, text), same_text=same_text))
     if out_dir is not None:
         write_results(out_dir, loaded, results, split=split, parts=parts, text=text, spread=spread, dtype=dtype,

@@ -216,3 +216,31 @@ def test_a_length_past_a_layers_position_bound_is_refused_before_scoring():
                                          r"max_positions=256\), fewer than the length 512: evaluate it at lengths "
                                          "up to 256"):
         check_position_bounds([LoadedModel("cos", "runs/cos", model, None, None)], 512)
+
+
+def test_ctrl_c_during_an_evaluation_prints_the_lengths_scored_and_writes_no_results(tmp_path, capsys, monkeypatch):
+    """Was: exit 130 and nothing printed, every length scored before it lost."""
+    import lavo.evaluate
+    from lavo.cli import main
+    from lavo.config import RunConfig
+    from lavo.train import train
+    from lm_corpus import tiny_run, write_corpus
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
+    train(RunConfig.from_dict(tiny_run(corpus, tmp_path / "data", tmp_path / "run", steps=2)), log=lambda *_: None)
+    whole = lavo.evaluate.evaluate_runs([str(tmp_path / "run")], lengths=[16, 32, 64], device="cpu",
+                                        progress=False, log=lambda *_: None)["run"]
+    scoring = lavo.evaluate.segment_nll
+
+    def stopped_at_64(model, segments, chunk_size=None):
+        if segments.shape[1] == 65:
+            raise KeyboardInterrupt
+        return scoring(model, segments, chunk_size)
+
+    monkeypatch.setattr(lavo.evaluate, "segment_nll", stopped_at_64)
+    flags = ["--lengths", "16,32,64", "--device", "cpu", "--quiet"]
+    assert main(["eval", str(tmp_path / "run"), *flags, "--out", str(tmp_path / "eval")]) == 130
+    out, err = capsys.readouterr()
+    assert out == format_table({"run": {length: whole[length] for length in (16, 32)}}) + "\n"
+    assert err == (f"interrupted: the table holds the 2 of 3 lengths scored before it; {tmp_path / 'eval'} is left "
+                   "as it was\n")
+    assert not (tmp_path / "eval").exists()
