@@ -68,7 +68,8 @@ def shared_length(num_tokens: int, lengths: list[int], max_tokens: int | None = 
         available = min(available, max_tokens)
     n = available // longest * longest
     if n == 0:
-        limit = (f"--max-tokens {max_tokens} allows fewer" if max_tokens is not None and max_tokens < num_tokens - 1
+        # --max-tokens is to blame only where the text alone would have held the lengths
+        limit = (f"--max-tokens {max_tokens} allows fewer" if max_tokens is not None and num_tokens - 1 >= longest
                  else f"the evaluation text has {counted(num_tokens, 'token')}")
         fix = ("use lengths that divide one another (e.g. powers of two)" if longest > max(lengths) else
                "use shorter lengths" + (" or a larger --max-tokens" if limit.startswith("--max-tokens") else ""))
@@ -184,7 +185,7 @@ def text_documents(path: str | os.PathLike, log=None) -> list[Document]:
     the files a folder leaves out (in subfolders, or named ``.TXT``), as for a folder source."""
     path = Path(path)
     if path.is_dir():
-        return read_documents(path, log)
+        return read_documents(path, log, fix="give --text a .txt file, or a folder of them")
     if path.is_file():
         text = read_text(path)
         if not text.strip():  # as a folder leaves out such a file: it holds no text to score

@@ -98,6 +98,9 @@ def test_any_text_is_scored_with_the_runs_tokenizer(tmp_path, capsys):
         with pytest.raises(DataError, match=r"--text .*blank.txt is empty or holds only whitespace: nothing to score"):
             text_documents(texts / "blank.txt")
     assert len(text_documents(texts)) == 2  # a folder leaves such a file out
+    (tmp_path / "no-texts").mkdir()  # was: advice to use --source austen, a flag of lavo data
+    with pytest.raises(DataError, match=r"^no .txt files in .*no-texts: give --text a .txt file, or a folder of them$"):
+        text_documents(tmp_path / "no-texts")
     (texts / "more").mkdir()
     (texts / "more" / "inner.txt").write_text("a text in a subfolder\n")
     told = []  # was: left out without a word, unlike a folder source's
@@ -201,6 +204,8 @@ def test_what_keeps_lengths_from_being_scored_is_named():
         shared_length(1, [32])  # was: "has 1 tokens"
     with pytest.raises(ValueError, match="--max-tokens 200 allows fewer: use shorter lengths or a larger --max-tokens"):
         shared_length(9885, [32, 256], max_tokens=200)
+    with pytest.raises(ValueError, match="33 tokens; the evaluation text has 29 tokens: use shorter lengths$"):
+        shared_length(29, [32], max_tokens=5)  # was: advice to raise --max-tokens, which could not help
     tokens = np.random.default_rng(0).integers(0, 50, 1000).astype(np.uint16)
     with pytest.warns(UserWarning, match="spread: only one window of 64 targets"):
         perplexity_by_length(Bigram(50), tokens, [32, 64], spread=True, max_tokens=100)

@@ -28,15 +28,17 @@ class Document:
     text: str
 
 
-def read_documents(directory: str | os.PathLike, log=None) -> list[Document]:
+def read_documents(directory: str | os.PathLike, log=None,
+                   fix: str = "put one document per .txt file there (or use --source austen / --source shakespeare)"
+                   ) -> list[Document]:
     """One document per ``.txt`` file of ``directory``, sorted by name; ``log`` is told of the files it leaves
-    out (in subfolders, named ``.TXT``, or not a file: a folder or a dangling link)."""
+    out (in subfolders, named ``.TXT``, or not a file: a folder or a dangling link); ``fix``: what the error of a
+    folder without one says to do."""
     directory = Path(directory)
     # a folder or a dangling link named *.txt holds no text: it is left out and named, not read (an OSError)
     files = sorted(path for path in directory.glob("*.txt") if path.is_file())
     if not files:
-        raise DataError(f"no .txt files in {directory}: put one document per .txt file there "
-                        "(or use --source austen / --source shakespeare)")
+        raise DataError(f"no .txt files in {directory}: {fix}")
     read = set(files)
     left_out = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
                       if p.suffix.lower() == ".txt" and p not in read)
