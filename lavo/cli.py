@@ -148,7 +148,8 @@ def add_eval(commands) -> None:
                    "`lavo export`")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--lengths", type=_flag("eval", "lengths"),
-                       help="comma-separated lengths, e.g. 256,512,1024,2048")
+                       help="comma-separated lengths in tokens, e.g. 256,512,1024,2048 "
+                       "(default: --multiples)")
     group.add_argument("--multiples", type=_flag("eval", "multiples"), default=None,
                        help="multiples of the first run's train_length (default: 1,2,4,8)")
     p.add_argument("--split", default="valid", choices=("train", "valid"),
@@ -167,7 +168,8 @@ def add_eval(commands) -> None:
                    "0 scores each segment in one pass, as a mechanism without a decoding form (long-short) always "
                    "does, its memory growing with the length (default: 512)")
     p.add_argument("--max-tokens", type=_flag("eval", "max_tokens"), default=None,
-                   help="score at most this many tokens")
+                   help="score at most this many target tokens, the same at every length (default: "
+                   "as many as the text holds)")
     p.add_argument("--spread", action="store_true", help="take the scored tokens as windows spread evenly over the "
                    "whole text instead of its first --max-tokens, so that a held-out set is sampled throughout (a "
                    "document shorter than the gap between two windows may still get no target)")
@@ -250,7 +252,8 @@ def add_generate(commands) -> None:
     p.add_argument("--top-k", type=_flag("sampling", "top_k"), default=50, help="0 disables (default: 50)")
     p.add_argument("--top-p", type=_flag("sampling", "top_p"), default=0.95, help="in (0, 1]; 1 disables "
                    "(default: 0.95)")
-    p.add_argument("--seed", type=_flag("sampling", "seed"), default=0, help="(default: 0)")
+    p.add_argument("--seed", type=_flag("sampling", "seed"), default=0,
+                   help="seeds the sampling (default: 0)")
     p.add_argument("--num-samples", type=_flag("sampling", "num_samples"), default=1,
                    help="samples of the prompt, printed one after another (default: 1)")
     p.add_argument("--device", default="auto", type=_flag("train", "device"),
