@@ -232,7 +232,13 @@ class LoadedModel(NamedTuple):
 
 
 def load_models(run_dirs: list[str], device) -> list[LoadedModel]:
-    """Each directory's model, named by its folder, or by its path when two folders share a name."""
+    """Each directory's model, named by its folder, or by its path when two folders share a name; a directory
+    given twice (its rows would be one) is refused."""
+    seen = set()
+    for run in run_dirs:
+        if Path(run).resolve() in seen:
+            raise ValueError(f"{run} is given twice: give each run once")
+        seen.add(Path(run).resolve())
     names = [Path(run).name for run in run_dirs]
     if len(set(names)) < len(names):
         names = [str(run) for run in run_dirs]
