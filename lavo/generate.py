@@ -13,6 +13,7 @@ import torch
 
 from .layers.base import position_bound
 from .ops.common import launching_on
+from .report import counted
 from .settings import SEED, at_least, between, check_settings, setting
 
 
@@ -158,10 +159,14 @@ def check_room(model, prompt_length: int, new_tokens: int) -> None:
     """Refuse, before anything is generated, a prompt and new tokens that need more positions than a layer of
     ``model`` reads (:func:`~lavo.layers.base.position_bound`); the last new token is never fed."""
     bound = position_bound(model)
-    if bound is not None and prompt_length + new_tokens - 1 > bound.limit:
-        raise ValueError(f"this model reads at most {bound.limit} positions (its {bound.layer}): after a "
-                         f"{prompt_length}-token prompt it can generate at most "
-                         f"{max(0, bound.limit - prompt_length + 1)} tokens, not {new_tokens}")
+    if bound is None or prompt_length + new_tokens - 1 <= bound.limit:
+        return
+    reads = f"this model reads at most {bound.limit} positions (its {bound.layer})"
+    if prompt_length > bound.limit:  # no number of new tokens fits: only a shorter prompt helps
+        raise ValueError(f"{reads}: a {prompt_length}-token prompt is longer than that, so nothing can follow it; "
+                         f"give at most {bound.limit} tokens of prompt")
+    raise ValueError(f"{reads}: after a {prompt_length}-token prompt it can generate at most "
+                     f"{counted(bound.limit - prompt_length + 1, 'token')}, not {new_tokens}")
 
 
 @torch.no_grad()

@@ -134,3 +134,8 @@ def test_a_model_that_reads_a_bounded_number_of_positions_is_told_how_many_token
                                          r"max_positions=12\): after a 3-token prompt it can generate at most 10 "
                                          r"tokens, not 11"):
         generate(m, [1, 2, 3], 11)
+    # was: "it can generate at most 0 tokens, not 1", when no number of new tokens (at least 1) could fit
+    with pytest.raises(ValueError, match=r"^this model reads at most 12 positions \(its CosformerAttention with "
+                                         r"max_positions=12\): a 13-token prompt is longer than that, so nothing "
+                                         r"can follow it; give at most 12 tokens of prompt$"):
+        generate(m, list(range(13)), 1)
