@@ -122,8 +122,10 @@ def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch
     chunk_size = chunk_size or None
     n = shared_length(len(tokens), lengths, max_tokens)
     if spread and n == math.lcm(*lengths):
+        # a larger --max-tokens helps only where it was given and the text holds more than one window
+        more = "a larger --max-tokens or " if max_tokens is not None and (len(tokens) - 1) // n > 1 else ""
         warnings.warn(f"spread: only one window of {n} targets (the lengths' least common multiple) is scored, so "
-                      "it is the text's first; allow more tokens (--max-tokens) or shorter lengths to spread them",
+                      f"it is the text's first: use {more}shorter lengths to spread them",
                       stacklevel=3)  # the caller's line: torch.no_grad's wrapper stands between
     stream = torch.from_numpy(np.asarray(tokens if spread else tokens[:n + 1], dtype=np.int64))
     was_training = model.training

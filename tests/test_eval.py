@@ -207,8 +207,11 @@ def test_what_keeps_lengths_from_being_scored_is_named():
     with pytest.raises(ValueError, match="33 tokens; the evaluation text has 29 tokens: use shorter lengths$"):
         shared_length(29, [32], max_tokens=5)  # was: advice to raise --max-tokens, which could not help
     tokens = np.random.default_rng(0).integers(0, 50, 1000).astype(np.uint16)
-    with pytest.warns(UserWarning, match="spread: only one window of 64 targets"):
+    with pytest.warns(UserWarning, match="spread: only one window of 64 targets .*: use a larger --max-tokens or "
+                                         "shorter lengths to spread them$"):
         perplexity_by_length(Bigram(50), tokens, [32, 64], spread=True, max_tokens=100)
+    with pytest.warns(UserWarning, match=r"is scored, so it is the text's first: use shorter lengths to spread them$"):
+        perplexity_by_length(Bigram(50), tokens[:100], [32, 64], spread=True)  # was: advice to raise --max-tokens
 
 
 def test_a_length_past_a_layers_position_bound_is_refused_before_scoring():
