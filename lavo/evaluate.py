@@ -302,6 +302,16 @@ def report_interrupted(results: dict[str, dict[int, dict]], lengths: int, scored
           f"before it{kept}", file=sys.stderr)
 
 
+def check_out_dir(out_dir: str) -> None:
+    """Refuse, before anything is scored, an ``out_dir`` that cannot be a folder: it, or the nearest of its
+    parents that exists, is a file."""
+    path = Path(out_dir)
+    nearest = next(p for p in (path, *path.parents) if p.exists())
+    if not nearest.is_dir():
+        problem = " is a file" if nearest == path else f": {nearest} is a file, so the folder cannot be made there"
+        raise ValueError(f"--out {out_dir}{problem}: give a folder for results.json and perplexity.png")
+
+
 def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, multiples: list[float] | None = None,
                   split: str = "valid", parts: list[str] | None = None, text: str | None = None,
                   batch_size: int = 8, chunk_size: int | None = 512,
@@ -321,8 +331,8 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     device = resolve_device(device)
     autocast = autocast_for(dtype, device, "--dtype")
     check_text_alone(text, split, parts)
-    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise ValueError(f"--out {out_dir} is a file: give a folder for results.json and perplexity.png")
+    if out_dir is not None:
+        check_out_dir(out_dir)
     loaded = load_models(run_dirs, device)
     missing_config = [run.path for run in loaded if run.config is None]
     if missing_config and text is None:

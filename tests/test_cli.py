@@ -168,6 +168,10 @@ def test_misused_run_folders_and_outputs_are_refused_with_what_to_do(tmp_path, c
     assert main([*evaluate, "--out", str(tmp_path / "taken.txt")]) == 2  # refused before scoring
     assert capsys.readouterr().err.endswith("taken.txt is a file: give a folder for results.json and "
                                             "perplexity.png\n")
+    assert main([*evaluate, "--out", str(tmp_path / "taken.txt" / "eval")]) == 2  # was: refused after scoring
+    assert capsys.readouterr() == ("", f"lavo eval: error: --out {tmp_path / 'taken.txt' / 'eval'}: "
+                                       f"{tmp_path / 'taken.txt'} is a file, so the folder cannot be made there: "
+                                       "give a folder for results.json and perplexity.png\n")
     assert main(["eval", run, run, "--lengths", "32", "--quiet"]) == 2  # was: one row, as if given once
     assert capsys.readouterr().err == f"lavo eval: error: {run} is given twice: give each run once\n"
     assert main([*evaluate, "--split", "train"]) == 0
