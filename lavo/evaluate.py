@@ -32,6 +32,7 @@ from .settings import above, at_least, check_settings, one_of, setting
 
 
 DEFAULT_MULTIPLES = [1, 2, 4, 8]
+LARGEST_LOSS = math.log(sys.float_info.max)  # the largest loss whose perplexity is a float
 SCORED = {"valid": "held-out tokens", "train": "training tokens"}  # what the table says each split scored
 
 
@@ -109,6 +110,11 @@ def segment_starts(num_tokens: int, n: int, lengths: list[int], length: int, spr
     return [first + i * length for first in firsts for i in range(window // length)]
 
 
+def perplexity(loss: float) -> float:
+    """``e ** loss``; infinite past the floats' range (a diverged model), where ``math.exp`` raises."""
+    return math.exp(loss) if loss < LARGEST_LOSS else math.inf
+
+
 @torch.no_grad()
 def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch_size: int = 8,
                          chunk_size: int | None = 512, max_tokens: int | None = None, device="cpu",
@@ -146,7 +152,7 @@ def perplexity_by_length(model, tokens: np.ndarray, lengths: list[int], *, batch
                 segments = torch.stack([stream[j:j + length + 1] for j in rows]).to(device)
                 nll += segment_nll(model, segments, chunk_size).sum().item()
             loss = nll / n
-            results[length] = {"loss": loss, "ppl": math.exp(loss), "tokens": n, "segments": count}
+            results[length] = {"loss": loss, "ppl": perplexity(loss), "tokens": n, "segments": count}
     finally:
         model.train(was_training)
     return results

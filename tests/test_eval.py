@@ -50,6 +50,18 @@ def test_max_tokens_and_too_short_text():
     assert shared_length(2000, [48, 128]) == 1920  # a multiple of both (lcm 384), not only of 128
 
 
+def test_a_loss_past_floats_range_of_perplexity_is_an_infinite_perplexity(tmp_path):
+    """A diverged model, its logits in the thousands (was: OverflowError from math.exp, after all the scoring)."""
+    model = Bigram(50)
+    with torch.no_grad():
+        model.table.weight.mul_(1e4)
+    tokens = np.random.default_rng(0).integers(0, 50, 1000).astype(np.uint16)
+    result = perplexity_by_length(model, tokens, [16], chunk_size=None)[16]
+    assert result["loss"] > 1000 and result["ppl"] == math.inf
+    assert "  inf" in format_table({"diverged": {16: result}})
+    assert save_plot({"diverged": {16: result}, "fine": {16: {"ppl": 30.0}}}, tmp_path / "p.png").is_file()
+
+
 def test_chunked_scoring_through_the_cache_equals_one_pass():
     torch.manual_seed(0)
     model = build_model(dict(vocab_size=70, dim=32, depth=2, heads=2, attention="lavo",
