@@ -48,8 +48,12 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
 
 def sample_next(logits: torch.Tensor, generator: torch.Generator, temperature: float = 1.0,
                 top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """``logits [B, V]`` -> next ids ``[B]``; ``temperature == 0`` is greedy."""
+    """``logits [B, V]`` -> next ids ``[B]``; ``temperature == 0`` is greedy. Logits that are not finite are
+    refused: greedy search would take an arbitrary token from them, sampling would fail in ``multinomial``."""
     logits = logits.float()
+    if not torch.isfinite(logits).all():
+        raise ValueError("the model's logits are not finite (nan or inf): its weights may have diverged in "
+                         "training, or overflowed in a lower precision")
     if temperature == 0:
         return logits.argmax(-1)
     # shifted so the largest logit is 0, and divided in float64: a tiny temperature then sends the others to

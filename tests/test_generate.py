@@ -139,3 +139,15 @@ def test_a_model_that_reads_a_bounded_number_of_positions_is_told_how_many_token
                                          r"max_positions=12\): a 13-token prompt is longer than that, so nothing "
                                          r"can follow it; give at most 12 tokens of prompt$"):
         generate(m, list(range(13)), 1)
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_model_whose_logits_are_not_finite_is_refused_by_name(temperature):
+    """A run that diverged in training, its weights nan (was: greedy printed token 0 again and again; sampling
+    raised `probability tensor contains either inf, nan or element < 0`)."""
+    m = model()
+    with torch.no_grad():
+        m.embed.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match=r"^the model's logits are not finite \(nan or inf\): its weights may have "
+                                         r"diverged in training, or overflowed in a lower precision$"):
+        generate(m, [1, 2], 3, temperature=temperature)
