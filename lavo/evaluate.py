@@ -294,17 +294,17 @@ def write_results(out_dir: str, loaded: list[LoadedModel], results: dict[str, di
     log(f"wrote {out / 'results.json'} and {plot}")
 
 
-def report_interrupted(results: dict[str, dict[int, dict]], lengths: int, scored: str, same_text: bool,
+def report_interrupted(results: dict[str, dict[int, dict]], per_run: int, scored: str, same_text: bool,
                        out_dir: str | None, log=print) -> None:
-    """After Ctrl-C: the table of the lengths scored so far, and (on stderr) how many of all; nothing is written
-    to ``out_dir``, so that a partial evaluation is never taken for a whole one."""
+    """After Ctrl-C: the table of the lengths scored so far, and (on stderr) how many of all, ``per_run`` lengths
+    for each run; nothing is written to ``out_dir``, so that a partial evaluation is never taken for a whole one."""
     finished = {name: per_model for name, per_model in results.items() if per_model}
     if finished:
         log(format_table(finished, scored, same_text=same_text))
     done = sum(map(len, results.values()))
-    each = f" ({lengths} for each of {len(results)} runs)" if len(results) > 1 else ""
+    each = f" ({per_run} for each of {len(results)} runs)" if len(results) > 1 else ""
     kept = f"; {out_dir} is left as it was" if out_dir is not None else ""
-    print(f"interrupted: the table holds the {done} of {counted(lengths * len(results), 'length')}{each} scored "
+    print(f"interrupted: the table holds the {done} of {counted(per_run * len(results), 'length')}{each} scored "
           f"before it{kept}", file=sys.stderr)
 
 
