@@ -73,9 +73,15 @@ class OutputThatMayClose:
         try:
             call()
         except BrokenPipeError:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self.stream.fileno())  # also what the interpreter flushes at exit
-            os.close(null)
+            write_to_devnull(self.stream)
+
+
+def write_to_devnull(stream) -> None:
+    """Point ``stream``'s file descriptor at ``os.devnull``: its reader went away, and what is left to write (also
+    what the interpreter flushes at exit) has nowhere to go."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, stream.fileno())
+    os.close(null)
 
     def __getattr__(self, name: str):
         return getattr(self.stream, name)
@@ -443,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         status = args.handler(args)
+    except BrokenPipeError:  # the output's reader went away (`lavo generate ... | head`): end as a Unix tool does
+        write_to_devnull(sys.stdout)
+        return 128 + signal.SIGPIPE
     except (DataError, RunError, OSError, ValueError) as error:
         if os.environ.get("LAVO_DEBUG"):
             raise
