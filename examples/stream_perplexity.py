@@ -15,7 +15,6 @@ speed. (A model with a growing cache, softmax, works too, but its state grows wi
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from transformers.utils import logging  # noqa: E402
 
 import lavo.hf  # noqa: E402,F401  (registers the lavo_lm model type)
 from lavo.devices import resolve_device  # noqa: E402
+from lavo.report import perplexity  # noqa: E402
 from lavo.run import is_exported, is_run  # noqa: E402
 
 
@@ -82,7 +82,7 @@ def running_perplexity(model, tokenizer, path: str, chunk_tokens: int = 2048,
         state = out.cache
         nll += F.cross_entropy(out.logits[0].float(), ids[0, 1:], reduction="sum").item()
         scored += ids.shape[1] - 1
-        yield {"tokens": scored, "ppl": math.exp(nll / scored), "state_bytes": state.nbytes()}
+        yield {"tokens": scored, "ppl": perplexity(nll / scored), "state_bytes": state.nbytes()}
 
 
 def check_paths(parser: argparse.ArgumentParser, model: str, text: str) -> None:

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .report import number, panel_plot, text_table
+from .report import number, panel_plot, perplexity, text_table
 from .run import METRICS, RunError
 from .settings import between, check_settings, setting
 
@@ -111,7 +111,7 @@ def curves_table(curves: Sequence[Curves], smoothing: float) -> tuple[list[str],
         best = min(finite, key=lambda v: v["valid_loss"]) if finite else None
         rows.append([c.name, last["step"], f"{last['tokens']:,}", f"{last['elapsed']:.0f}",
                      number(trained[-1][1] if trained else None, 4), number(valid, 4),
-                     number(None if valid is None else math.exp(valid), 4),
+                     number(None if valid is None else perplexity(valid), 4),
                      "—" if best is None else f"{number(best['valid_loss'], 4)} ({best['step']})"])
     return header, rows
 

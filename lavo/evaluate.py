@@ -26,13 +26,12 @@ from .data.sources import check_parts
 from .devices import autocast_for, resolve_device
 from .files import write_json
 from .layers.base import position_bound
-from .report import counted, line_plot, text_table
+from .report import counted, line_plot, perplexity, text_table
 from .run import load_model_dir, recorded_documents
 from .settings import above, at_least, check_settings, one_of, setting
 
 
 DEFAULT_MULTIPLES = [1, 2, 4, 8]
-LARGEST_LOSS = math.log(sys.float_info.max)  # the largest loss whose perplexity is a float
 SCORED = {"valid": "held-out tokens", "train": "training tokens"}  # what the table says each split scored
 
 
@@ -108,11 +107,6 @@ def segment_starts(num_tokens: int, n: int, lengths: list[int], length: int, spr
     else:
         firsts = [k * window for k in range(count)]
     return [first + i * length for first in firsts for i in range(window // length)]
-
-
-def perplexity(loss: float) -> float:
-    """``e ** loss``; infinite past the floats' range (a diverged model), where ``math.exp`` raises."""
-    return math.exp(loss) if loss < LARGEST_LOSS else math.inf
 
 
 @torch.no_grad()

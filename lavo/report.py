@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -15,6 +16,14 @@ def number(x: float | None, digits: int = 3) -> str:
         return f"{x:g}"
     magnitude = math.floor(math.log10(abs(x)))
     return f"{x:.{max(0, digits - 1 - magnitude)}f}" if magnitude < digits else f"{x:.0f}"
+
+
+LARGEST_LOSS = math.log(sys.float_info.max)  # the largest loss whose perplexity is a float
+
+
+def perplexity(loss: float) -> float:
+    """``e ** loss``; infinite past the floats' range (a diverged model), where ``math.exp`` raises."""
+    return math.exp(loss) if loss < LARGEST_LOSS else math.inf
 
 
 def counted(n: int, noun: str) -> str:

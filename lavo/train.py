@@ -32,6 +32,7 @@ from .files import make_directory
 from .layers.base import after_optimizer_step
 from .model import LanguageModel, count_parameters, set_learning_rate
 from .ops.common import make_current
+from .report import perplexity
 from .run import (METRICS, MetricsLog, RunError, RunLock, clear_run, has_checkpoint, load_checkpoint,
                   read_run_config, recorded_documents, recover_checkpoint, save_checkpoint, save_run_config,
                   trained_files)
@@ -439,8 +440,8 @@ class Trainer:
         tc = self.tc
         valid = valid_loss(self.model, self.data.valid.tokens, tc.train_length, tc.eval_batches, tc.batch_size,
                            self.device, self.autocast)
-        self.record({"step": self.progress.step, "valid_loss": valid, "valid_ppl": math.exp(valid)})
-        self.say(f"step {self.progress.step}: valid loss {valid:.4f} (ppl {math.exp(valid):.2f})")
+        self.record({"step": self.progress.step, "valid_loss": valid, "valid_ppl": perplexity(valid)})
+        self.say(f"step {self.progress.step}: valid loss {valid:.4f} (ppl {perplexity(valid):.2f})")
 
     def say(self, message: str) -> None:
         """Log a line above the progress bar rather than onto it."""

@@ -519,3 +519,15 @@ def test_compiled_training_follows_the_eager_run(corpus, tmp_path, checkpointing
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         assert (y - x).norm() <= 1e-4 * x.norm(), name
     assert json.loads((tmp_path / "compiled" / "config.json").read_text())["train"]["compile"] is True
+
+
+def test_a_diverged_validation_loss_logs_an_infinite_perplexity(corpus, tmp_path, monkeypatch):
+    """A loss past 709.78 (e ** loss beyond the floats; was: OverflowError from math.exp, ending the training)."""
+    from lavo.curves import curves_table, read_curves
+    monkeypatch.setattr("lavo.train.valid_loss", lambda *args: 1000.0)
+    lines = []
+    train(run(corpus, tmp_path, "diverged", steps=2, eval_interval=1), log=lines.append)
+    records = [json.loads(line) for line in (tmp_path / "diverged" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["valid_ppl"] for r in records if "valid_ppl" in r] == [math.inf] * 2
+    assert "step 2: valid loss 1000.0000 (ppl inf)" in lines
+    assert curves_table([read_curves(tmp_path / "diverged")], smoothing=0.9)[1][0][6] == "inf"  # lavo curves' table

@@ -7,7 +7,6 @@ beyond its window stays flat.
 """
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lavo.files import write_json
-from lavo.report import line_plot
+from lavo.report import line_plot, perplexity
 from lavo.settings import comma_list
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -65,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for name, model, _, _, tokens in load_runs(args.runs, args.data_dir, ("valid",)):
         losses = target_loss(model, tokens["valid"], contexts, args.target, args.segments)
-        results[name] = {str(c): {"loss": loss, "ppl": math.exp(loss)} for c, loss in losses.items()}
-        print(name, {c: round(math.exp(loss), 2) for c, loss in losses.items()}, flush=True)
+        results[name] = {str(c): {"loss": loss, "ppl": perplexity(loss)} for c, loss in losses.items()}
+        print(name, {c: round(perplexity(loss), 2) for c, loss in losses.items()}, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", {"target": args.target, "segments": args.segments, "contexts": contexts,
