@@ -535,6 +535,8 @@ class Trainer:
         p.step += 1
         p.tokens += self.tokens_per_step
         p.loss = loss.item()
+        if not math.isfinite(p.loss):
+            self.check_diverged()
         self.window_tokens += self.tokens_per_step
         p.elapsed = time.perf_counter() - started
         if p.step % tc.log_interval == 0 or p.step == end:
@@ -544,6 +546,17 @@ class Trainer:
         # at train.steps, not at end: a call cut short by stop_after validates as the uninterrupted run would
         if tc.eval_interval and (p.step % tc.eval_interval == 0 or p.step == tc.steps) and self.env.main:
             self.off_the_clock(self.validate)
+
+    def check_diverged(self) -> None:
+        """After a step whose loss is not finite: stop, before such weights are saved, if the step made them so.
+        A float16 step that overflowed is skipped by the loss scaler and leaves them finite: training goes on."""
+        if all(torch.isfinite(p).all() for p in self.model.parameters()):
+            return
+        tc = self.tc
+        raise RunError(f"training diverged at step {self.progress.step}: the loss is {self.progress.loss} and the "
+                       f"weights are no longer finite. They are not saved: {self.run_dir}'s last checkpoint, if "
+                       f"any, is from before. Train again (--overwrite) with a lower train.lr (now {tc.lr:g}) or "
+                       f"a longer train.warmup (now {tc.warmup})")
 
     def out_of_memory(self, step: int) -> str:
         """What to do when training step ``step`` ran out of GPU memory."""

@@ -531,3 +531,31 @@ def test_a_diverged_validation_loss_logs_an_infinite_perplexity(corpus, tmp_path
     assert [r["valid_ppl"] for r in records if "valid_ppl" in r] == [math.inf] * 2
     assert "step 2: valid loss 1000.0000 (ppl inf)" in lines
     assert curves_table([read_curves(tmp_path / "diverged")], smoothing=0.9)[1][0][6] == "inf"  # lavo curves' table
+
+
+def test_a_step_that_leaves_the_weights_not_finite_stops_before_they_are_saved(corpus, tmp_path, monkeypatch):
+    """Was: training went on and saved nan weights, every later step and checkpoint too. A non-finite loss over
+    finite weights (a float16 step the loss scaler skipped) goes on."""
+    from lavo.train import Trainer
+    train_step = Trainer.train_step
+
+    def poisoned(self, lr, at: int, weights: bool):
+        loss, norm = train_step(self, lr)
+        if self.progress.step + 1 == at:
+            if weights:
+                with torch.no_grad():
+                    next(self.model.parameters())[0] = math.nan
+            loss = torch.full_like(loss, math.nan)
+        return loss, norm
+    monkeypatch.setattr(Trainer, "train_step", lambda self, lr: poisoned(self, lr, at=3, weights=False))
+    assert train(run(corpus, tmp_path, "skipped", steps=4), log=quiet)["step"] == 4
+    monkeypatch.setattr(Trainer, "train_step", lambda self, lr: poisoned(self, lr, at=3, weights=True))
+    with pytest.raises(RunError, match=re.escape(
+            f"training diverged at step 3: the loss is nan and the weights are no longer finite. They are not "
+            f"saved: {tmp_path / 'diverged'}'s last checkpoint, if any, is from before. Train again (--overwrite) "
+            "with a lower train.lr (now 0.003) or a longer train.warmup (now 2)")):
+        train(run(corpus, tmp_path, "diverged", steps=4, checkpoint_interval=2), log=quiet)
+    assert torch.load(tmp_path / "diverged" / "state.pt", weights_only=True)["step"] == 2
+    model = load_run(tmp_path / "diverged")[0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not (tmp_path / "diverged" / ".lock").exists()
