@@ -1,6 +1,6 @@
 """The README's Python examples of the layer and the baselines run as written, and print what their comments say;
 the library's public classes and functions say what they take and give; the tests, files and functions the docs
-cite exist."""
+cite exist, and so do the flags and settings of the command lines they give."""
 import ast
 import contextlib
 import importlib
@@ -127,3 +127,89 @@ def resolves(dotted: str) -> bool:
             value = getattr(value, part)
         return True
     return False
+
+
+# A command line in the docs: `lavo CMD ...` (or `-m lavo.cli CMD`, `-m lavo.bench`) in a code span or a shell block,
+# up to the end of its shell command.
+COMMAND = re.compile(r"(?:\blavo|-m lavo\.cli) (data|train|curves|eval|generate|export|demo|bench|forecast|listops)\b"
+                     r"|-m lavo\.(bench)\b")
+FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
+SET = re.compile(r"--set\s+'?([\w.]+)=")
+# a setting named in prose: data.NAME or train.NAME, not a file (train.py) nor part of a longer name
+SETTING = re.compile(r"(?<![\w./-])((?:data|train)\.(?!(?:py|json|md)\b)\w+)\b(?!\.\w)")
+
+
+def test_every_flag_and_setting_the_docs_give_a_command_exists():
+    """Each ``--flag`` of a ``lavo`` command line in the docs is one of that command's flags, and each key it
+    ``--set``s, like each ``train.*`` or ``data.*`` setting a code span names, is a setting: a renamed flag or
+    setting must not leave the docs giving a command that fails."""
+    flags = command_flags()
+    wrong = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for command in command_lines(text):
+            for name, arguments in commands_in(command):
+                wrong += [f"{doc.name}: lavo {name} {flag}" for flag in FLAG.findall(arguments)
+                          if flag not in flags[name]]
+                wrong += [f"{doc.name}: lavo {name} --set {key}" for key in SET.findall(arguments)
+                          if not is_setting(name, key)]
+        for span in code_spans(text):
+            wrong += [f"{doc.name}: {key}" for key in re.findall(SETTING, span) if not is_setting("train", key)]
+    assert not wrong
+
+
+def command_flags() -> dict[str, set[str]]:
+    """Each ``lavo`` command's flags, as its parser has them."""
+    import argparse
+
+    from lavo.cli import build_parser
+    commands = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+    return {name: {flag for action in parser._actions for flag in action.option_strings}
+            for name, parser in commands.choices.items()}
+
+
+def code_spans(text: str) -> list[str]:
+    """The inline code spans of a markdown text (outside its fenced blocks), each on one line."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    return [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
+
+
+def command_lines(text: str) -> list[str]:
+    """The shell commands of a markdown text: its shell blocks' lines (continuations joined) and its code spans,
+    split at pipes, ``;``, ``&&`` and comments."""
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.DOTALL)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()] + code_spans(text)
+    return [part for line in lines for part in re.split(r"\||;|&&|#", line)]
+
+
+def commands_in(line: str) -> list[tuple[str, str]]:
+    """``(command, the text of its arguments)`` for each ``lavo`` command that ``line`` gives."""
+    matches = list(COMMAND.finditer(line))
+    ends = [match.start() for match in matches[1:]] + [len(line)]
+    return [(match.group(1) or match.group(2), line[match.end():end]) for match, end in zip(matches, ends)]
+
+
+def is_setting(command: str, key: str) -> bool:
+    """Whether ``key`` (``section.name``, deeper within a table setting) is a setting that ``lavo command --set``
+    takes."""
+    import dataclasses
+
+    from lavo.classify import ListOpsRun
+    from lavo.config import DataConfig, TrainConfig
+    from lavo.evaluate import EvalSettings
+    from lavo.model import ModelConfig
+
+    def fields(kind) -> set[str]:
+        return {field.name for field in dataclasses.fields(kind)}
+
+    parts = key.split(".")
+    if command == "listops":
+        return parts[0] in fields(ListOpsRun)
+    sections = {"data": fields(DataConfig), "train": fields(TrainConfig), "model": fields(ModelConfig) | {"preset"}}
+    if command == "demo":
+        if parts[0] == "runs":  # runs.NAME.section.name: one model's run settings
+            parts = parts[2:]
+        elif len(parts) == 1:
+            return key in {"seconds_per_model", "out_dir"}
+        sections["eval"] = fields(EvalSettings)
+    return len(parts) >= 2 and parts[1] in sections.get(parts[0], ())
