@@ -7,7 +7,7 @@
 # `--wheels DIR` (a path from the repository root) puts the pure-Python wheels in DIR on the path, e.g. fla-core's.
 # Usage: bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--wheels DIR] [--budget SECONDS]
 set -euo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUT_DIR [--dry-run] [--wheels DIR]}
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR [--dry-run] [--wheels DIR] [--budget SECONDS]}
 shift
 mkdir -p "$out"
 out=$(cd "$out" && pwd)

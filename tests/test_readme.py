@@ -213,3 +213,19 @@ def is_setting(command: str, key: str) -> bool:
             return key in {"seconds_per_model", "out_dir"}
         sections["eval"] = fields(EvalSettings)
     return len(parts) >= 2 and parts[1] in sections.get(parts[0], ())
+
+
+def test_a_script_run_without_arguments_prints_the_usage_its_header_gives():
+    """A script's usage message is its header's ``# Usage:`` line (was: scripts/gpu_check.sh's left out
+    ``--budget SECONDS``)."""
+    import subprocess
+    checked = 0
+    for script in sorted((ROOT / "scripts").glob("*.sh")):
+        header = re.search(r"^# Usage: (?:\[?\w+=\w+\]? )?bash (.*)$", script.read_text(), re.MULTILINE)
+        if header is None:
+            continue
+        run = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        usage = run.stderr.partition("usage: ")[2].strip()
+        assert run.returncode != 0 and usage == header.group(1).replace('"', ""), script.name
+        checked += 1
+    assert checked == 3  # gpu_check.sh, gpu_session.sh, test_stack.sh
