@@ -165,6 +165,32 @@ def test_attention_options_are_checked_before_any_measurement(options, message, 
     assert bench_error(capsys, "--attention-options", options).startswith(f"python -m lavo.bench: error: {message}")
 
 
+def test_attention_options_that_are_not_json_quote_the_json_error(capsys):
+    assert bench_error(capsys, "--attention-options", "{lavo") == (
+        "python -m lavo.bench: error: argument --attention-options: '{lavo' is not JSON (Expecting property name "
+        "enclosed in double quotes: line 1 column 2 (char 1))")
+
+
+@pytest.mark.parametrize("flag, made, message", [("--json", "folder", "is a folder; give the path of a JSON file"),
+                                                 ("--plots", "file", "is a file; give a folder for the PNG plots")])
+def test_output_paths_that_cannot_be_written_are_refused_before_measuring(flag, made, message, tmp_path, capsys):
+    """Was: a traceback at the first record's save (--json), or after the whole run (--plots)."""
+    path = tmp_path / "out"
+    path.mkdir() if made == "folder" else path.write_text("")
+    tiny = ("--sections", "attention", "--attentions", "", "--ops", "sdpa", "--passes", "fwd", "--lengths", "16")
+    assert bench_error(capsys, *tiny, flag, str(path)) == f"python -m lavo.bench: error: {flag} {path}: {message}"
+
+
+@pytest.mark.parametrize("flag, items, repeated", [("--lengths", "128,256,128", "128"),
+                                                   ("--passes", "fwd,fwd", "fwd"),
+                                                   ("--attentions", "lavo,local,lavo,local", "lavo, local"),
+                                                   ("--decode-lengths", "1K,1024", "1024")])
+def test_a_list_flag_naming_an_item_twice_is_refused(flag, items, repeated, capsys):
+    """Each would be measured twice (was: twice the time, and the table kept one of the two)."""
+    assert bench_error(capsys, flag, items) == (
+        f"python -m lavo.bench: error: {flag}: {repeated} given more than once; name each once")
+
+
 def test_a_cuda_device_the_machine_lacks_is_refused(monkeypatch, capsys):
     from lavo.cli import main
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)

@@ -53,6 +53,15 @@ def parse_length(text: str) -> int:
     return length
 
 
+def parse_json(text: str) -> object:
+    """The value of a JSON flag, or an error that quotes JSON's complaint (argparse's own says "invalid loads
+    value")."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({error})") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options, on ``parser``."""
     a = parser.add_argument
@@ -108,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "checkpointed' beside those without: the memory it saves, the time it costs [off]")
     a("--matmul-size", type=_flag("matmul_size"), default=None,
       help="flops section: square matmul size for the peak rate [2048]")
-    a("--attention-options", type=json.loads, default={},
+    a("--attention-options", type=parse_json, default={},
       help='JSON options per mechanism on top of the defaults, e.g. \'{"performer": {"features": 128}}\'')
     a("--device", default="cpu", type=_flag("device"), help="cpu or cuda[:N] [cpu]")
     a("--backend", choices=BACKENDS, default="auto",
@@ -143,6 +152,33 @@ def check_attention_options(options: object, registered: list[str]) -> None:
             raise SettingsError(f"--attention-options: {error}") from None
 
 
+def check_output_paths(json_path: Path | None, plots: Path | None) -> None:
+    """Refuse, before measuring, a ``--json`` file that cannot be written (its folder cannot be made, or it is a
+    folder) and a ``--plots`` folder that is a file: found after the first measurement or the last, they lost
+    the run."""
+    if json_path is not None:
+        if json_path.is_dir():
+            raise SettingsError(f"--json {json_path}: is a folder; give the path of a JSON file")
+        try:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SettingsError(f"--json {json_path}: cannot make its folder ({error})") from error
+    if plots is not None and plots.exists() and not plots.is_dir():
+        raise SettingsError(f"--plots {plots}: is a file; give a folder for the PNG plots")
+
+
+def check_no_repeats(args: argparse.Namespace, values: dict) -> None:
+    """Refuse a list flag that names an item twice: it would be measured twice, and its table keep one of them."""
+    lists = {"--sections": args.sections, "--ops": args.ops, "--passes": args.passes, "--attentions": args.attentions,
+             "--decode-attentions": args.decode_attentions, "--model-attentions": args.model_attentions,
+             "--lengths": values["lengths"], "--decode-lengths": values["decode_lengths"],
+             "--model-lengths": values["model_lengths"]}
+    for option, items in lists.items():
+        repeated = list(dict.fromkeys(item for item in items or [] if items.count(item) > 1))
+        if repeated:
+            raise SettingsError(f"{option}: {', '.join(map(str, repeated))} given more than once; name each once")
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     defaults = QUICK if args.quick else FULL
     given = {key: getattr(args, key, None) for key in FULL}  # model_overrides has no option: --quick only
@@ -156,6 +192,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         unknown = [n for n in names if n not in allowed]
         if unknown:
             raise SettingsError(f"{option}: unknown {unknown}; choose from {', '.join(allowed)}")
+    check_no_repeats(args, values)
     cannot = [name for name in args.decode_attentions if not attention_class(name).supports_decoding]
     if cannot:
         raise SettingsError(f"--decode-attentions: {cannot} have no decoding form; choose from "
@@ -166,11 +203,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if values["rank"] > values["head_dim"]:  # LAVO's basis has at most head-dim orthonormal rows
         raise SettingsError(f"--rank {values['rank']} is more than --head-dim {values['head_dim']}: LAVO's memory "
                             "has at most one slot per dimension of a head")
-    if args.json is not None:  # a folder that cannot be made is found before measuring, not after
-        try:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise SettingsError(f"--json {args.json}: cannot make its folder ({error})") from error
+    check_output_paths(args.json, args.plots)
     if args.device != "cpu" and (torch.device(args.device).index or 0) >= torch.cuda.device_count():
         raise SettingsError(f"--device {args.device}: no such CUDA device on this machine (it has "
                             f"{torch.cuda.device_count()}); use --device cpu")
