@@ -191,6 +191,17 @@ def test_a_list_flag_naming_an_item_twice_is_refused(flag, items, repeated, caps
         f"python -m lavo.bench: error: {flag}: {repeated} given more than once; name each once")
 
 
+def test_a_run_that_would_measure_nothing_is_refused(capsys):
+    """--quick stops quadratic mechanisms at 256 tokens (was: an empty report, exit 0)."""
+    assert bench_error(capsys, "--sections", "attention", "--attentions", "softmax", "--ops", "sdpa", "--lengths",
+                       "1K") == ("python -m lavo.bench: error: --sections attention: nothing to measure with these "
+                                 "flags (the mechanisms and ops they name at their lengths; quadratic ones and SDPA "
+                                 "only up to --max-quadratic-length 256)")
+    assert bench_error(capsys, "--sections", "decode,model", "--decode-attentions", "", "--model-attentions", "")
+    # a section with nothing to measure beside one that has something still runs, as '' for none says
+    assert quick_settings("--sections", "attention,model", "--model-attentions", "").model_attentions == []
+
+
 def test_a_cuda_device_the_machine_lacks_is_refused(monkeypatch, capsys):
     from lavo.cli import main
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)

@@ -15,6 +15,7 @@ import torch
 from ..model import PRESETS
 from ..ops.common import BACKENDS, make_current
 from ..registry import attention_class, available_attentions, check_options
+from ..report import length_label
 from ..settings import SettingsError, comma_list, flag_type
 from . import attention, decode, flops, model, profile
 from .measure import machine_info, ramp_up
@@ -179,6 +180,15 @@ def check_no_repeats(args: argparse.Namespace, values: dict) -> None:
             raise SettingsError(f"{option}: {', '.join(map(str, repeated))} given more than once; name each once")
 
 
+def check_something_is_measured(settings: Settings) -> None:
+    """Refuse a run whose sections plan no measurement, which would print an empty report and exit 0: e.g.
+    ``--quick --attentions softmax --lengths 1K``, past ``--quick``'s limit for quadratic mechanisms."""
+    if not any(RUN[name].planned(settings) for name in settings.sections):
+        raise SettingsError(f"--sections {','.join(settings.sections)}: nothing to measure with these flags (the "
+                            "mechanisms and ops they name at their lengths; quadratic ones and SDPA only up to "
+                            f"--max-quadratic-length {length_label(settings.max_quadratic_length)})")
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     defaults = QUICK if args.quick else FULL
     given = {key: getattr(args, key, None) for key in FULL}  # model_overrides has no option: --quick only
@@ -207,15 +217,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.device != "cpu" and (torch.device(args.device).index or 0) >= torch.cuda.device_count():
         raise SettingsError(f"--device {args.device}: no such CUDA device on this machine (it has "
                             f"{torch.cuda.device_count()}); use --device cpu")
-    return Settings(sections=args.sections, attentions=registered if args.attentions is None else args.attentions,
-                    ops=args.ops,
-                    passes=args.passes, batch=args.batch, dtype=args.dtype, decode_attentions=args.decode_attentions,
-                    model_attentions=registered if args.model_attentions is None else args.model_attentions,
-                    model_batch=args.model_batch, model_compile=args.model_compile,
-                    model_checkpointing=args.model_checkpointing,
-                    attention_options=args.attention_options, device=args.device, backend=args.backend,
-                    threads=args.threads,
-                    seed=args.seed, quick=args.quick, **values)
+    settings = Settings(sections=args.sections,
+                        attentions=registered if args.attentions is None else args.attentions, ops=args.ops,
+                        passes=args.passes, batch=args.batch, dtype=args.dtype,
+                        decode_attentions=args.decode_attentions,
+                        model_attentions=registered if args.model_attentions is None else args.model_attentions,
+                        model_batch=args.model_batch, model_compile=args.model_compile,
+                        model_checkpointing=args.model_checkpointing, attention_options=args.attention_options,
+                        device=args.device, backend=args.backend, threads=args.threads, seed=args.seed,
+                        quick=args.quick, **values)
+    check_something_is_measured(settings)
+    return settings
 
 
 def run(settings: Settings, *, progress: bool = True, json_path: Path | None = None) -> tuple[list[dict], dict]:
