@@ -110,6 +110,18 @@ def bench_error(capsys, *args: str) -> str:
     return capsys.readouterr().err.splitlines()[-1]
 
 
+@pytest.mark.parametrize("flag, sections", [
+    ("--lengths", "attention, flops and profile sections"), ("--passes", "attention, flops and profile sections"),
+    ("--ops", "attention and profile sections"), ("--batch", "the attention, decode, flops and profile sections"),
+    ("--decode-lengths", "decode section"), ("--decode-steps", "decode section"),
+    ("--model-lengths", "model and profile sections")])
+def test_help_names_the_sections_a_flag_sets_and_lengths_in_tokens(flag, sections):
+    """--lengths read as every section's (was: 'sequence lengths'; the decode and model sections take their own)."""
+    text = cli.build_parser()._option_string_actions[flag].help
+    assert sections in text
+    assert "lengths" not in flag or "lengths in tokens" in text
+
+
 def test_float16_runs_every_mechanism_and_the_model(tmp_path):
     out = tmp_path / "fp16.json"
     assert cli.main(["--quick", "--no-progress", "--threads", "1", "--dtype", "fp16", "--sections", "attention,model",

@@ -75,14 +75,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--attentions", type=comma_list(str, may_be_empty=True), default=None,
       help="attention section: registered mechanisms to measure as layers ('' for none) [all registered]")
     a("--ops", type=comma_list(str, may_be_empty=True), default=list(attention.DEFAULT_OPS),
-      help=f"raw ops to measure, of {','.join(attention.OPS)} (the fla ones need its package and a GPU) "
+      help=f"attention and profile sections: raw ops to measure, of {','.join(attention.OPS)} (the fla ones need "
+           f"its package and a GPU) "
            f"[{','.join(attention.DEFAULT_OPS)}]")
-    a("--passes", type=comma_list(str), default=list(PASSES), help="fwd, fwd+bwd or both [both]")
-    a("--lengths", type=comma_list(parse_length), default=None, help="sequence lengths [1K,2K,...,64K]")
+    a("--passes", type=comma_list(str), default=list(PASSES),
+      help="attention, flops and profile sections: fwd, fwd+bwd or both [both]")
+    a("--lengths", type=comma_list(parse_length), default=None,
+      help="attention, flops and profile sections: sequence lengths in tokens [1K,2K,...,64K]")
     a("--max-quadratic-length", type=parse_length, default=None,
       help=f"longest sequence for the quadratic mechanisms ({','.join(quadratic_ones)}) and SDPA (attention, "
            f"model sections; decode fills their longer caches without running the attention) [16K]")
-    a("--batch", type=_flag("batch"), default=1, help="batch size of the attention and decode sections [1]")
+    a("--batch", type=_flag("batch"), default=1,
+      help="batch size of the attention, decode, flops and profile sections [1]")
     a("--heads", type=_flag("heads"), default=None, help="heads H [8]")
     a("--head-dim", type=_flag("head_dim"), default=None, help="head dim D; the layers' dim is H*D [64]")
     a("--rank", type=_flag("rank"), default=None,
@@ -101,14 +105,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds one call may take; slower measurements and the longer lengths after them are skipped [60]")
     a("--decode-attentions", type=comma_list(str, may_be_empty=True), default=["lavo", "softmax", "local"],
       help="decode section: mechanisms (need a decoding form) [lavo,softmax,local]")
-    a("--decode-lengths", type=comma_list(parse_length), default=None, help="context lengths [1K,...,64K]")
+    a("--decode-lengths", type=comma_list(parse_length), default=None,
+      help="decode section: context lengths in tokens [1K,...,64K]")
     a("--decode-steps", type=_flag("decode_steps"), default=None,
-      help="timed single-token steps per context length [32]")
+      help="decode section: timed single-token steps per context length [32]")
     a("--model-preset", default=None, help="model section: preset of lavo.model.PRESETS [small]")
     a("--model-attentions", type=comma_list(str, may_be_empty=True), default=None,
       help=f"model section: attentions (those taking rotary positions, {','.join(rotary)}, run with rope; '' for "
            f"none) [all registered]")
-    a("--model-lengths", type=comma_list(parse_length), default=None, help="training sequence lengths [1K,4K]")
+    a("--model-lengths", type=comma_list(parse_length), default=None,
+      help="model and profile sections: training sequence lengths in tokens [1K,4K]")
     a("--model-batch", type=_flag("model_batch"), default=1, help="model section batch size [1]")
     a("--model-repeats", type=_flag("model_repeats"), default=None, help="timed training steps per measurement [3]")
     a("--model-compile", action="store_true",
