@@ -256,6 +256,17 @@ def test_declared_time_complexity_decides_the_lengths_run_and_the_skips_predicte
 
 
 
+@pytest.mark.parametrize("flags, noted", [(("--attentions", "lavo,abc", "--ops", ""), False),
+                                          (("--attentions", "lavo", "--ops", "sdpa"), True),
+                                          (("--attentions", "softmax", "--ops", ""), True)])
+def test_the_quadratic_limit_note_appears_only_where_a_quadratic_mechanism_is_run(flags, noted):
+    """Was: under every table with a length past --max-quadratic-length, though only linear ones were run."""
+    s = quick_settings("--sections", "attention", "--passes", "fwd", "--lengths", "128,1K", *flags)
+    records = [record("attention", "layer", name, "fwd", 128, s, ms=1.0) for name in s.attentions]
+    text = output.markdown(records, {"device": "cpu", "cpu": "test", "threads": 1, "torch": "test"}, s)
+    assert ("Empty cells: quadratic mechanisms are not run past --max-quadratic-length 256" in text) == noted
+
+
 def test_a_length_whose_predicted_peak_memory_would_not_fit_is_skipped(monkeypatch):
     peaks_mib = iter([100.0, 200.0])
     monkeypatch.setattr(Runner, "measure", lambda self, fn, repeats=None: Measurement(1.0, [1.0], next(peaks_mib)))

@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..files import write_json
 from ..report import length_label, line_plot, markdown_table, number
-from .attention import BY_LABEL
+from .attention import BY_LABEL, OPS, time_complexity
 from .measure import MIB
 from .settings import Settings
 
@@ -64,7 +64,7 @@ def markdown(records: list[dict], info: dict, settings: Settings) -> str:
                 wide_table(part, _mechanism, lambda r: number(r["ms"]) + _ratio(r), "mechanism"), "",
                 f"## Attention, {which}: peak memory growth, MiB", "",
                 wide_table(part, _mechanism, lambda r: number(r["peak_mib"]), "mechanism", notes=False), ""]
-    out += _capped(s, s.lengths) if attention else []
+    out += _capped(s, s.lengths, [OPS[op].label for op in s.ops] + s.attentions) if attention else []
     decode = _section(records, "decode")
     if decode:
         reference = next((r["ratio_to"] for r in decode if r["ratio_to"]), "—")
@@ -82,7 +82,7 @@ def markdown(records: list[dict], info: dict, settings: Settings) -> str:
                 f"(step time × {reference}'s{also}) / peak MiB", "",
                 wide_table(model, _mechanism,
                            lambda r: f"{number(r['tokens_per_s'])}{_ratio(r)} / {number(r['peak_mib'])}",
-                           "attention"), ""] + _capped(s, s.model_lengths)
+                           "attention"), ""] + _capped(s, s.model_lengths, s.model_attentions)
     flops = _section(records, "flops")
     if flops:
         out += ["## LAVO op FLOP efficiency: GFLOP/s (fraction of the matmul rate)", ""]
@@ -108,13 +108,19 @@ def markdown(records: list[dict], info: dict, settings: Settings) -> str:
     return "\n".join(out)
 
 
-def _capped(s: Settings, lengths: list[int]) -> list[str]:
-    """The note that explains the empty cells past ``--max-quadratic-length``, where some length is."""
-    if max(lengths, default=0) <= s.max_quadratic_length:
+def _capped(s: Settings, lengths: list[int], names: list[str]) -> list[str]:
+    """The note that explains the empty cells past ``--max-quadratic-length``, where some length is and some
+    mechanism or op of ``names`` is quadratic (the others run at every length)."""
+    if max(lengths, default=0) <= s.max_quadratic_length or not any(map(quadratic, names)):
         return []
     return [f"Empty cells: quadratic mechanisms are not run past --max-quadratic-length "
             f"{length_label(s.max_quadratic_length)}, and where the reference of the ratios is not run, the others "
             "have no ratio.", ""]
+
+
+def quadratic(name: str) -> bool:
+    """Whether the mechanism or raw op (by its label) ``name`` stops at ``--max-quadratic-length``."""
+    return time_complexity(name) == "quadratic"
 
 
 def _cache_mib(r: dict) -> float | None:
