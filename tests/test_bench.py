@@ -879,6 +879,14 @@ def test_the_memory_tables_show_each_peak_and_cache_in_mib():
                       "Decoding: cache MiB after the context": "| lavo | 3.00 |"}
 
 
+def test_the_attention_table_names_sdpa_as_its_reference_only_where_sdpa_was_run():
+    """Was: '(× SDPA op at the same length)' over a table of no ratios, with --ops ''."""
+    s = quick_settings("--sections", "attention", "--attentions", "lavo", "--ops", "", "--passes", "fwd")
+    text = output.markdown([record("attention", "layer", "lavo", "fwd", 128, s, ms=2.0, peak_mib=5.0)],
+                           {"device": "cpu", "cpu": "test", "threads": 1, "torch": "test"}, s)
+    assert "## Attention, fwd: B=1, H=2, D=16; ms (× —)\n" in text
+
+
 def test_a_flops_cell_without_the_matmul_rate_shows_no_fraction():
     records = [dict(section="flops", mechanism="matmul", op="matmul", length=3000, dtype="fp32", status="skipped",
                     note="skipped: one call took 1 s > --time-limit 0.2 s"),

@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..files import write_json
 from ..report import length_label, line_plot, markdown_table, number
-from .attention import BY_LABEL, OPS, time_complexity
+from .attention import BY_LABEL, OPS, SDPA, time_complexity
 from .measure import MIB
 from .settings import Settings
 
@@ -59,8 +59,9 @@ def markdown(records: list[dict], info: dict, settings: Settings) -> str:
         part = [r for r in attention if r["op"] == which]
         if not part:
             continue
-        out += [f"## Attention, {which}: B={s.batch}, H={s.heads}, D={s.head_dim}; "
-                f"ms (× SDPA op at the same length)", "",
+        # as the decode and model tables say "× —" without their reference
+        reference = "SDPA op at the same length" if any(r["mechanism"] == SDPA for r in part) else "—"
+        out += [f"## Attention, {which}: B={s.batch}, H={s.heads}, D={s.head_dim}; ms (× {reference})", "",
                 wide_table(part, _mechanism, lambda r: number(r["ms"]) + _ratio(r), "mechanism"), "",
                 f"## Attention, {which}: peak memory growth, MiB", "",
                 wide_table(part, _mechanism, lambda r: number(r["peak_mib"]), "mechanism", notes=False), ""]
