@@ -75,6 +75,9 @@ class OutputThatMayClose:
         except BrokenPipeError:
             write_to_devnull(self.stream)
 
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
 
 def write_to_devnull(stream) -> None:
     """Point ``stream``'s file descriptor at ``os.devnull``: its reader went away, and what is left to write (also
@@ -82,9 +85,6 @@ def write_to_devnull(stream) -> None:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, stream.fileno())
     os.close(null)
-
-    def __getattr__(self, name: str):
-        return getattr(self.stream, name)
 
 
 def cmd_train(args) -> None:

@@ -333,3 +333,14 @@ def test_a_demo_run_again_or_stopped_says_it_trains_afresh_and_how_to_score_trai
     with pytest.raises(KeyboardInterrupt):
         lavo.demo.run_demo(None, settings, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
     assert lines[-1] == advice
+
+
+def test_the_training_output_that_may_close_is_otherwise_the_stream_it_wraps(tmp_path):
+    """What a progress bar asks of it (its encoding, whether it is a terminal, its file descriptor) is the
+    stream's: an AttributeError there would make tqdm take it for an ASCII stream of unknown width."""
+    from lavo.cli import OutputThatMayClose
+    with open(tmp_path / "log", "w", encoding="utf-8") as stream:
+        wrapped = OutputThatMayClose(stream)
+        assert wrapped.write("step 1\n") == 7
+        assert (wrapped.encoding, wrapped.isatty(), wrapped.fileno()) == ("utf-8", False, stream.fileno())
+    assert (tmp_path / "log").read_text() == "step 1\n"
