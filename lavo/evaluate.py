@@ -238,9 +238,10 @@ def load_models(run_dirs: list[str], device) -> list[LoadedModel]:
     given twice (its rows would be one) is refused."""
     seen = set()
     for run in run_dirs:
-        if Path(run).resolve() in seen:
+        resolved = Path(run).resolve()
+        if resolved in seen:
             raise ValueError(f"{run} is given twice: give each run once")
-        seen.add(Path(run).resolve())
+        seen.add(resolved)
     names = [Path(run).name for run in run_dirs]
     if len(set(names)) < len(names):
         names = [str(run) for run in run_dirs]
