@@ -27,7 +27,7 @@ from .devices import autocast_for, resolve_device
 from .files import write_json
 from .layers.base import position_bound
 from .report import counted, line_plot, perplexity, text_table
-from .run import load_model_dir, recorded_documents
+from .run import RunError, WEIGHTS, checkpoint_id, is_exported, load_model_dir, recorded_documents
 from .settings import above, at_least, check_settings, one_of, setting
 
 
@@ -231,6 +231,25 @@ class LoadedModel(NamedTuple):
     model: Any
     config: Any  # the run config; None for an exported model that does not record it
     tokenizer: Any
+    step: int | None  # the training step of the checkpoint scored; None for an exported model
+
+
+def checkpoint_step(directory: str) -> int | None:
+    """The step a run directory's weights were saved at; None for an exported model (it records none)."""
+    if is_exported(directory):
+        return None
+    step = checkpoint_id(Path(directory) / WEIGHTS)[0]
+    return None if step is None else int(step)
+
+
+def load_scored(name: str, directory: str, device) -> LoadedModel:
+    """The model of ``directory`` with the step of its checkpoint, read on both sides of the load so that a
+    training run checkpointing meanwhile cannot put another step's number on the weights."""
+    step = checkpoint_step(directory) if Path(directory, WEIGHTS).is_file() else None
+    loaded = LoadedModel(name, directory, *load_model_dir(directory, device), step)
+    if checkpoint_step(directory) != step:
+        raise RunError(f"{directory} saved a new checkpoint while it was being loaded: evaluate it again")
+    return loaded
 
 
 def load_models(run_dirs: list[str], device) -> list[LoadedModel]:
@@ -245,7 +264,7 @@ def load_models(run_dirs: list[str], device) -> list[LoadedModel]:
     names = [Path(run).name for run in run_dirs]
     if len(set(names)) < len(names):
         names = [str(run) for run in run_dirs]
-    return [LoadedModel(name, run, *load_model_dir(run, device)) for name, run in zip(names, run_dirs)]
+    return [load_scored(name, run, device) for name, run in zip(names, run_dirs)]
 
 
 def tokens_per_run(loaded: list[LoadedModel], text: str | None, split: str, data_dir: str | None,
@@ -283,6 +302,7 @@ def write_results(out_dir: str, loaded: list[LoadedModel], results: dict[str, di
     payload = {"split": split if text is None else None, "parts": parts if text is None else None, "text": text,
                "spread": spread, "dtype": dtype,
                "runs": {run.name: str(run.path) for run in loaded},
+               "steps": {run.name: run.step for run in loaded},
                "results": {name: {str(k): v for k, v in r.items()} for name, r in results.items()}}
     write_json(out / "results.json", payload)
     plot = save_plot(results, out / "perplexity.png", train_length=train_length, scored=scored_tokens(split, text))
@@ -353,7 +373,8 @@ def evaluate_runs(run_dirs: list[str], *, lengths: list[int] | None = None, mult
     try:
         for run in loaded:
             if progress:
-                log(f"scoring {run.name} at lengths {', '.join(map(str, lengths))}")
+                at_step = "" if run.step is None else f" (checkpoint of step {run.step})"
+                log(f"scoring {run.name}{at_step} at lengths {', '.join(map(str, lengths))}")
             with autocast():
                 perplexity_by_length(run.model, tokens[run.name], lengths, batch_size=batch_size,
                                      chunk_size=chunk_size, max_tokens=max_tokens, device=device, progress=progress,

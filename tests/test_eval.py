@@ -126,6 +126,7 @@ def test_any_text_is_scored_with_the_runs_tokenizer(tmp_path, capsys):
     saved = json.loads((tmp_path / "eval" / "results.json").read_text())
     expected = perplexity_by_length(model, folder, [16, 32], chunk_size=12)
     assert saved["text"] == str(texts) and saved["split"] is None
+    assert saved["steps"] == {"run": 2}  # was: not recorded, so a run evaluated mid-training could not be told
     assert saved["results"]["run"] == {str(length): result for length, result in expected.items()}
     assert main(["eval", str(tmp_path / "run"), "--text", str(tmp_path / "nothing.txt"), "--lengths", "16"]) == 2
     assert "no such file or folder" in capsys.readouterr().err
@@ -231,11 +232,11 @@ def test_a_length_past_a_layers_position_bound_is_refused_before_scoring():
     torch.manual_seed(0)
     model = build_model(dict(vocab_size=70, dim=32, depth=2, heads=2, attention="cosformer",
                              attention_options={"max_length": 256}))
-    check_position_bounds([LoadedModel("cos", "runs/cos", model, None, None)], 256)
+    check_position_bounds([LoadedModel("cos", "runs/cos", model, None, None, None)], 256)
     with pytest.raises(ValueError, match=r"cos reads at most 256 positions \(its CosformerAttention with "
                                          r"max_positions=256\), fewer than the length 512: evaluate it at lengths "
                                          "up to 256"):
-        check_position_bounds([LoadedModel("cos", "runs/cos", model, None, None)], 512)
+        check_position_bounds([LoadedModel("cos", "runs/cos", model, None, None, None)], 512)
 
 
 def test_ctrl_c_during_an_evaluation_prints_the_lengths_scored_and_writes_no_results(tmp_path, capsys, monkeypatch):
@@ -264,3 +265,35 @@ def test_ctrl_c_during_an_evaluation_prints_the_lengths_scored_and_writes_no_res
     assert err == (f"interrupted: the table holds the 2 of 3 lengths scored before it; {tmp_path / 'eval'} is left "
                    "as it was\n")
     assert not (tmp_path / "eval").exists()
+
+
+def test_eval_names_the_checkpoint_step_and_refuses_one_replaced_while_it_loads(tmp_path, monkeypatch):
+    """The step scored is the step of the weights loaded: a checkpoint a training run writes during the load
+    is refused by name rather than recorded under the earlier step."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    import lavo.evaluate
+    from lavo.config import RunConfig
+    from lavo.evaluate import evaluate_runs
+    from lavo.run import RunError
+    from lavo.train import train
+    from lm_corpus import tiny_run, write_corpus
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
+    train(RunConfig.from_dict(tiny_run(corpus, tmp_path / "data", tmp_path / "run", steps=3)), log=lambda *_: None)
+    told = []
+    evaluate_runs([str(tmp_path / "run")], lengths=[16], max_tokens=64, log=told.append)
+    assert told[0] == "scoring run (checkpoint of step 3) at lengths 16"
+
+    loading = lavo.evaluate.load_model_dir
+
+    def load_then_checkpoint(directory, device):
+        loaded = loading(directory, device)
+        weights = Path(directory) / "model.safetensors"
+        save_file(load_file(weights), weights, metadata={"step": "4", "checkpoint": "next"})
+        return loaded
+
+    monkeypatch.setattr(lavo.evaluate, "load_model_dir", load_then_checkpoint)
+    with pytest.raises(RunError, match=r"^.*run saved a new checkpoint while it was being loaded: evaluate it again$"):
+        evaluate_runs([str(tmp_path / "run")], lengths=[16], max_tokens=64, log=told.append)
