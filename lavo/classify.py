@@ -135,7 +135,8 @@ def train_step(run: ListOpsRun, model: nn.Module, optimizer: torch.optim.Optimiz
     optimizer.step()
     after_optimizer_step(model)
     if not math.isfinite(loss.item()):
-        raise ValueError(f"{run.attention}: the training loss is {loss.item()} at step {step + 1}")
+        raise ValueError(f"{run.attention}: training diverged at step {step + 1}, its loss {loss.item()}; weights "
+                         f"after it are not saved: train with a lower lr (now {run.lr:g}) in another --out folder")
     return loss.item()
 
 

@@ -457,3 +457,28 @@ def test_a_checkpoint_is_resumed_only_with_the_settings_it_was_made_with(tmp_pat
     error = capsys.readouterr().err
     assert error.startswith(f"lavo listops: error: {stopped / 'checkpoint.pt'} is not a checkpoint of `lavo listops` (")
     assert error.endswith(f"); {advice}\n")
+
+
+def test_a_diverged_listops_run_stops_and_keeps_the_last_finite_checkpoint(tmp_path, capsys, monkeypatch):
+    """A nan loss at step 5 stops the run with advice (was: `the training loss is nan at step 5`, no way out
+    named); the checkpoint of step 3, its weights finite, stays as it was."""
+    import torch
+
+    import lavo.classify
+    from lavo.cli import main
+    losses = lavo.classify.F.cross_entropy
+    calls = []
+
+    def nan_at_step_5(*args, **kwargs):
+        calls.append(None)
+        loss = losses(*args, **kwargs)
+        return loss * float("nan") if len(calls) == 5 else loss
+
+    monkeypatch.setattr(lavo.classify.F, "cross_entropy", nan_at_step_5)
+    out = tmp_path / "diverged"
+    assert main(["listops", "--config", small_listops_config(tmp_path), "--quiet", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == ("lavo listops: error: lavo: training diverged at step 5, its loss nan; weights "
+                                       "after it are not saved: train with a lower lr (now 0.001) in another --out "
+                                       "folder\n")
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert saved["step"] == 3 and all(weight.isfinite().all() for weight in saved["model"].values())
