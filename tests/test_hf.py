@@ -80,6 +80,24 @@ def test_the_config_has_the_model_config_fields_and_defaults():
         H.LavoLMConfig(attention="local", attention_options={"rank": 8})
 
 
+def test_a_misspelt_setting_is_refused_and_other_unknown_keys_are_kept(tmp_path):
+    """``depht=3`` was kept as an attribute beside the default depth 4 and the model built with 4 layers."""
+    import json
+
+    from transformers import AutoConfig
+    for name, meant in (("depht", "depth"), ("num_layers", "num_hidden_layers"), ("attention_option",
+                                                                                   "attention_options")):
+        with pytest.raises(ValueError, match=f"^LavoLMConfig has no setting '{name}': did you mean '{meant}'\\?$"):
+            H.LavoLMConfig(**{name: 3})
+    H.LavoLMConfig(depth=3).save_pretrained(tmp_path)
+    values = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**values, "depht": 2}))
+    with pytest.raises(ValueError, match="^LavoLMConfig has no setting 'depht': did you mean 'depth'\\?$"):
+        AutoConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**values, "converted_by": "a tool"}))
+    assert AutoConfig.from_pretrained(tmp_path).converted_by == "a tool"  # metadata, kept as transformers keeps it
+
+
 @pytest.mark.parametrize("rank", [16, 4])  # square and wide bases: the two maps of the parametrization
 def test_a_learned_basis_saves_and_loads_in_float32_and_bfloat16(rank, tmp_path):
     # transformers builds the model on the meta device, where the basis's base had no key and stayed None

@@ -2,6 +2,7 @@
 registered mechanism and its options load through ``AutoConfig``."""
 from __future__ import annotations
 
+import difflib
 from dataclasses import field
 
 from huggingface_hub.dataclasses import strict
@@ -47,6 +48,7 @@ class LavoLMConfig(PreTrainedConfig):
     lavo_run: dict | None = None
 
     def __post_init__(self, **kwargs):
+        check_spelling(kwargs)
         super().__post_init__(**kwargs)
         self.model_config()  # a bad mechanism, option or position fails here, with ModelConfig's message
         self.check_supported()
@@ -69,3 +71,14 @@ class LavoLMConfig(PreTrainedConfig):
     @classmethod
     def from_model_config(cls, config: ModelConfig, **extra) -> LavoLMConfig:
         return cls(**config.to_dict(), **extra)
+
+
+def check_spelling(unknown: dict) -> None:
+    """Refuse a keyword that is not a field but close to a model setting's name (``depht=3``): transformers keeps
+    any unknown keyword as an attribute, so the model would be built with the default. Other unknown keywords
+    (metadata that other tools write into config.json) are kept, as transformers keeps them."""
+    settings = [*ModelConfig.__dataclass_fields__, *LavoLMConfig.attribute_map]
+    for name in unknown:
+        close = difflib.get_close_matches(name, settings, n=1, cutoff=0.7)
+        if close:
+            raise ValueError(f"LavoLMConfig has no setting {name!r}: did you mean {close[0]!r}?")
