@@ -146,6 +146,33 @@ def test_an_unknown_dataset_lists_the_known_ones(tmp_path):
         forecast_data.load_series("ett", tmp_path)
 
 
+@pytest.mark.parametrize("changes, problem", [
+    (dict(values=np.where(np.arange(300)[:, None] == 250, np.nan, generated_series(300).values)),
+     "3 missing values (NaN or infinite) in values; fill or drop them first"),
+    (dict(values=generated_series(300).values[:, 0]), "values must be [steps, variables], got shape (300,)"),
+    (dict(columns=("Dry-bulb (C)", "x1")), "2 column names for 3 variables"),
+    (dict(calendar=generated_series(200).calendar),
+     "calendar must be [300, 2] (the fraction of the day and of the year at each step), got shape (200, 2)"),
+    (dict(steps_per_day=0), "steps_per_day must be an integer >= 1, got 0"),
+])
+def test_a_series_is_checked_when_it_is_built(changes, problem):
+    """A series of one's own with a missing value scored NaN for the baselines with exit 0 (and `training diverged
+    ... lower forecast.learning_rate` for the models); a calendar shorter than the values went unnoticed."""
+    with pytest.raises(DataError, match=f"^series 'weather_nc': {re.escape(problem)}$"):
+        replace(generated_series(300), **changes)
+
+
+def test_a_series_of_ones_own_runs_every_method():
+    """Own data: a float64 calendar (numpy's default) failed in the transformer's first step with a dtype error,
+    and a name without an example variable in TARGET_COLUMN raised KeyError once the cell had trained."""
+    series = replace(generated_series(300), name="sensors", columns=("a", "b", "c"))
+    own = replace(series, values=series.values.astype(np.float64), calendar=series.calendar.astype(np.float64))
+    assert own.values.dtype == own.calendar.dtype == np.float32 and own.sha256() == series.sha256()
+    cells = run_cells(own, [24], [12], ["lavo", "repeat_last"], [0], SMALL, progress=False)
+    assert {cell["example"]["column"] for cell in cells.values()} == {"a"}
+    assert all(np.isfinite(cell["mse"]) for cell in cells.values())
+
+
 # ---------------------------------------------------------------------------------- splits and normalisation
 
 def test_splits_are_chronological_70_10_20():

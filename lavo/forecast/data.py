@@ -24,6 +24,7 @@ import hashlib
 import json
 import io
 import lzma
+import numbers
 import pickle
 import sys
 import tarfile
@@ -52,13 +53,23 @@ class Archive:
 @dataclass(frozen=True)
 class Series:
     r"""A multivariate series: ``values [T, C]`` float32, the ``columns`` names, ``calendar [T, 2]`` (fraction of
-    the day and of the year at each step) and ``steps_per_day``."""
+    the day and of the year at each step) and ``steps_per_day``. Checked when built (shapes, no missing value),
+    the arrays as float32."""
 
     name: str
     values: np.ndarray
     columns: tuple[str, ...]
     calendar: np.ndarray
     steps_per_day: int
+
+    def __post_init__(self):
+        # checked here, not when a cell has trained on it: numpy's float64 arrays become the models' float32
+        values, calendar = np.asarray(self.values, np.float32), np.asarray(self.calendar, np.float32)
+        problem = series_problem(values, tuple(self.columns), calendar, self.steps_per_day)
+        if problem:
+            raise DataError(f"series {self.name!r}: {problem}")
+        for name, value in (("values", values), ("columns", tuple(self.columns)), ("calendar", calendar)):
+            object.__setattr__(self, name, value)
 
     def sha256(self) -> str:
         """A digest of everything a cell reads: a recorded cell of another digest was trained on other data (an
@@ -67,6 +78,24 @@ class Series:
         for array in (self.values, self.calendar):
             digest.update(np.ascontiguousarray(array).tobytes())
         return digest.hexdigest()
+
+
+def series_problem(values: np.ndarray, columns: tuple[str, ...], calendar: np.ndarray, steps_per_day: int) -> str:
+    """What makes these not a :class:`Series`, or ``""``."""
+    if values.ndim != 2:
+        return f"values must be [steps, variables], got shape {values.shape}"
+    steps, variables = values.shape
+    if len(columns) != variables:
+        return f"{len(columns)} column names for {variables} variables"
+    if calendar.shape != (steps, 2):
+        return (f"calendar must be [{steps}, 2] (the fraction of the day and of the year at each step), got shape "
+                f"{calendar.shape}")
+    missing = int((~np.isfinite(values)).sum())
+    if missing:
+        return f"{missing} missing values (NaN or infinite) in values; fill or drop them first"
+    if not (isinstance(steps_per_day, numbers.Integral) and steps_per_day >= 1):
+        return f"steps_per_day must be an integer >= 1, got {steps_per_day!r}"
+    return ""
 
 
 ARCHIVES = {
@@ -204,10 +233,7 @@ def load_series(name: str, cache_dir: str | Path) -> Series:
     if name not in ARCHIVES:
         raise DataError(f"unknown forecasting dataset {name!r}; available: {', '.join(DATASETS)}")
     archive = ARCHIVES[name]
-    series = PARSERS[name](read_member(fetch_archive(archive, cache_dir), archive.member))
-    if not np.isfinite(series.values).all():
-        raise DataError(f"{name}: {int((~np.isfinite(series.values)).sum())} missing values left after parsing")
-    return series
+    return PARSERS[name](read_member(fetch_archive(archive, cache_dir), archive.member))
 
 
 # ------------------------------------------------------------------------------------- splits and windows

@@ -155,6 +155,13 @@ def fit(model: torch.nn.Module, train: Windows, val: Windows, settings: Settings
     return {"steps": step, "best_step": best_step, "val_mse": best}
 
 
+def example_column(series: Series) -> str:
+    """The variable a cell's example forecast shows: the dataset's own (:data:`TARGET_COLUMN`), or a series of
+    another name's first."""
+    column = TARGET_COLUMN.get(series.name)
+    return column if column in series.columns else series.columns[0]
+
+
 def run_cell(series: Series, input_len: int, horizon: int, method: str, seed: int, settings: Settings,
              progress: bool = False) -> dict:
     """Train (when the method has parameters) and score one cell; the result includes the forecast of the
@@ -171,9 +178,10 @@ def run_cell(series: Series, input_len: int, horizon: int, method: str, seed: in
         result.update(fit(model, train, val, settings, seed, progress))
     prediction = predict(model, test, settings.eval_batch)
     result.update(errors(prediction, test.targets))
-    column = series.columns.index(TARGET_COLUMN[series.name])
+    name = example_column(series)
+    column = series.columns.index(name)
     example = {"history": test.inputs, "truth": test.targets, "forecast": prediction}
-    result["example"] = {"column": TARGET_COLUMN[series.name], "window_start": int(test.starts[0]),
+    result["example"] = {"column": name, "window_start": int(test.starts[0]),
                          **{name: [round(x, 4) for x in t[0, :, column].tolist()]
                             for name, t in example.items()}}
     result.update(test_windows=len(test), wall_s=round(time.perf_counter() - started, 2))
