@@ -361,6 +361,13 @@ def test_the_results_file_is_checked_before_any_cell_trains(tmp_path, monkeypatc
                                      "forecast.patience must be an integer >= 1; got 0"),
     (dict(dropout=1.0), "forecast.dropout must be a number in [0, 1); got 1.0"),
     (dict(label_len=0), "forecast.label_len must be an integer >= 1; got 0"),
+    # a misspelt mechanism's options were ignored: its cells trained with the defaults
+    (dict(cross_options={"preformer": {"features": 64}}),
+     "forecast.cross_options names 'preformer', not a cross attention; choose from abc, cosformer, lavo, performer, "
+     "softmax"),
+    (dict(cross_options={"lavo": 3}), "forecast.cross_options.lavo must be a table of options; got 3"),
+    (dict(cross_options={"lavo": {"windw": 8}}), "cross attention 'lavo' has no option 'windw'; its options: rank, "
+                                                 "basis, backend"),
 ])
 def test_settings_are_checked(changes, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):

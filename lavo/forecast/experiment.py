@@ -24,9 +24,9 @@ from ..files import make_directory, write_json
 from ..layers.base import after_optimizer_step
 from ..model import count_parameters
 from ..report import counted
-from ..registry import available_cross_attentions
-from ..settings import (SEED, above, at_least, between, check_same_settings, check_settings, one_of, read_results,
-                        setting)
+from ..registry import available_cross_attentions, check_options
+from ..settings import (SEED, SettingsError, above, at_least, between, check_same_settings, check_settings, one_of,
+                        read_results, setting)
 from .baselines import DLinear, RepeatLast, SeasonalNaive
 from .data import TARGET_COLUMN, Series, Standardised, gather_windows, split_bounds, standardise, window_starts
 from .model import Forecaster
@@ -55,6 +55,20 @@ class Settings:
 
     def __post_init__(self):
         check_settings(self, "forecast")
+        check_cross_options(self.cross_options)
+
+
+def check_cross_options(cross_options: dict) -> None:
+    """Each entry a cross attention's name and a table of its options: under a misspelt name the options would
+    be ignored, and the cells trained with the defaults."""
+    names = available_cross_attentions()
+    for name, options in cross_options.items():
+        if name not in names:
+            raise SettingsError(f"forecast.cross_options names {name!r}, not a cross attention; choose from "
+                                f"{', '.join(names)}")
+        if not isinstance(options, dict):
+            raise SettingsError(f"forecast.cross_options.{name} must be a table of options; got {options!r}")
+        check_options(name, options, "cross attention")
 
 
 @dataclass(frozen=True)
