@@ -365,6 +365,9 @@ def add_listops(commands) -> None:
     p.set_defaults(handler=cmd_listops)
 
 
+DEFAULT_INPUTS, DEFAULT_SEEDS = [96], [0]  # `lavo forecast`'s --input and --seed
+
+
 def cmd_forecast(args) -> None:
     from .forecast.data import load_series
     from .forecast.experiment import Settings, iter_cells
@@ -372,10 +375,11 @@ def cmd_forecast(args) -> None:
     if not methods:
         raise ValueError("name at least one --cross or --baseline method")
     series = load_series(args.data, args.data_dir)
+    grid = args.input or DEFAULT_INPUTS, args.horizon, methods, args.seed or DEFAULT_SEEDS
     cells = {}
     try:
-        for key, cell in iter_cells(series, args.input, args.horizon, methods, args.seed,
-                                    Settings(max_steps=args.max_steps), args.results, progress=not args.quiet):
+        for key, cell in iter_cells(series, *grid, Settings(max_steps=args.max_steps), args.results,
+                                    progress=not args.quiet):
             cells[key] = cell
     except KeyboardInterrupt:  # the finished cells' scores are kept, as bench keeps its measurements
         print_forecast_scores(cells)
@@ -406,15 +410,18 @@ def add_forecast(commands) -> None:
                             "combination; with --results, finished cells are recorded there and skipped on a rerun. "
                             "Ctrl-C prints the scores of the cells that finished.")
     p.add_argument("--data", required=True, choices=DATASETS, help="the dataset (fetched with pip into --data-dir)")
-    p.add_argument("--horizon", type=flag_type(Grid, "horizon"), required=True,
-                   help="steps to forecast, e.g. 96 or 96,192,336,720")
-    p.add_argument("--input", type=flag_type(Grid, "input"), default=[96], help="input steps (default: 96)")
+    # the lists add up when repeated, as --cross does; a default list would be extended, so it is None here
+    p.add_argument("--horizon", type=flag_type(Grid, "horizon"), required=True, action="extend",
+                   help="steps to forecast, comma-separated or repeated, e.g. 96 or 96,192,336,720")
+    p.add_argument("--input", type=flag_type(Grid, "input"), action="extend",
+                   help=f"input steps, comma-separated or repeated (default: {DEFAULT_INPUTS[0]})")
     cross = available_cross_attentions()
     p.add_argument("--cross", type=comma_list(allowed=cross), default=[], action="extend",
                    help=f"cross attentions, comma-separated or repeated: {', '.join(cross)}")
     p.add_argument("--baseline", type=comma_list(allowed=BASELINES), default=[], action="extend",
                    help=f"baselines, comma-separated or repeated: {', '.join(BASELINES)}")
-    p.add_argument("--seed", type=flag_type(Grid, "seed"), default=[0], help="seeds, comma-separated (default: 0)")
+    p.add_argument("--seed", type=flag_type(Grid, "seed"), action="extend",
+                   help=f"seeds, comma-separated or repeated (default: {DEFAULT_SEEDS[0]})")
     p.add_argument("--max-steps", type=flag_type(Settings, "max_steps"), default=Settings.max_steps,
                    help=f"training steps at most (default: {Settings.max_steps})")
     p.add_argument("--data-dir", default="data/forecast", help="where the package archives are cached "

@@ -446,6 +446,20 @@ def test_cli_forecast_prints_the_scores(monkeypatch, capsys):
         "lavo forecast: error: argument --max-steps: must be an integer >= 1; got '0'")
 
 
+def test_cli_forecast_repeated_grid_flags_add_up(monkeypatch, capsys):
+    """`--horizon 6 --horizon 12` ran only horizon 12, as --baseline once did; the defaults stay when a flag is
+    left out, and are not extended when it is given."""
+    monkeypatch.setattr(forecast_data, "load_series", lambda name, cache_dir: generated_series(300, name=name))
+    assert main(["forecast", "--data", "weather_nc", "--horizon", "6", "--horizon", "12", "--input", "24",
+                 "--input", "36", "--seed", "1", "--seed", "2", "--baseline", "repeat_last", "--quiet"]) == 0
+    keys = re.findall(r"^(weather_nc\S+)", capsys.readouterr().out, re.MULTILINE)
+    assert keys == [f"weather_nc|L{L}|H{H}|repeat_last|seed{seed}" for L in (24, 36) for H in (6, 12)
+                    for seed in (1, 2)]
+    assert main(["forecast", "--data", "weather_nc", "--horizon", "12", "--baseline", "repeat_last", "--quiet"]) == 0
+    assert re.findall(r"^(weather_nc\S+)", capsys.readouterr().out, re.MULTILINE) == [
+        "weather_nc|L96|H12|repeat_last|seed0"]
+
+
 def test_cli_forecast_asks_for_a_method_before_loading_the_data(monkeypatch, capsys):
     def no_data(name, cache_dir):
         raise AssertionError("the data was loaded")
