@@ -6,6 +6,8 @@ A process killed mid-write (``kill -9``, power loss) leaves its temporary file `
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -69,6 +71,19 @@ def make_directory(path: str | os.PathLike, what: str) -> Path:
         kind = "a file" if blocking.exists() else "a broken link"
         raise ValueError(f"{what} {path} cannot be a directory: {blocking} is {kind}") from None
     return path
+
+
+@contextlib.contextmanager
+def locked_folder(folder: str | os.PathLike):
+    """Hold ``fcntl.flock`` on ``folder`` while the block runs (another process waits its turn), so that a
+    read-change-write of a file in it sees no other meanwhile; a lock on the folder leaves no lock file behind,
+    and the operating system releases it however the process ends."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

@@ -20,7 +20,7 @@ from lavo.forecast import data as forecast_data
 from lavo.forecast.baselines import DLinear, RepeatLast, SeasonalNaive, moving_average
 from lavo.forecast.data import (Archive, Series, fetch_archive, gather_windows, parse_elecdemand, parse_nyc_weather,
                                 parse_tmy3, split_bounds, standardise, window_starts)
-from lavo.forecast.experiment import Settings, run_cell, run_cells
+from lavo.forecast.experiment import Settings, iter_cells, run_cell, run_cells
 from lavo.forecast.model import Forecaster
 from lavo.model import count_parameters
 from lavo.registry import CROSS_ATTENTIONS
@@ -334,6 +334,19 @@ def test_cells_are_recorded_and_skipped_on_a_rerun(tmp_path):
     with pytest.raises(ValueError, match=rf"^{path} was written with other settings \(max_steps 6, asked for 7\); "
                        "use another file$"):
         run_cells(series, [24], [12], ["softmax"], [0], replace(SMALL, max_steps=7), path, progress=False)
+
+
+def test_two_sweeps_into_one_results_file_keep_each_others_cells(tmp_path):
+    """Two `lavo forecast` runs on one --results file at once (a dataset each): each wrote the cells it had read
+    at its start and its own, so the cells the other recorded meanwhile were lost."""
+    path, grid = tmp_path / "results.json", ([24], [12], ["repeat_last", "seasonal_naive"], [0])
+    first = iter_cells(generated_series(300), *grid, SMALL, path, progress=False)
+    next(first)  # its first cell recorded; the second sweep runs meanwhile
+    run_cells(generated_series(300, name="elecdemand"), *grid, SMALL, path, progress=False)
+    list(first)
+    assert sorted(json.loads(path.read_text())["cells"]) == [
+        f"{data}|L24|H12|{method}|seed0" for data in ("elecdemand", "weather_nc")
+        for method in ("repeat_last", "seasonal_naive")]
 
 
 def test_cells_scored_on_other_data_are_trained_again(tmp_path, capsys):

@@ -3,7 +3,8 @@ validation windows, score MSE and MAE on every test window (standardised values)
 
 A *method* is a registered cross attention (:mod:`lavo.registry`) (the transformer of
 :mod:`.model`) or a baseline of :data:`BASELINES`. Results go to one JSON file, a cell at a time as each
-finishes; cells already in it are skipped, so an interrupted sweep resumes.
+finishes; cells already in it are skipped, so an interrupted sweep resumes. Sweeps into one file at once (a
+dataset each, say) keep each other's cells: each adds its cell to the file as it is then, under a lock.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from ..data import DataError
-from ..files import make_directory, write_json
+from ..files import locked_folder, make_directory, write_json
 from ..layers.base import after_optimizer_step
 from ..model import count_parameters
 from ..report import counted
@@ -238,9 +239,7 @@ def iter_cells(series: Series, input_lens: list[int], horizons: list[int], metho
                              f"{results_path / 'results.json'}")
         make_directory(results_path.parent, "the results file's folder")
     results = load_results(results_path)
-    if results["settings"] is not None:
-        check_same_settings(results_path, results["settings"], asdict(settings), "use another file")
-    results["settings"] = asdict(settings)
+    check_recorded_settings(results_path, results, settings)
     data_sha256 = series.sha256()
     cells = {cell_key(series.name, *cell): cell for cell in grid.cells()}
     stale = [key for key in cells
@@ -249,14 +248,32 @@ def iter_cells(series: Series, input_lens: list[int], horizons: list[int], metho
         log(f"note: {counted(len(stale), 'cell')} of {results_path} were scored on other {series.name} data (no "
             f"data_sha256, or another one): trained again")
     for key, (L, H, method, seed) in tqdm(cells.items(), disable=not progress, desc=series.name):
-        if key in stale or key not in results["cells"]:
+        if results["cells"].get(key, {}).get("data_sha256") != data_sha256:
             cell = run_cell(series, L, H, method, seed, settings, progress=progress) | {"data_sha256": data_sha256}
             if seed != 0:
                 del cell["example"]  # one example forecast per method is enough for the plot
-            results["cells"][key] = cell
             if results_path:
-                write_json(results_path, results)
+                results = record_cell(results_path, key, cell, settings)
+            else:
+                results["cells"][key] = cell
         yield key, results["cells"][key]
+
+
+def check_recorded_settings(path: Path | None, results: dict, settings: Settings) -> None:
+    if results["settings"] is not None:
+        check_same_settings(path, results["settings"], asdict(settings), "use another file")
+
+
+def record_cell(path: Path, key: str, cell: dict, settings: Settings) -> dict:
+    """The results file with ``cell`` added, read again under a lock: another sweep into the same file meanwhile
+    (another dataset's, say) keeps the cells it recorded, and this one skips those of its grid."""
+    with locked_folder(path.parent):
+        results = load_results(path)
+        check_recorded_settings(path, results, settings)
+        results["settings"] = asdict(settings)
+        results["cells"][key] = cell
+        write_json(path, results)
+    return results
 
 
 def run_cells(series: Series, input_lens: list[int], horizons: list[int], methods: list[str], seeds: list[int],
