@@ -6,6 +6,7 @@ command is those two and an entry in :data:`COMMANDS`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -368,6 +369,21 @@ def add_listops(commands) -> None:
 DEFAULT_INPUTS, DEFAULT_SEEDS = [96], [0]  # `lavo forecast`'s --input and --seed
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (from `timeout` or a job scheduler) interrupts as Ctrl-C does, ending in exit status 143."""
+    from .train import Stopped
+
+    def stop(number, frame):
+        raise Stopped(number)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_forecast(args) -> None:
     from .forecast.data import load_series
     from .forecast.experiment import Settings, iter_cells
@@ -378,9 +394,10 @@ def cmd_forecast(args) -> None:
     grid = args.input or DEFAULT_INPUTS, args.horizon, methods, args.seed or DEFAULT_SEEDS
     cells = {}
     try:
-        for key, cell in iter_cells(series, *grid, Settings(max_steps=args.max_steps), args.results,
-                                    progress=not args.quiet):
-            cells[key] = cell
+        with sigterm_as_interrupt():
+            for key, cell in iter_cells(series, *grid, Settings(max_steps=args.max_steps), args.results,
+                                        progress=not args.quiet):
+                cells[key] = cell
     except KeyboardInterrupt:  # the finished cells' scores are kept, as bench keeps its measurements
         print_forecast_scores(cells)
         kept = (f"{args.results} holds them and a rerun skips them" if args.results else
@@ -408,7 +425,7 @@ def add_forecast(commands) -> None:
                             "cross attention is --cross, or a --baseline) on a dataset fetched from a pinned "
                             "package; MSE and MAE over every test window, on standardised values. Lists run every "
                             "combination; with --results, finished cells are recorded there and skipped on a rerun. "
-                            "Ctrl-C prints the scores of the cells that finished.")
+                            "Ctrl-C (or SIGTERM) prints the scores of the cells that finished.")
     p.add_argument("--data", required=True, choices=DATASETS, help="the dataset (fetched with pip into --data-dir)")
     # the lists add up when repeated, as --cross does; a default list would be extended, so it is None here
     p.add_argument("--horizon", type=flag_type(Grid, "horizon"), required=True, action="extend",

@@ -3,9 +3,12 @@ fitted on training steps only, the baselines, the model's equal parameter counts
 import hashlib
 import json
 import lzma
+import os
 import pickle
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 from dataclasses import replace
 
@@ -497,21 +500,34 @@ def test_cli_forecast_asks_for_a_method_before_loading_the_data(monkeypatch, cap
     assert capsys.readouterr().err == "lavo forecast: error: name at least one --cross or --baseline method\n"
 
 
-def test_cli_forecast_stopped_midway_prints_the_cells_that_finished(monkeypatch, capsys):
-    """Ctrl-C printed nothing: without --results the finished cells' scores were lost."""
+def _sigterm():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # the handler runs, and raises, before this ends
+
+
+def _ctrl_c():
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("stop, status", [(_ctrl_c, 130), (_sigterm, 143)])
+def test_cli_forecast_stopped_midway_prints_the_cells_that_finished(stop, status, monkeypatch, capsys):
+    """Ctrl-C printed nothing: without --results the finished cells' scores were lost; SIGTERM (`timeout`, a job
+    scheduler) ended the process with nothing printed."""
     import lavo.forecast.experiment as experiment
     monkeypatch.setattr(forecast_data, "load_series", lambda name, cache_dir: generated_series(300, name=name))
     finished = []
 
     def stopped_at_the_second_cell(*args, **kwargs):
         if finished:
-            raise KeyboardInterrupt
+            stop()
         finished.append(run_cell(*args, **kwargs))
         return finished[-1]
 
     monkeypatch.setattr(experiment, "run_cell", stopped_at_the_second_cell)
+    handler = signal.getsignal(signal.SIGTERM)
     assert main(["forecast", "--data", "weather_nc", "--horizon", "12", "--input", "24", "--baseline",
-                 "repeat_last,seasonal_naive", "--quiet"]) == 130
+                 "repeat_last,seasonal_naive", "--quiet"]) == status
+    assert signal.getsignal(signal.SIGTERM) is handler  # restored
     out, err = capsys.readouterr()
     assert f"weather_nc|L24|H12|repeat_last|seed0  {finished[0]['mse']:.4f}" in out and "seasonal_naive" not in out
     assert err == ("interrupted: the table holds the 1 cells that finished; with --results FILE a rerun would skip "
