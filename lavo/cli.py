@@ -398,11 +398,14 @@ def cmd_forecast(args) -> None:
             for key, cell in iter_cells(series, *grid, Settings(max_steps=args.max_steps), args.results,
                                         progress=not args.quiet):
                 cells[key] = cell
-    except KeyboardInterrupt:  # the finished cells' scores are kept, as bench keeps its measurements
-        print_forecast_scores(cells)
-        kept = (f"{args.results} holds them and a rerun skips them" if args.results else
-                "with --results FILE a rerun would skip them")
-        print(f"interrupted: the table holds the {len(cells)} cells that finished; {kept}", file=sys.stderr)
+    except (KeyboardInterrupt, Exception) as stop:  # the finished cells' scores are kept, as bench keeps its
+        interrupted = isinstance(stop, KeyboardInterrupt)  # measurements; so are they when a later cell fails
+        if interrupted or cells:
+            print_forecast_scores(cells)
+            kept = (f"{args.results} holds them and a rerun skips them" if args.results else
+                    "with --results FILE a rerun would skip them")
+            print(f"{'interrupted' if interrupted else 'stopped by the error below'}: the table holds the "
+                  f"{len(cells)} cells that finished; {kept}", file=sys.stderr)
         raise
     print_forecast_scores(cells)
 

@@ -509,10 +509,20 @@ def _ctrl_c():
     raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("stop, status", [(_ctrl_c, 130), (_sigterm, 143)])
-def test_cli_forecast_stopped_midway_prints_the_cells_that_finished(stop, status, monkeypatch, capsys):
+DIVERGED = "training diverged: the validation MSE is nan at step 20 (learning rate 0.001); lower forecast.learning_rate"
+
+
+def _diverged():
+    raise ValueError(DIVERGED)
+
+
+@pytest.mark.parametrize("stop, status, stopped, error", [
+    (_ctrl_c, 130, "interrupted", ""), (_sigterm, 143, "interrupted", ""),
+    (_diverged, 2, "stopped by the error below", f"lavo forecast: error: {DIVERGED}\n")])
+def test_cli_forecast_stopped_midway_prints_the_cells_that_finished(stop, status, stopped, error, monkeypatch,
+                                                                     capsys):
     """Ctrl-C printed nothing: without --results the finished cells' scores were lost; SIGTERM (`timeout`, a job
-    scheduler) ended the process with nothing printed."""
+    scheduler) ended the process with nothing printed, and a cell whose training diverged with only its error."""
     import lavo.forecast.experiment as experiment
     monkeypatch.setattr(forecast_data, "load_series", lambda name, cache_dir: generated_series(300, name=name))
     finished = []
@@ -530,5 +540,5 @@ def test_cli_forecast_stopped_midway_prints_the_cells_that_finished(stop, status
     assert signal.getsignal(signal.SIGTERM) is handler  # restored
     out, err = capsys.readouterr()
     assert f"weather_nc|L24|H12|repeat_last|seed0  {finished[0]['mse']:.4f}" in out and "seasonal_naive" not in out
-    assert err == ("interrupted: the table holds the 1 cells that finished; with --results FILE a rerun would skip "
-                   "them\n")
+    assert err == (f"{stopped}: the table holds the 1 cells that finished; with --results FILE a rerun would skip "
+                   f"them\n{error}")
