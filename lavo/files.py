@@ -7,6 +7,7 @@ A process killed mid-write (``kill -9``, power loss) leaves its temporary file `
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import json
@@ -80,7 +81,11 @@ def locked_folder(folder: str | os.PathLike):
     and the operating system releases it however the process ends."""
     descriptor = os.open(folder, os.O_RDONLY)
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        except OSError as error:  # a filesystem without flock (some network and FUSE ones): the block runs unlocked
+            if error.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
         yield
     finally:
         os.close(descriptor)

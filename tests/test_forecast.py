@@ -352,6 +352,19 @@ def test_two_sweeps_into_one_results_file_keep_each_others_cells(tmp_path):
         for method in ("repeat_last", "seasonal_naive")]
 
 
+def test_a_results_folder_without_file_locks_still_takes_the_cells(tmp_path, monkeypatch):
+    """On a filesystem without flock the lock is skipped: the cells are recorded as before it existed."""
+    import errno
+    import fcntl
+
+    def unsupported(descriptor, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", unsupported)
+    path = tmp_path / "results.json"
+    run_cells(generated_series(300), [24], [12], ["repeat_last"], [0], SMALL, path, progress=False)
+    assert list(json.loads(path.read_text())["cells"]) == ["weather_nc|L24|H12|repeat_last|seed0"]
+
+
 def test_cells_scored_on_other_data_are_trained_again(tmp_path, capsys):
     """A results file's cells once stayed whatever the data they were scored on: weather_nc's calendar, parsed
     otherwise since, kept its earlier scores on a rerun."""
