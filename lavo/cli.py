@@ -398,8 +398,9 @@ def cmd_forecast(args) -> None:
             for key, cell in iter_cells(series, *grid, Settings(max_steps=args.max_steps), args.results,
                                         progress=not args.quiet):
                 cells[key] = cell
-    except (KeyboardInterrupt, Exception) as stop:  # the finished cells' scores are kept, as bench keeps its
-        interrupted = isinstance(stop, KeyboardInterrupt)  # measurements; so are they when a later cell fails
+    except (KeyboardInterrupt, Exception) as stop:
+        # the finished cells' scores are kept (as bench keeps its measurements) after Ctrl-C or a later cell's error
+        interrupted = isinstance(stop, KeyboardInterrupt)
         if interrupted or cells:
             print_forecast_scores(cells)
             kept = (f"{args.results} holds them and a rerun skips them" if args.results else
