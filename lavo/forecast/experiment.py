@@ -193,10 +193,10 @@ def run_cell(series: Series, input_len: int, horizon: int, method: str, seed: in
         result.update(fit(model, train, val, settings, seed, progress))
     prediction = predict(model, test, settings.eval_batch)
     result.update(errors(prediction, test.targets))
-    name = example_column(series)
-    column = series.columns.index(name)
+    shown = example_column(series)
+    column = series.columns.index(shown)
     example = {"history": test.inputs, "truth": test.targets, "forecast": prediction}
-    result["example"] = {"column": name, "window_start": int(test.starts[0]),
+    result["example"] = {"column": shown, "window_start": int(test.starts[0]),
                          **{name: [round(x, 4) for x in t[0, :, column].tolist()]
                             for name, t in example.items()}}
     result.update(test_windows=len(test), wall_s=round(time.perf_counter() - started, 2))
