@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from .settings import comma_list
@@ -377,6 +378,9 @@ def sigterm_as_interrupt():
     def stop(number, frame):
         raise Stopped(number)
 
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield

@@ -515,6 +515,20 @@ def test_cli_forecast_repeated_grid_flags_add_up(monkeypatch, capsys):
         "weather_nc|L96|H12|repeat_last|seed0"]
 
 
+def test_cli_forecast_runs_outside_the_main_thread(monkeypatch, capsys):
+    """Signal handlers can be set in the main thread only: elsewhere SIGTERM is left as it is, instead of `signal
+    only works in main thread` ending the command."""
+    import threading
+    monkeypatch.setattr(forecast_data, "load_series", lambda name, cache_dir: generated_series(300, name=name))
+    status = []
+    thread = threading.Thread(target=lambda: status.append(main(
+        ["forecast", "--data", "weather_nc", "--horizon", "12", "--input", "24", "--baseline", "repeat_last",
+         "--quiet"])))
+    thread.start()
+    thread.join()
+    assert status == [0] and "weather_nc|L24|H12|repeat_last|seed0" in capsys.readouterr().out
+
+
 def test_cli_forecast_asks_for_a_method_before_loading_the_data(monkeypatch, capsys):
     def no_data(name, cache_dir):
         raise AssertionError("the data was loaded")
