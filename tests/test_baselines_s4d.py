@@ -110,6 +110,10 @@ def test_errors_name_the_problem():
         build_attention("s4d", 8, 2, state_size=4.0)
     with pytest.raises(ValueError, match="dt_min <= dt_max"):
         build_attention("s4d", 8, 2, dt_min=0.1, dt_max=0.01)
+    for option, value in (("dt_max", float("inf")), ("dt_min", "1e-3"), ("dt_max", True)):
+        # were torch's "to is out of bounds for float", a TypeError of '<', and a step range up to 1.0
+        with pytest.raises(ValueError, match=rf"^S4DLayer {option} must be a finite number, got {value!r}$"):
+            build_attention("s4d", 8, 2, **{option: value})
     with pytest.raises(ValueError, match="divisible by heads"):
         build_attention("s4d", 8, 3)
     bidirectional = build_attention("s4d", 8, 2, causal=False)

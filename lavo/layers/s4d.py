@@ -34,6 +34,16 @@ def complex_normal(*shape: int) -> torch.Tensor:
     return torch.view_as_real(torch.randn(*shape, dtype=complex_dtype)).to(torch.get_default_dtype())
 
 
+def check_time_steps(dt_min: float, dt_max: float) -> None:
+    """Refuse a range of initial steps that is not ``0 < dt_min <= dt_max``, finite numbers (an infinite one failed
+    in the uniform draw, a string in the comparison, neither naming the option)."""
+    for name, value in (("dt_min", dt_min), ("dt_max", dt_max)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ValueError(f"S4DLayer {name} must be a finite number, got {value!r}")
+    if not 0 < dt_min <= dt_max:
+        raise ValueError(f"S4DLayer needs 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
+
+
 class S4DLayer(Mechanism):
     r"""The S4D block: a complex diagonal SSM on every channel of ``x``, a ``D`` skip, GELU, then a linear map to
     ``2 dim`` and a GLU, as in the reference S4D block. There is no input projection and no q/k/v: channels are
@@ -58,8 +68,7 @@ class S4DLayer(Mechanism):
         super().__init__(dim, heads, causal=causal)
         if not positive_int(state_size) or state_size < 2 or state_size % 2:  # 64.0 failed in torch.full
             raise ValueError(f"S4DLayer state_size must be a positive even number (conjugate pairs), got {state_size}")
-        if not 0 < dt_min <= dt_max:
-            raise ValueError(f"S4DLayer needs 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
+        check_time_steps(dt_min, dt_max)
         modes = state_size // 2
         self.state_size = state_size
         add_initialised(self, "log_dt", partial(log_uniform, dim, low=dt_min, high=dt_max))
