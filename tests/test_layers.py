@@ -3,6 +3,7 @@ import math
 import warnings
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -284,6 +285,10 @@ ERRORS = [
      r"padding_mask must have shape \[B, T\] = \(2, 4\), got \(2, 5\)"),
     (lambda: _layer()(torch.randn(2, 4, 32), padding_mask=torch.ones(2, 4)),
      r"padding_mask must be a bool tensor \(True = real token\), got dtype torch.float32"),
+    (lambda: _layer()(torch.randn(2, 4, 32), padding_mask=[[True] * 4] * 2),
+     r"padding_mask must be a bool tensor \(True = real token\), got a list: convert it with torch.as_tensor"),
+    (lambda: _layer()(torch.randn(2, 4, 32), padding_mask=np.ones((2, 4), dtype=bool)),
+     r"padding_mask must be a bool tensor \(True = real token\), got a ndarray: convert it with torch.as_tensor"),
     (lambda: _layer()(torch.randn(2, 4, 31)), r"x must have shape \[B, T, 32\], got \(2, 4, 31\)"),
     (lambda: lavo_attention(*torch.randn(3, 1, 4, 2, 8), orthogonal_basis(2, 8, 8), window=2,
                             pos_bias=torch.zeros(2, 5)),

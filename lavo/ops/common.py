@@ -174,6 +174,9 @@ def check_padding_mask(padding_mask: torch.Tensor | None, batch: int, length: in
     """Raise unless ``padding_mask`` is None or a bool ``[batch, length]`` tensor (on ``device``, when given)."""
     if padding_mask is None:
         return
+    if not isinstance(padding_mask, torch.Tensor):  # a NumPy array's bool dtype read as "got dtype bool"
+        raise ValueError(f"{name} must be a bool tensor (True = real token), got a {type(padding_mask).__name__}: "
+                         "convert it with torch.as_tensor")
     if padding_mask.dtype != torch.bool:
         raise ValueError(f"{name} must be a bool tensor (True = real token), got dtype {padding_mask.dtype}")
     if tuple(padding_mask.shape) != (batch, length):
