@@ -229,3 +229,54 @@ def test_a_script_run_without_arguments_prints_the_usage_its_header_gives():
         assert run.returncode != 0 and usage == header.group(1).replace('"', ""), script.name
         checked += 1
     assert checked == 3  # gpu_check.sh, gpu_session.sh, test_stack.sh
+
+
+# A check the docs give as a one-line command: `python -c "..."`, its code spanning lines at most.
+PYTHON_CHECK = re.compile(r'`python -c "([^"]+)"`')
+
+
+def test_each_python_check_the_docs_give_prints_the_number_they_state_before_it():
+    """DESIGN.md states cache sizes and gives the ``python -c`` line that prints each: the number printed is
+    one the sentence before the command states (with thousands separators)."""
+    checked = 0
+    for doc in DOCS:
+        text = doc.read_text()
+        for match in PYTHON_CHECK.finditer(text):
+            printed = run(match.group(1).replace("\n", " ").replace("  ", " "), {})
+            assert len(printed) == 1 and printed[0].isdigit(), (doc.name, match.group(1))
+            stated = text[max(match.start() - 400, 0):match.start()]
+            assert f"{int(printed[0]):,d}" in stated, (doc.name, printed[0])
+            checked += 1
+    assert checked == 2  # LavoCache.max_nbytes and LavoStepCache.nbytes in docs/DESIGN.md
+
+
+def test_the_stated_bfloat16_cache_size_is_what_max_nbytes_gives():
+    import torch
+
+    from lavo import LavoCache
+    design = " ".join((ROOT / "docs" / "DESIGN.md").read_text().split())
+    assert "**1,048,839 bytes (1.0 MiB) in float32 and 526,599 bytes in bfloat16**" in design
+    assert LavoCache.max_nbytes(1, 8, 64, 64, 128, torch.bfloat16) == 526_599
+
+
+def test_the_streaming_state_of_the_tiny_preset_has_the_size_the_readme_states():
+    """examples/stream_perplexity.py on ``lavo-tiny-austen``: the state holds 202,912 bytes after every chunk of
+    2,048 tokens, in each layer 32 cached keys and values (a chunk ends at a window boundary) and the sums."""
+    import torch
+
+    from lavo.config import load_config
+    from lavo.model import build_model, model_config
+    stated = re.search(r"the state holds ([\d,]+) bytes after every chunk of ([\d,]+) tokens", README)
+    state_bytes, chunk = (int(number.replace(",", "")) for number in stated.groups())
+    model = build_model(model_config(**load_config("lavo-tiny-austen").model, vocab_size=64)).eval()
+    cache, sizes = None, []
+    with torch.no_grad():
+        for _ in range(2):
+            _, cache = model(torch.randint(64, (1, chunk)), cache=cache)
+            sizes.append(cache.nbytes())
+    assert sizes == [state_bytes] * 2
+    window, layers = model.config.attention_options["window"], model.config.depth
+    assert {tuple(layer.keys.shape) for layer in cache.layers} == {(1, window, model.config.heads,
+                                                                    model.config.dim // model.config.heads)}
+    assert f"in each of the {layers} layers, {window} of the at most {2 * window - 1} cached keys" in " ".join(
+        README.split())
