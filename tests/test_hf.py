@@ -719,9 +719,13 @@ def test_export_writes_a_directory_pipelines_and_the_cli_read(trained, tmp_path,
     from lavo.run import is_exported, load_run
     run, exported = trained / "run", trained / "exported"
     assert is_exported(exported) and not is_exported(run)
-    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "documents.json", "generation_config.json",
-                                                          "model.safetensors", "tokenizer.json",
-                                                          "tokenizer_config.json"]
+    written = sorted(p.name for p in exported.iterdir())
+    assert written == ["config.json", "documents.json", "generation_config.json", "model.safetensors",
+                       "tokenizer.json", "tokenizer_config.json"]
+    # and the README lists them all (was: not generation_config.json nor tokenizer_config.json)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    listing = re.search(r"becomes a Hugging Face model directory \((.*?)\):", readme, re.DOTALL).group(1)
+    assert sorted(re.findall(r"`([\w.]+)`", listing)) == written
     # every file as open() makes it (safetensors alone makes its files 0600: unreadable to a group sharing models)
     (tmp_path / "probe").write_text("")
     assert {path.stat().st_mode for path in exported.iterdir()} == {(tmp_path / "probe").stat().st_mode}
