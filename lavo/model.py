@@ -72,7 +72,7 @@ class ModelConfig:
 PRESETS: dict[str, dict] = {
     # about 2.6M parameters with a 4096-token vocabulary: trains in minutes on two CPU cores
     "tiny": dict(dim=192, depth=4, heads=4),
-    # about 26M parameters with a 4096-token vocabulary (45M with GPT-2's)
+    # about 27M parameters with a 4096-token vocabulary (51M with GPT-2's)
     "small": dict(dim=512, depth=8, heads=8),
 }
 

@@ -280,3 +280,17 @@ def test_the_streaming_state_of_the_tiny_preset_has_the_size_the_readme_states()
                                                                     model.config.dim // model.config.heads)}
     assert f"in each of the {layers} layers, {window} of the at most {2 * window - 1} cached keys" in " ".join(
         README.split())
+
+
+def test_the_preset_sizes_the_readme_states_are_those_of_the_models_built():
+    """The demo's two tiny models have 2.56M parameters, the gpu_scale experiment's small ones 27M."""
+    from lavo.model import build_model, model_config
+
+    def millions(preset: str, **settings) -> float:
+        return sum(p.numel() for p in build_model(model_config(preset, **settings)).parameters()) / 1e6
+    tiny = {f"{millions('tiny', **settings):.2f}M" for settings in (
+        {"attention": "lavo", "attention_options": {"window": 32}, "position": "none"},
+        {"attention": "softmax", "position": "rope"})}
+    assert tiny == {re.search(r"both models ([\d.]+M) parameters", README).group(1)}
+    small = re.search(r"at the `small` preset \((\d+)M parameters\)", README).group(1)
+    assert f"{millions('small', attention='lavo', attention_options={'window': 64}):.0f}" == small
