@@ -6,12 +6,10 @@ command is those two and an entry in :data:`COMMANDS`."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 from .settings import comma_list
@@ -370,27 +368,10 @@ def add_listops(commands) -> None:
 DEFAULT_INPUTS, DEFAULT_SEEDS = [96], [0]  # `lavo forecast`'s --input and --seed
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """SIGTERM (from `timeout` or a job scheduler) interrupts as Ctrl-C does, ending in exit status 143."""
-    from .train import Stopped
-
-    def stop(number, frame):
-        raise Stopped(number)
-
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def cmd_forecast(args) -> None:
     from .forecast.data import load_series
     from .forecast.experiment import Settings, iter_cells
+    from .train import sigterm_as_interrupt
     methods = args.cross + args.baseline
     if not methods:
         raise ValueError("name at least one --cross or --baseline method")

@@ -215,6 +215,29 @@ class Stopped(KeyboardInterrupt):
         self.signal = number
 
 
+@contextlib.contextmanager
+def signal_handlers(handler: Callable, *numbers: int):
+    """``handler`` for the signals ``numbers`` while the block runs, the previous handlers after it; in the main
+    thread only (signal handlers live there: in another thread the block runs with the handlers as they are)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, handler) for number in numbers}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def sigterm_as_interrupt():
+    """While active, SIGTERM (from `timeout` or a job scheduler) interrupts as Ctrl-C does, raising
+    :class:`Stopped`, which ends a ``lavo`` command with exit status 143."""
+    def stop(number, frame):
+        raise Stopped(number)
+    return signal_handlers(stop, signal.SIGTERM)
+
+
 class StopRequests:
     """While active, SIGINT (Ctrl-C) and SIGTERM only set :attr:`requested` (and :attr:`signal`), so training
     stops between two steps and saves exactly where it is; a second Ctrl-C interrupts at once (the previous
@@ -225,7 +248,7 @@ class StopRequests:
     def __init__(self):
         self.requested = False
         self.signal = signal.SIGINT  # another process's request, agreed on, stops this one as Ctrl-C would
-        self.previous = {}
+        self.handlers = contextlib.ExitStack()
 
     def handle(self, number, frame) -> None:
         if self.requested and number == signal.SIGINT:
@@ -233,13 +256,11 @@ class StopRequests:
         self.requested, self.signal = True, number
 
     def __enter__(self) -> "StopRequests":
-        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            self.previous = {number: signal.signal(number, self.handle) for number in self.SIGNALS}
+        self.handlers.enter_context(signal_handlers(self.handle, *self.SIGNALS))
         return self
 
     def __exit__(self, *exc) -> None:
-        for number, handler in self.previous.items():
-            signal.signal(number, handler)
+        self.handlers.close()
 
 
 @dataclass

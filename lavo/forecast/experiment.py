@@ -260,6 +260,7 @@ def iter_cells(series: Series, input_lens: list[int], horizons: list[int], metho
 
 
 def check_recorded_settings(path: Path | None, results: dict, settings: Settings) -> None:
+    """Refuse ``settings`` unless they are those the results file recorded, if it recorded any."""
     if results["settings"] is not None:
         check_same_settings(path, results["settings"], asdict(settings), "use another file")
 
