@@ -167,8 +167,10 @@ def test_permuting_the_source(name):
 def test_cross_layers_share_the_call(name):
     layer = build_cross_attention(name, 16, 2)
     assert layer(torch.randn(3, 4, 16), torch.randn(3, 7, 16), torch.ones(3, 7, dtype=torch.bool)).shape == (3, 4, 16)
-    with pytest.raises(ValueError, match=r"source must have shape \[B, T, 16\], got \(3, 7, 8\)"):
+    with pytest.raises(ValueError, match=r"source must have shape \[B, S, 16\], got \(3, 7, 8\)"):
         layer(torch.randn(3, 4, 16), torch.randn(3, 7, 8))
+    with pytest.raises(ValueError, match=re.escape("source_padding_mask must have shape [B, S] = (3, 7), got (3, 4)")):
+        layer(torch.randn(3, 4, 16), torch.randn(3, 7, 16), torch.ones(3, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=re.escape("query_padding_mask must have shape [B, T] = (3, 4), got (3, 7)")):
         layer(torch.randn(3, 4, 16), torch.randn(3, 7, 16), query_padding_mask=torch.ones(3, 7, dtype=torch.bool))
     with pytest.raises(ValueError, match="y and source must have the same batch size, got 3 and 2"):

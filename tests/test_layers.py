@@ -303,7 +303,7 @@ ERRORS = [
                             return_cache=True),
      r"a cache exists only for causal attention"),
     (lambda: LavoCrossAttention(32, 4)(torch.randn(2, 3, 32), torch.randn(2, 5, 32), torch.ones(2, 3).bool()),
-     r"source_padding_mask must have shape \[B, T\] = \(2, 5\), got \(2, 3\)"),
+     r"source_padding_mask must have shape \[B, S\] = \(2, 5\), got \(2, 3\)"),
     # a float head count (einops then caches its pattern with h=2.0, failing later layers too), a switch or a
     # window given as a string or a bool, and a basis of no slots
     (lambda: build_attention("softmax", 16, 2.0), r"^dim and heads must be positive integers, got dim=16, heads=2.0$"),

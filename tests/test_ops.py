@@ -322,6 +322,7 @@ def test_softmax_and_feature_map_ops_name_inputs_that_do_not_fit(name):
     op = VALUE_SIZED_OPS[name]
     q, k, v = (torch.randn(2, 6, 2, 4) for _ in range(3))
     in_b_h_and_d = " in B, H and D" if name in ("softmax", "cosformer cross", "performer") else ""
+    mask_axes = {"softmax": "B, Tk", "cosformer cross": "B, S"}.get(name, "B, T")  # as each op's docstring names it
     assert op(q, k, torch.randn(2, 6, 2, 3), None).shape == (2, 6, 2, 3)  # values of their own head size
     for (q_, k_, v_, mask), message in [
             ((q[:, :, 0], k, v, None), r"q must have shape \[B, T, H, D\], got \(2, 6, 4\)"),
@@ -332,8 +333,8 @@ def test_softmax_and_feature_map_ops_name_inputs_that_do_not_fit(name):
             ((q, k.double(), v, None), r"k has dtype torch.float64 but q has torch.float32; they must match"),
             ((q, k, v.double(), None), r"v has dtype torch.float64 but q has torch.float32; they must match"),
             ((q, k, v, torch.ones(2, 5, dtype=torch.bool)),
-             rf"{'key_mask' if name == 'softmax' else 'padding_mask'} must have shape \[B, T\] = \(2, 6\), got "
-             r"\(2, 5\)"),
+             rf"{'key_mask' if name == 'softmax' else 'padding_mask'} must have shape \[{mask_axes}\] = \(2, 6\), "
+             r"got \(2, 5\)"),
             ((q, k, v, torch.ones(2, 6)), r".* must be a bool tensor \(True = real token\), got dtype torch.float32")]:
         with pytest.raises(ValueError, match=f"^{message}$"):
             op(q_, k_, v_, mask)
@@ -349,7 +350,7 @@ def test_local_attention_chunk_names_inputs_that_do_not_fit():
             ((torch.randn(1, 5, 2, 8),) * 2 + (None,), r"k has shape \(1, 5, 2, 8\) but q has \(1, 3, 2, 4\); "
                                                       "they must match in B, H and D"),
             ((q, torch.randn(1, 4, 2, 4), None), r"v has shape \(1, 4, 2, 4\) but k has \(1, 3, 2, 4\)"),
-            ((q, q, torch.ones(1, 2, dtype=torch.bool)), r"key_mask must have shape \[B, T\] = \(1, 3\), got "
+            ((q, q, torch.ones(1, 2, dtype=torch.bool)), r"key_mask must have shape \[B, Tk\] = \(1, 3\), got "
                                                         r"\(1, 2\)")]:
         with pytest.raises(ValueError, match=f"^{message}"):
             local_attention_chunk(q, k, v, start=0, window=4, key_mask=key_mask)

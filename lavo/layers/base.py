@@ -387,9 +387,9 @@ class CrossAttentionLayer(nn.Module):
 
     def forward(self, y: torch.Tensor, source: torch.Tensor, source_padding_mask: torch.Tensor | None = None,
                 query_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        for name, t in (("y", y), ("source", source)):
+        for name, t, length in (("y", y, "T"), ("source", source, "S")):
             if t.dim() != 3 or t.shape[-1] != self.dim:
-                raise ValueError(f"{name} must have shape [B, T, {self.dim}], got {tuple(t.shape)}")
+                raise ValueError(f"{name} must have shape [B, {length}, {self.dim}], got {tuple(t.shape)}")
         if y.shape[0] != source.shape[0]:
             raise ValueError(f"y and source must have the same batch size, got {y.shape[0]} and {source.shape[0]}")
         if y.shape[1] == 0:  # refused alike (LAVO's read divided by it)
@@ -397,7 +397,7 @@ class CrossAttentionLayer(nn.Module):
         if y.shape[0] == 0:  # as self-attention refuses it (LAVO's op refused it, naming its own q; others passed)
             raise ValueError(f"y has an empty batch, shape {tuple(y.shape)}; a call needs at least one sequence")
         check_padding_mask(source_padding_mask, source.shape[0], source.shape[1], "source_padding_mask",
-                           device=source.device)
+                           axes="B, S", device=source.device)
         check_padding_mask(query_padding_mask, y.shape[0], y.shape[1], "query_padding_mask", device=y.device)
         check_input_dtype(self, y, "y")
         check_input_dtype(self, source, "source")

@@ -170,8 +170,9 @@ def check_queries_keys_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def check_padding_mask(padding_mask: torch.Tensor | None, batch: int, length: int, name: str = "padding_mask", *,
-                       device: torch.device | None = None) -> None:
-    """Raise unless ``padding_mask`` is None or a bool ``[batch, length]`` tensor (on ``device``, when given)."""
+                       axes: str = "B, T", device: torch.device | None = None) -> None:
+    """Raise unless ``padding_mask`` is None or a bool ``[batch, length]`` tensor (on ``device``, when given);
+    ``axes`` names the two axes as the caller's docstring does (``"B, S"`` for a source)."""
     if padding_mask is None:
         return
     if not isinstance(padding_mask, torch.Tensor):  # a NumPy array's bool dtype read as "got dtype bool"
@@ -180,7 +181,7 @@ def check_padding_mask(padding_mask: torch.Tensor | None, batch: int, length: in
     if padding_mask.dtype != torch.bool:
         raise ValueError(f"{name} must be a bool tensor (True = real token), got dtype {padding_mask.dtype}")
     if tuple(padding_mask.shape) != (batch, length):
-        raise ValueError(f"{name} must have shape [B, T] = ({batch}, {length}), got {tuple(padding_mask.shape)}")
+        raise ValueError(f"{name} must have shape [{axes}] = ({batch}, {length}), got {tuple(padding_mask.shape)}")
     if device is not None and padding_mask.device != device:
         raise ValueError(f"{name} is on {padding_mask.device} but the inputs are on {device}; they must be on one "
                          "device")

@@ -192,7 +192,7 @@ def abc_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contr
     if q.dim() != 4 or q.shape[0] != B or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q [B, Tq, H, D] and k [B, S, H, D] must agree on B, H and D, got q {tuple(q.shape)} "
                          f"and k {tuple(k.shape)}")
-    check_padding_mask(padding_mask, B, S, device=k.device)
+    check_padding_mask(padding_mask, B, S, axes="B, S", device=k.device)
     if control.dim() != 3 or control.shape[0] != H or control.shape[2] != D:
         raise ValueError(f"control must have shape [H, r, D] with H={H}, D={D}, got {tuple(control.shape)}")
     scale = query_scale(scale, D)

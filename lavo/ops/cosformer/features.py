@@ -94,8 +94,8 @@ def cosformer_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     check_queries_keys_values(q, k, v, same_length=False)
     (B, Tq), S = q.shape[:2], k.shape[1]
-    check_padding_mask(padding_mask, B, S, device=k.device)
-    check_padding_mask(query_padding_mask, B, Tq, "query_padding_mask", device=q.device)
+    check_padding_mask(padding_mask, B, S, axes="B, S", device=k.device)
+    check_padding_mask(query_padding_mask, B, Tq, "query_padding_mask", axes="B, Tq", device=q.device)
     query_positions, queries = source_fractions(query_padding_mask, B, Tq, q.device)
     positions, counts = source_fractions(padding_mask, B, S, k.device)
     return feature_attention(cosformer_features(q, query_positions, queries, query_padding_mask),

@@ -30,7 +30,7 @@ def code_cross_attention(q: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, 
                          "sequence and one query")
     B, S, H, D = x.shape
     check_basis(basis, H, D, S)
-    check_padding_mask(padding_mask, B, S, device=x.device)
+    check_padding_mask(padding_mask, B, S, axes="B, S", device=x.device)
     scale = constant_scale(scale, D)
     (x,) = zero_padding(padding_mask, x)
     if uses_triton(backend, q):

@@ -72,7 +72,7 @@ def local_attention_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     if Tk < Tq:
         raise ValueError(f"k and v hold {Tk} positions, fewer than the {Tq} queries: they end with the queries' "
                          "positions and hold at least those")
-    check_padding_mask(key_mask, B, Tk, "key_mask", device=k.device)
+    check_padding_mask(key_mask, B, Tk, "key_mask", axes="B, Tk", device=k.device)
     check_start(start, Tq, Tk)
     k, v = zero_padding(key_mask, k, v)
     return chunk_attention(q, k, v, start=start, window=window, pos_bias=pos_bias, key_mask=key_mask,

@@ -24,8 +24,8 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     """
     check_queries_keys_values(q, k, v, same_length=False)
     (B, Tq), Tk = q.shape[:2], k.shape[1]
-    check_padding_mask(key_mask, B, Tk, "key_mask", device=k.device)
-    check_padding_mask(query_mask, B, Tq, "query_mask", device=q.device)
+    check_padding_mask(key_mask, B, Tk, "key_mask", axes="B, Tk", device=k.device)
+    check_padding_mask(query_mask, B, Tq, "query_mask", axes="B, Tq", device=q.device)
     if causal and Tk < Tq:
         raise ValueError(f"causal attention needs at least as many keys as queries, got {Tk} keys for {Tq} queries")
     qh, kh, vh = (rearrange(x, "b t h d -> b h t d") for x in (q, k, v))
