@@ -122,6 +122,8 @@ class KVCache(Cache):
         key_mask: ``[B, L]`` bool, True for real (non-padding) keys.
         position: tokens seen so far, padding included.
         padded: whether a padding mask came with any appended position (True: ``key_mask`` may hold False).
+        rotary: whether the keys are stored rotated by their positions (a rotary softmax layer's); None, as in a
+            cache built by hand, fits layers of either kind.
     """
 
     keys: torch.Tensor
@@ -129,23 +131,25 @@ class KVCache(Cache):
     key_mask: torch.Tensor
     position: int
     padded: bool = False
+    rotary: bool | None = None
     buffers: _Buffers | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, *, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None) -> KVCache:
+              device: torch.device | str | None = None, rotary: bool | None = None) -> KVCache:
         """The cache before the first token."""
         keys = torch.zeros(batch, 0, heads, head_dim, dtype=dtype, device=device)
-        return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), 0)
+        return cls(keys, keys, torch.zeros(batch, 0, dtype=torch.bool, device=device), 0, rotary=rotary)
 
     @classmethod
-    def of(cls, k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None) -> KVCache:
+    def of(cls, k: torch.Tensor, v: torch.Tensor, padding_mask: torch.Tensor | None, *,
+           rotary: bool | None = None) -> KVCache:
         """The cache after a first call's ``k, v [B, T, H, D]``: copies, so that it keeps no projection alive, and
         no buffers (the first append makes them), so that it is built without writing in place (``torch.func``'s
         transforms refuse in-place writes of their batched tensors into plain ones)."""
         mask = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if padding_mask is None else padding_mask
         return cls(k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format),
-                   mask.clone(), k.shape[1], padding_mask is not None)
+                   mask.clone(), k.shape[1], padding_mask is not None, rotary)
 
     def _writable_end(self, *new: torch.Tensor) -> int | None:
         """Where this cache's positions end in its buffers when ``new`` may be written after them in place, else
@@ -188,11 +192,19 @@ class KVCache(Cache):
         start = end - length
         return KVCache(buffers.keys[:, :, start:end + T].transpose(1, 2),
                        buffers.values[:, :, start:end + T].transpose(1, 2), buffers.mask[:, start:end + T],
-                       self.position + T, self.padded or padding_mask is not None, buffers)
+                       self.position + T, self.padded or padding_mask is not None, self.rotary, buffers)
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Wider keys and values than the inputs are refused: the queries would meet keys of another dtype."""
         refuse_wider(self.keys, "keys and values", dtype, dtype)
+
+    def check_rotary(self, rotary: bool) -> None:
+        """Refuse a cache whose keys were stored rotated when this layer's are not, or the other way round: the
+        scores would mix two position encodings without an error."""
+        if self.rotary not in (None, rotary):
+            stored = "rotated by their positions (rotary=True)" if self.rotary else "unrotated (rotary=False)"
+            raise ValueError(f"the cache holds keys stored {stored}, and this layer has rotary={rotary}: pass the "
+                             "cache this layer's previous call returned")
 
     def keep_last(self, count: int) -> KVCache:
         """The cache of the last ``count`` positions only (views: nothing is copied)."""

@@ -116,3 +116,25 @@ def test_one_token_steps_without_padding_call_sdpa_without_a_mask(monkeypatch):
             steps.append(y)
     assert calls == [(6, 6, None, True), (1, 7, None, False), (1, 8, None, False), (1, 9, None, False)]
     torch.testing.assert_close(torch.cat(steps, 1), full[:, 6:])
+
+
+def test_a_cache_of_keys_rotated_otherwise_is_refused_by_name():
+    """Was: a rotary layer continued a plain layer's cache (or a local layer's, before it dropped a key), its
+    rotated queries scored against unrotated keys without an error."""
+    torch.manual_seed(0)
+    plain, rotary = (build_attention("softmax", 8, 2, rotary=r) for r in (False, True))
+    local = build_attention("local", 8, 2, window=4, position_bias=False)
+    x = torch.randn(1, 3, 8)
+    caches = {"plain": plain(x)[1], "rotary": rotary(x)[1], "local": local(x)[1],
+              "empty rotary": rotary.empty_cache(1)}
+    unrotated = r"^the cache holds keys stored unrotated \(rotary=False\), and this layer has rotary=True: pass "
+    rotated = r"^the cache holds keys stored rotated by their positions \(rotary=True\), and this layer has "
+    for layer, given, message in [(rotary, "plain", unrotated), (rotary, "local", unrotated),
+                                  (plain, "rotary", rotated + "rotary=False"), (local, "rotary", rotated),
+                                  (plain, "empty rotary", rotated)]:
+        with pytest.raises(ValueError, match=message):
+            layer(x[:, :1], cache=caches[given])
+    # the cache a layer made continues it: the same as one call over the whole sequence
+    for layer, name in [(plain, "plain"), (rotary, "rotary"), (local, "local")]:
+        whole = torch.cat([x, x[:, :1]], dim=1)
+        torch.testing.assert_close(layer(x[:, :1], cache=caches[name])[0], layer(whole)[0][:, 3:])

@@ -49,7 +49,8 @@ class LocalAttention(AttentionLayer):
             if not self.causal:
                 return out, None
             kept = visible_keys(k, v, padding_mask, self.window)
-            return out, KVCache(*kept, k.shape[1], padding_mask is not None)
+            return out, KVCache(*kept, k.shape[1], padding_mask is not None, rotary=False)
+        cache.check_rotary(False)
         start = cache.position
         if cache.keys.shape[1] < (needed := visible_length(start, self.window)):
             raise ValueError(f"the cache holds {cache.keys.shape[1]} keys at position {start}, but a local layer with "
@@ -60,7 +61,7 @@ class LocalAttention(AttentionLayer):
         return zero_padding(padding_mask, out)[0], cache.keep_last(visible_length(cache.position, self.window))
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> KVCache:
-        return KVCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype)
+        return KVCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype, rotary=False)
 
     def no_weight_decay(self) -> list[nn.Parameter]:
         return [self.pos_bias] if self.pos_bias is not None else []

@@ -40,7 +40,8 @@ class SoftmaxAttention(AttentionLayer):
             return softmax_attention(q, k, v, causal=False, key_mask=padding_mask, query_mask=padding_mask), None
         if cache is None:  # every key is in this call: None as the mask keeps the fused is_causal path
             out = softmax_attention(q, k, v, causal=True, key_mask=padding_mask, query_mask=padding_mask)
-            return out, KVCache.of(k, v, padding_mask)
+            return out, KVCache.of(k, v, padding_mask, rotary=self.rotary)
+        cache.check_rotary(self.rotary)
         if cache.keys.shape[1] != cache.position:
             raise ValueError(f"the cache holds the last {cache.keys.shape[1]} of {cache.position} positions (a "
                              "sliding-window layer's): softmax attends to every earlier position; pass the cache "
@@ -54,7 +55,7 @@ class SoftmaxAttention(AttentionLayer):
         return out, cache
 
     def _new_cache(self, batch_size: int, *, device: torch.device | str, dtype: torch.dtype) -> KVCache:
-        return KVCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype)
+        return KVCache.empty(batch_size, self.heads, self.head_dim, device=device, dtype=dtype, rotary=self.rotary)
 
     def cache_nbytes(self, batch_size: int, context: int, dtype: torch.dtype = torch.float32) -> int:
         return self.key_value_nbytes(batch_size, context, dtype)
