@@ -368,20 +368,32 @@ def add_listops(commands) -> None:
 DEFAULT_INPUTS, DEFAULT_SEEDS = [96], [0]  # `lavo forecast`'s --input and --seed
 
 
+def forecast_settings(args):
+    """The :class:`~lavo.forecast.experiment.Settings` of ``--max-steps`` and the ``--set`` overrides after it."""
+    from dataclasses import asdict
+
+    from .config import apply_overrides
+    from .forecast.experiment import Settings
+    from .settings import check_known
+    values = apply_overrides(asdict(Settings()), [f"max_steps={args.max_steps}", *args.set], allow_top_level=True)
+    check_known(Settings, values, "forecast")
+    return Settings(**values)
+
+
 def cmd_forecast(args) -> None:
     from .forecast.data import load_series
-    from .forecast.experiment import Settings, iter_cells
+    from .forecast.experiment import iter_cells
     from .train import sigterm_as_interrupt
     methods = args.cross + args.baseline
     if not methods:
         raise ValueError("name at least one --cross or --baseline method")
+    settings = forecast_settings(args)
     series = load_series(args.data, args.data_dir)
     grid = args.input or DEFAULT_INPUTS, args.horizon, methods, args.seed or DEFAULT_SEEDS
     cells = {}
     try:
         with sigterm_as_interrupt():
-            for key, cell in iter_cells(series, *grid, Settings(max_steps=args.max_steps), args.results,
-                                        progress=not args.quiet):
+            for key, cell in iter_cells(series, *grid, settings, args.results, progress=not args.quiet):
                 cells[key] = cell
     except (KeyboardInterrupt, Exception) as stop:
         # the finished cells' scores are kept (as bench keeps its measurements) after Ctrl-C or a later cell's error
@@ -430,6 +442,9 @@ def add_forecast(commands) -> None:
                    help=f"seeds, comma-separated or repeated (default: {DEFAULT_SEEDS[0]})")
     p.add_argument("--max-steps", type=flag_type(Settings, "max_steps"), default=Settings.max_steps,
                    help=f"training steps at most (default: {Settings.max_steps})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of lavo.forecast.experiment.Settings, e.g. learning_rate=3e-4 or "
+                   "cross_options.lavo.rank=8 (repeatable)")
     p.add_argument("--data-dir", default="data/forecast", help="where the package archives are cached "
                    "(default: data/forecast)")
     p.add_argument("--results", default=None, help="a results.json to record cells in and skip finished ones")

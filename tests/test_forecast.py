@@ -196,7 +196,7 @@ def test_an_unknown_dataset_lists_the_known_ones(tmp_path):
 ])
 def test_a_series_is_checked_when_it_is_built(changes, problem):
     """A series of one's own with a missing value scored NaN for the baselines with exit 0 (and `training diverged
-    ... lower forecast.learning_rate` for the models); a calendar shorter than the values went unnoticed."""
+    ...` for the models); a calendar shorter than the values went unnoticed."""
     with pytest.raises(DataError, match=f"^series 'weather_nc': {re.escape(problem)}$"):
         replace(generated_series(300), **changes)
 
@@ -331,7 +331,8 @@ def test_a_cells_scores_are_the_mean_squared_and_absolute_errors_over_every_test
 
 def test_a_diverging_training_is_named_instead_of_failing_on_its_missing_best_weights():
     with pytest.raises(ValueError, match=r"^training diverged: the validation MSE is (nan|inf) at step 3 \(learning "
-                                         r"rate 1e\+30\); lower forecast.learning_rate$"):
+                                         r"rate 1e\+30\); lower it: Settings\(learning_rate=\.\.\.\), or "
+                                         r"`lavo forecast --set learning_rate=\.\.\.`$"):
         run_cell(generated_series(300), 24, 12, "dlinear", 0, Settings(max_steps=6, eval_every=3,
                                                                         learning_rate=1e30))
 
@@ -538,6 +539,28 @@ def test_cli_forecast_asks_for_a_method_before_loading_the_data(monkeypatch, cap
     assert capsys.readouterr().err == "lavo forecast: error: name at least one --cross or --baseline method\n"
 
 
+def test_cli_forecast_set_overrides_the_settings(monkeypatch, capsys):
+    """The divergence error's advice, a lower learning rate, could not be followed from the command line: only
+    --max-steps reached the settings. Each override is checked before the data is fetched."""
+    fetched = []
+    monkeypatch.setattr(forecast_data, "load_series",
+                        lambda name, cache_dir: fetched.append(name) or generated_series(300, name=name))
+    command = ["forecast", "--data", "elecdemand", "--horizon", "12", "--input", "24", "--baseline", "dlinear",
+               "--quiet", "--set", "eval_every=3", "--max-steps", "6"]
+    for override, error in [("learnig_rate=1", "unknown forecast settings ['learnig_rate']; known: batch_size, "),
+                            ("learning_rate=-1", "forecast.learning_rate must be a number > 0; got -1"),
+                            ("cross_options.lavo.rnak=4",
+                             "cross attention 'lavo' has no option 'rnak'; its options: rank")]:
+        assert main(command + ["--set", override]) == 2
+        assert error in capsys.readouterr().err
+    assert fetched == []
+    assert main(command + ["--set", "learning_rate=1e30"]) == 2
+    assert capsys.readouterr().err.endswith("at step 3 (learning rate 1e+30); lower it: Settings(learning_rate=...), "
+                                            "or `lavo forecast --set learning_rate=...`\n")
+    assert main(command + ["--set", "learning_rate=1e-2", "--set", "max_steps=3"]) == 0  # --set after --max-steps
+    assert re.search(r"^elecdemand\|L24\|H12\|dlinear\|seed0 .* 3 ", capsys.readouterr().out, re.MULTILINE)
+
+
 def _sigterm():
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5)  # the handler runs, and raises, before this ends
@@ -547,7 +570,7 @@ def _ctrl_c():
     raise KeyboardInterrupt
 
 
-DIVERGED = "training diverged: the validation MSE is nan at step 20 (learning rate 0.001); lower forecast.learning_rate"
+DIVERGED = "training diverged: the validation MSE is nan at step 20 (learning rate 0.001); lower it"
 
 
 def _diverged():

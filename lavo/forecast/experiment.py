@@ -159,7 +159,8 @@ def fit(model: torch.nn.Module, train: Windows, val: Windows, settings: Settings
             if not math.isfinite(val_mse):
                 bar.close()
                 raise ValueError(f"training diverged: the validation MSE is {val_mse} at step {step} (learning rate "
-                                 f"{settings.learning_rate:g}); lower forecast.learning_rate")
+                                 f"{settings.learning_rate:g}); lower it: Settings(learning_rate=...), or "
+                                 "`lavo forecast --set learning_rate=...`")
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{val_mse:.3f}")
             if val_mse < best:
                 best, best_state, best_step, waited = val_mse, copy.deepcopy(model.state_dict()), step, 0
