@@ -383,7 +383,6 @@ def forecast_settings(args):
 def cmd_forecast(args) -> None:
     from .forecast.data import load_series
     from .forecast.experiment import iter_cells
-    from .train import sigterm_as_interrupt
     methods = args.cross + args.baseline
     if not methods:
         raise ValueError("name at least one --cross or --baseline method")
@@ -392,9 +391,8 @@ def cmd_forecast(args) -> None:
     grid = args.input or DEFAULT_INPUTS, args.horizon, methods, args.seed or DEFAULT_SEEDS
     cells = {}
     try:
-        with sigterm_as_interrupt():
-            for key, cell in iter_cells(series, *grid, settings, args.results, progress=not args.quiet):
-                cells[key] = cell
+        for key, cell in iter_cells(series, *grid, settings, args.results, progress=not args.quiet):
+            cells[key] = cell
     except (KeyboardInterrupt, Exception) as stop:
         # the finished cells' scores are kept (as bench keeps its measurements) after Ctrl-C or a later cell's error
         interrupted = isinstance(stop, KeyboardInterrupt)
@@ -471,12 +469,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .data import DataError
     from .run import RunError
+    from .train import sigterm_as_interrupt
     for stream in (sys.stdout, sys.stderr):  # a line at a time even into a pipe or a log file
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
     args = build_parser().parse_args(argv)
     try:
-        status = args.handler(args)
+        with sigterm_as_interrupt():  # `timeout` or a job scheduler stops a command as Ctrl-C does
+            status = args.handler(args)
     except BrokenPipeError:  # the output's reader went away (`lavo generate ... | head`): end as a Unix tool does
         write_to_devnull(sys.stdout)
         return 128 + signal.SIGPIPE

@@ -281,13 +281,19 @@ def test_a_length_whose_predicted_peak_memory_would_not_fit_is_skipped(monkeypat
         (512, "skipped", "skipped: predicted peak 400 MiB > 80% of the 400 MiB available")]
 
 
-def test_a_run_stopped_midway_has_written_and_prints_what_it_measured(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_run_stopped_midway_has_written_and_prints_what_it_measured(number, monkeypatch, tmp_path, capsys):
+    """SIGTERM (`timeout`, a job scheduler) ended the process at once, the measurements since the last JSON
+    write lost and no table printed."""
     calls = []
 
     def measure_until_stopped(self, fn, repeats=None):
         calls.append(fn)
         if len(calls) == 3:
-            raise KeyboardInterrupt  # as a time limit's kill or Ctrl-C would stop it
+            if number == signal.SIGINT:  # as Ctrl-C raises it (a test worker may ignore the signal itself)
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), number)
+            time.sleep(5)  # the handler raises before this ends
         return Measurement(float(len(calls)), [float(len(calls))], None)
 
     monkeypatch.setattr(Runner, "measure", measure_until_stopped)
@@ -297,10 +303,12 @@ def test_a_run_stopped_midway_has_written_and_prints_what_it_measured(monkeypatc
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert [(r["length"], r["ms"]) for r in saved["records"]] == [(128, 1.0), (256, 2.0)]
     assert saved["settings"]["lengths"] == [128, 256, 512] and "torch" in saved["machine"]
-    assert info["interrupted"] and len(records) == 2
-    calls.clear()  # and from the command line: the tables of what was measured, and the exit code of Ctrl-C
+    assert info["interrupted"] == number.name and len(records) == 2
+    calls.clear()  # and from the command line: the tables of what was measured, and the signal's exit code
     assert cli.main(["--quick", "--no-progress", "--sections", "attention", "--attentions", "", "--ops", "sdpa",
-                     "--passes", "fwd", "--lengths", "128,256,512", "--max-quadratic-length", "512"]) == 130
+                     "--passes", "fwd", "--lengths", "128,256,512", "--max-quadratic-length", "512",
+                     "--json", str(tmp_path / "cli.json")]) == 128 + number
+    assert json.loads((tmp_path / "cli.json").read_text())["machine"]["interrupted"] == number.name
     out, err = capsys.readouterr()
     assert "| sdpa" in out and "interrupted: the tables hold the 2 measurements made before it" in err
 

@@ -1,6 +1,9 @@
 """Evaluation by length: the same tokens at every length, chunked scoring through the cache, outputs."""
 import json
 import math
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -239,8 +242,11 @@ def test_a_length_past_a_layers_position_bound_is_refused_before_scoring():
         check_position_bounds([LoadedModel("cos", "runs/cos", model, None, None, None)], 512)
 
 
-def test_ctrl_c_during_an_evaluation_prints_the_lengths_scored_and_writes_no_results(tmp_path, capsys, monkeypatch):
-    """Was: exit 130 and nothing printed, every length scored before it lost."""
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_during_an_evaluation_prints_the_lengths_scored_and_writes_no_results(number, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Was: exit 130 and nothing printed, every length scored before it lost; SIGTERM (`timeout`, a job
+    scheduler) ended the process at once."""
     import lavo.evaluate
     from lavo.cli import main
     from lavo.config import RunConfig
@@ -254,12 +260,17 @@ def test_ctrl_c_during_an_evaluation_prints_the_lengths_scored_and_writes_no_res
 
     def stopped_at_64(model, segments, chunk_size=None):
         if segments.shape[1] == 65:
-            raise KeyboardInterrupt
+            if number == signal.SIGINT:  # as Ctrl-C raises it (a test worker may ignore the signal itself)
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), number)
+            time.sleep(5)  # the handler raises before this ends
         return scoring(model, segments, chunk_size)
 
     monkeypatch.setattr(lavo.evaluate, "segment_nll", stopped_at_64)
     flags = ["--lengths", "16,32,64", "--device", "cpu", "--quiet"]
-    assert main(["eval", str(tmp_path / "run"), *flags, "--out", str(tmp_path / "eval")]) == 130
+    handler = signal.getsignal(signal.SIGTERM)
+    assert main(["eval", str(tmp_path / "run"), *flags, "--out", str(tmp_path / "eval")]) == 128 + number
+    assert signal.getsignal(signal.SIGTERM) is handler  # restored
     out, err = capsys.readouterr()
     assert out == format_table({"run": {length: whole[length] for length in (16, 32)}}) + "\n"
     assert err == (f"interrupted: the table holds the 2 of 3 lengths scored before it; {tmp_path / 'eval'} is left "

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import importlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from ..ops.common import BACKENDS, make_current
 from ..registry import attention_class, available_attentions, check_options
 from ..report import length_label
 from ..settings import SettingsError, comma_list, flag_type
+from ..train import sigterm_as_interrupt
 from . import attention, decode, flops, model, profile
 from .measure import machine_info, ramp_up
 from .output import markdown, plots, write_records
@@ -260,10 +262,11 @@ def run(settings: Settings, *, progress: bool = True, json_path: Path | None = N
     save = None if json_path is None else (lambda records: write_records(json_path, records, info, settings))
     runner = Runner(settings, bar, save)
     try:
-        for section in sections:
-            section.run(runner)
-    except KeyboardInterrupt:  # what was measured is kept: its tables are printed and its JSON written
-        info["interrupted"] = True
+        with sigterm_as_interrupt():  # `timeout` or a job scheduler stops it as Ctrl-C does
+            for section in sections:
+                section.run(runner)
+    except KeyboardInterrupt as stop:  # what was measured is kept: its tables are printed and its JSON written
+        info["interrupted"] = signal.Signals(getattr(stop, "signal", signal.SIGINT)).name
     finally:
         if bar is not None:
             bar.close()
@@ -284,7 +287,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             print(f"plot: {path}", file=sys.stderr)
     if info.get("interrupted"):
         print(f"interrupted: the tables hold the {len(records)} measurements made before it", file=sys.stderr)
-        return 130
+        return 128 + signal.Signals[info["interrupted"]]  # 130 after Ctrl-C, 143 after SIGTERM
     return 0
 
 
