@@ -135,6 +135,6 @@ def test_a_cache_of_keys_rotated_otherwise_is_refused_by_name():
         with pytest.raises(ValueError, match=message):
             layer(x[:, :1], cache=caches[given])
     # the cache a layer made continues it: the same as one call over the whole sequence
+    whole = torch.cat([x, x[:, :1]], dim=1)
     for layer, name in [(plain, "plain"), (rotary, "rotary"), (local, "local")]:
-        whole = torch.cat([x, x[:, :1]], dim=1)
         torch.testing.assert_close(layer(x[:, :1], cache=caches[name])[0], layer(whole)[0][:, 3:])

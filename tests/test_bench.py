@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stops import stop_by
 from torch.utils.flop_counter import FlopCounterMode
 
 from lavo import report
@@ -290,10 +291,7 @@ def test_a_run_stopped_midway_has_written_and_prints_what_it_measured(number, mo
     def measure_until_stopped(self, fn, repeats=None):
         calls.append(fn)
         if len(calls) == 3:
-            if number == signal.SIGINT:  # as Ctrl-C raises it (a test worker may ignore the signal itself)
-                raise KeyboardInterrupt
-            os.kill(os.getpid(), number)
-            time.sleep(5)  # the handler raises before this ends
+            stop_by(number)
         return Measurement(float(len(calls)), [float(len(calls))], None)
 
     monkeypatch.setattr(Runner, "measure", measure_until_stopped)

@@ -33,8 +33,8 @@ def compile_kernels(tmp_path: Path, *options: str) -> str:
     ("sm_90,sm_86", 26),
     pytest.param("sm_90,sm_80,sm_86,sm_100,sm_120", 65, marks=pytest.mark.slow)])
 def test_every_kernel_compiles_for_every_target(tmp_path, targets, kernels):
-    """One case per launcher (bfloat16, D = 128, every switch on): the seven launches of the six kernels once per target, and
-    the six window and memory-read kernels once more in their form for offsets past 2^31 elements."""
+    """One case per launcher (bfloat16, D = 128, every switch on): the seven launches of the six kernels once per
+    target, and the six window and memory-read launches once more in their form for offsets past 2^31 elements."""
     out = compile_kernels(tmp_path, "--fast", "--targets", targets).splitlines()
     assert out[-1] == f"compiled {kernels} kernels, 0 failed"
     assert {re.search(r"(sm_\d+) \S+ torch\.", line).group(1) for line in out[:-1]} == set(targets.split(","))

@@ -1,13 +1,12 @@
 """Evaluation by length: the same tokens at every length, chunked scoring through the cache, outputs."""
 import json
 import math
-import os
 import signal
-import time
 
 import numpy as np
 import pytest
 import torch
+from stops import stop_by
 
 from lavo.evaluate import format_table, perplexity_by_length, save_plot, segment_nll, shared_length
 from lavo.model import build_model
@@ -260,10 +259,7 @@ def test_a_stop_during_an_evaluation_prints_the_lengths_scored_and_writes_no_res
 
     def stopped_at_64(model, segments, chunk_size=None):
         if segments.shape[1] == 65:
-            if number == signal.SIGINT:  # as Ctrl-C raises it (a test worker may ignore the signal itself)
-                raise KeyboardInterrupt
-            os.kill(os.getpid(), number)
-            time.sleep(5)  # the handler raises before this ends
+            stop_by(number)
         return scoring(model, segments, chunk_size)
 
     monkeypatch.setattr(lavo.evaluate, "segment_nll", stopped_at_64)

@@ -3,20 +3,20 @@ fitted on training steps only, the baselines, the model's equal parameter counts
 import hashlib
 import json
 import lzma
-import os
 import pickle
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from stops import stop_by
 
 from lavo.cli import main
 from lavo.data import DataError
@@ -561,15 +561,6 @@ def test_cli_forecast_set_overrides_the_settings(monkeypatch, capsys):
     assert re.search(r"^elecdemand\|L24\|H12\|dlinear\|seed0 .* 3 ", capsys.readouterr().out, re.MULTILINE)
 
 
-def _sigterm():
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(5)  # the handler runs, and raises, before this ends
-
-
-def _ctrl_c():
-    raise KeyboardInterrupt
-
-
 DIVERGED = "training diverged: the validation MSE is nan at step 20 (learning rate 0.001); lower it"
 
 
@@ -578,8 +569,10 @@ def _diverged():
 
 
 @pytest.mark.parametrize("stop, status, stopped, error", [
-    (_ctrl_c, 130, "interrupted", ""), (_sigterm, 143, "interrupted", ""),
-    (_diverged, 2, "stopped by the error below", f"lavo forecast: error: {DIVERGED}\n")])
+    (partial(stop_by, signal.SIGINT), 130, "interrupted", ""),
+    (partial(stop_by, signal.SIGTERM), 143, "interrupted", ""),
+    (_diverged, 2, "stopped by the error below", f"lavo forecast: error: {DIVERGED}\n")],
+    ids=["ctrl-c", "sigterm", "diverged"])
 def test_cli_forecast_stopped_midway_prints_the_cells_that_finished(stop, status, stopped, error, monkeypatch,
                                                                      capsys):
     """Ctrl-C printed nothing: without --results the finished cells' scores were lost; SIGTERM (`timeout`, a job
