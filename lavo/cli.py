@@ -463,7 +463,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in COMMANDS:
         add_command(commands)
+    for command in commands.choices.values():  # so that main can answer with the command's own usage
+        command.set_defaults(command_parser=command)
     return parser
+
+
+def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed; an argument no command takes is named by that command's parser, with its usage (a plain
+    ``parse_args`` blames ``lavo`` and prints the top-level usage, which does not list the command's flags)."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):  # a line at a time even into a pipe or a log file
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     try:
         with sigterm_as_interrupt():  # `timeout` or a job scheduler stops a command as Ctrl-C does
             status = args.handler(args)

@@ -26,6 +26,19 @@ def test_help(command, capsys, monkeypatch):
     assert "usage: lavo" in text and max(len(line) for line in text.splitlines()) <= 80
 
 
+@pytest.mark.parametrize("argv, unknown", [(["generate", "--run", "runs/x"], "--run"),
+                                           (["eval", "runs/x", "--lenghts", "512"], "--lenghts 512")])
+def test_an_unknown_flag_is_named_by_its_command_with_the_commands_usage(argv, unknown, capsys):
+    """`lavo generate --run runs/x` answered `lavo: error: unrecognized arguments: --run` under the top-level
+    usage, which lists the commands but none of generate's flags."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: lavo {argv[0]} ")
+    assert err.splitlines()[-1] == f"lavo {argv[0]}: error: unrecognized arguments: {unknown}"
+
+
 def test_every_flag_with_a_default_says_it_in_help():
     """`lavo generate --help` gave no default for --max-new-tokens (200), --seed or --num-samples."""
     import argparse
