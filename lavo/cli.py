@@ -463,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in COMMANDS:
         add_command(commands)
-    for command in commands.choices.values():  # so that main can answer with the command's own usage
+    for command in commands.choices.values():  # so that parse_command_line can answer with its usage
         command.set_defaults(command_parser=command)
     return parser
 
