@@ -215,16 +215,30 @@ def cmd_generate(args) -> None:
     from .run import load_model_dir
     from .devices import resolve_device
     device = resolve_device(args.device)
-    check_utf8(args.prompt, "--prompt")
+    text = prompt_text(args.prompt, args.prompt_file)
     model, _, tokenizer = load_model_dir(args.run, device)
-    prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_id]
+    prompt = tokenizer.encode(text) or [tokenizer.eot_id]
     samples = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                        top_p=args.top_p, seed=args.seed, stop_id=tokenizer.eot_id, num_samples=args.num_samples,
                        device=device)
+    echoed = text if args.prompt_file is None else ""  # a file's text is not printed again: it may be a whole book
     for i, sample in enumerate(samples):
         if args.num_samples > 1:
             print(f"--- sample {i} ---")
-        print(sample_text(tokenizer, args.prompt, sample))
+        print(sample_text(tokenizer, echoed, sample))
+
+
+def prompt_text(prompt: str, prompt_file: str | None) -> str:
+    """The text to continue: ``--prompt``, or the text of ``--prompt-file`` as it is (a final newline kept)."""
+    if prompt_file is None:
+        check_utf8(prompt, "--prompt")
+        return prompt
+    from .data import read_text
+    path = Path(prompt_file)
+    if not path.exists() or path.is_dir():  # not is_file(): /dev/stdin, a pipe, is a prompt file too
+        raise ValueError(f"--prompt-file {path}: {'a folder' if path.is_dir() else 'no such file'}: give a UTF-8 "
+                         "text file")
+    return read_text(path)
 
 
 def check_utf8(text: str, flag: str) -> None:
@@ -247,10 +261,14 @@ def sample_text(tokenizer, prompt: str, sample: list[int]) -> str:
 
 def add_generate(commands) -> None:
     p = commands.add_parser("generate", help="sample text from a trained run",
-                            description="Sample a continuation of --prompt (temperature, top-k, top-p, seeded). "
-                            "Needs nothing but the run directory.")
+                            description="Sample a continuation of --prompt or --prompt-file (temperature, top-k, "
+                            "top-p, seeded). Needs nothing but the run directory.")
     p.add_argument("run", help="run directory, or a directory written by `lavo export`")
-    p.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
+    prompt.add_argument("--prompt-file", default=None, metavar="FILE",
+                        help="continue the text of this UTF-8 file instead, as it is (a final newline kept), and print "
+                        "only what follows it; /dev/stdin reads a pipe")
     p.add_argument("--max-new-tokens", type=_flag("sampling", "max_new_tokens"), default=200,
                    help="tokens to sample at most; the end-of-text token stops a sample early (default: 200)")
     p.add_argument("--temperature", type=_flag("sampling", "temperature"), default=0.8,

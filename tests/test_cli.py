@@ -214,6 +214,48 @@ def test_misused_run_folders_and_outputs_are_refused_with_what_to_do(tmp_path, c
     assert f"{config} is not a valid run config" in err and "Traceback" not in err
 
 
+def test_a_prompt_file_is_continued_as_the_same_prompt_given_inline_and_only_the_continuation_printed(tmp_path,
+                                                                                                          capsys):
+    """A long document as the prompt (a long-context model's use) had to pass through the shell as one argument,
+    and came back printed in full before its continuation."""
+    import threading
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
+    (tmp_path / "run.json").write_text(json.dumps(tiny_run(corpus, tmp_path / "data", tmp_path / "run", steps=2)))
+    assert main(["train", "--config", str(tmp_path / "run.json")]) == 0
+    generate = ["generate", str(tmp_path / "run"), "--max-new-tokens", "8", "--seed", "3"]
+    capsys.readouterr()
+    assert main([*generate, "--prompt", "the sister"]) == 0
+    inline = capsys.readouterr().out
+    assert inline.startswith("the sister")
+    (tmp_path / "prompt.txt").write_text("the sister")
+    assert main([*generate, "--prompt-file", str(tmp_path / "prompt.txt")]) == 0
+    assert capsys.readouterr().out == inline.removeprefix("the sister")
+
+    fifo = tmp_path / "pipe"  # as /dev/stdin is when a pipe feeds it: not a regular file
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("the sister"))
+    writer.start()
+    assert main([*generate, "--prompt-file", str(fifo)]) == 0
+    writer.join()
+    assert capsys.readouterr().out == inline.removeprefix("the sister")
+
+    from lavo.cli import prompt_text
+    (tmp_path / "line.txt").write_text("the sister\n")
+    assert prompt_text("", str(tmp_path / "line.txt")) == "the sister\n"  # as it is: the newline is text
+
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    for prompt_file, error in ((tmp_path / "missing.txt", f"--prompt-file {tmp_path / 'missing.txt'}: no such file"),
+                               (tmp_path, f"--prompt-file {tmp_path}: a folder"),
+                               (tmp_path / "latin1.txt", f"{tmp_path / 'latin1.txt'} is not UTF-8 text")):
+        assert main([*generate, "--prompt-file", str(prompt_file)]) == 2
+        assert capsys.readouterr().err.startswith(f"lavo generate: error: {error}")
+    with pytest.raises(SystemExit) as exit_info:
+        main([*generate, "--prompt", "the", "--prompt-file", str(tmp_path / "prompt.txt")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("lavo generate: error: argument --prompt-file: not allowed "
+                                                        "with argument --prompt")
+
+
 def test_the_demo_does_not_train_over_runs_it_did_not_make(tmp_path):
     from lavo.demo import check_only_demo_runs, demo_config
     demo = demo_config(None, [f"out_dir={tmp_path}"])
