@@ -194,9 +194,14 @@ def generate(model, prompt: list[int] | torch.Tensor, max_new_tokens: int, *, te
 
 def _sample(model, prompt: list[int], s: SamplingSettings, stop_id: int | None, device) -> list[list[int]]:
     generator = torch.Generator().manual_seed(s.seed)
-    ids = torch.tensor([prompt] * s.num_samples, dtype=torch.long, device=device)
     use_cache = getattr(model, "supports_decoding", False)
+    # The prompt is read once, however many samples: its rows would all be the same. Then each sample gets a row.
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
     logits, cache = model(ids)
+    rows = torch.zeros(s.num_samples, dtype=torch.long, device=device)
+    ids, logits = ids[rows], logits[:, -1:][rows]
+    if cache is not None:
+        cache = cache.select(rows)
     decoder = graphed_decoder(model, cache) if use_cache else None
     out = [[] for _ in range(s.num_samples)]
     done = torch.zeros(s.num_samples, dtype=torch.bool)

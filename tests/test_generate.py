@@ -98,6 +98,16 @@ def test_the_prompt_is_fed_once_and_each_new_token_but_the_last():
         assert calls == [1 + 4]
 
 
+def test_the_prompt_is_read_once_for_all_samples_which_then_continue_as_separate_rows():
+    """Each of num_samples rows read the whole prompt again: four samples of a long prompt cost four prefills."""
+    for m, continued in ((model(), [(3, 1)] * 3), (NoCache(model()), [(3, 4), (3, 5), (3, 6)])):
+        shapes = []  # of the ids of each forward call
+        m.register_forward_hook(lambda _, args, output: shapes.append(tuple(args[0].shape)))
+        samples = generate(m, [1, 2, 3], 4, temperature=1.0, seed=3, num_samples=3)
+        assert shapes == [(1, 3), *continued]
+        assert len({tuple(row) for row in samples}) > 1  # the rows sample on their own
+
+
 def test_the_model_is_left_in_the_mode_it_was_in_and_a_tensor_prompt_is_a_list():
     m = model().train()
     with_list = generate(m, [1, 2, 3], 6, temperature=0)
