@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 from .settings import comma_list
@@ -218,14 +219,26 @@ def cmd_generate(args) -> None:
     text = prompt_text(args.prompt, args.prompt_file)
     model, _, tokenizer = load_model_dir(args.run, device)
     prompt = tokenizer.encode(text) or [tokenizer.eot_id]
-    samples = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                       top_p=args.top_p, seed=args.seed, stop_id=tokenizer.eot_id, num_samples=args.num_samples,
-                       device=device)
+    sample = partial(generate, model, prompt, args.max_new_tokens, temperature=args.temperature,
+                     top_k=args.top_k or None, top_p=args.top_p, seed=args.seed, stop_id=tokenizer.eot_id,
+                     num_samples=args.num_samples, device=device)
     echoed = text if args.prompt_file is None else ""  # a file's text is not printed again: it may be a whole book
-    for i, sample in enumerate(samples):
-        if args.num_samples > 1:
-            print(f"--- sample {i} ---")
-        print(sample_text(tokenizer, echoed, sample))
+    if args.num_samples == 1:  # printed as it grows: a long sample shows its progress, and Ctrl-C keeps what came
+        print_as_sampled(sample, tokenizer.stream(), echoed)
+        return
+    for i, tokens in enumerate(sample()):  # samples grow side by side, so each is printed once it is done
+        print(f"--- sample {i} ---")
+        print(sample_text(tokenizer, echoed, tokens))
+
+
+def print_as_sampled(sample, stream, prompt: str) -> None:
+    """``prompt``, then the text of each token ``sample(on_token=...)`` samples as it comes, then a newline, also
+    when sampling is interrupted."""
+    print(prompt, end="", flush=True)
+    try:
+        sample(on_token=lambda _, token: print(stream.add(token), end="", flush=True))
+    finally:
+        print(stream.finish(), flush=True)
 
 
 def prompt_text(prompt: str, prompt_file: str | None) -> str:
@@ -279,7 +292,8 @@ def add_generate(commands) -> None:
     p.add_argument("--seed", type=_flag("sampling", "seed"), default=0,
                    help="seeds the sampling (default: 0)")
     p.add_argument("--num-samples", type=_flag("sampling", "num_samples"), default=1,
-                   help="samples of the prompt, printed one after another (default: 1)")
+                   help="samples of the prompt (default: 1, printed token by token as it is sampled; several are "
+                   "sampled side by side and printed one after another when all are done)")
     p.add_argument("--device", default="auto", type=_flag("train", "device"),
                    help="auto, cpu, cuda or cuda:N (default: auto)")
     p.set_defaults(handler=cmd_generate)

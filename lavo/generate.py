@@ -176,10 +176,12 @@ def check_room(model, prompt_length: int, new_tokens: int) -> None:
 @torch.no_grad()
 def generate(model, prompt: list[int] | torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_id: int | None = None,
-             num_samples: int = 1, device: torch.device | str | None = None) -> list[list[int]]:
+             num_samples: int = 1, device: torch.device | str | None = None,
+             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
     """``num_samples`` continuations of ``prompt`` (token ids), each at most ``max_new_tokens`` long (a sample that
-    reaches ``stop_id`` ends with it). ``device``: where the prompt goes, by default the model's. The model
-    samples in eval mode and is left in the mode it was in."""
+    reaches ``stop_id`` ends with it). ``device``: where the prompt goes, by default the model's. ``on_token(sample,
+    token)`` is called for each token as it is sampled, in order, e.g. to print a long sample as it grows. The
+    model samples in eval mode and is left in the mode it was in."""
     settings = SamplingSettings(max_new_tokens, temperature, top_k, top_p, seed, num_samples)  # checks them
     prompt = check_prompt(model, prompt, max_new_tokens)
     if device is None:
@@ -187,12 +189,13 @@ def generate(model, prompt: list[int] | torch.Tensor, max_new_tokens: int, *, te
     training = model.training
     model.eval()
     try:
-        return _sample(model, prompt, settings, stop_id, device)
+        return _sample(model, prompt, settings, stop_id, device, on_token)
     finally:
         model.train(training)
 
 
-def _sample(model, prompt: list[int], s: SamplingSettings, stop_id: int | None, device) -> list[list[int]]:
+def _sample(model, prompt: list[int], s: SamplingSettings, stop_id: int | None, device,
+            on_token: Callable[[int, int], None] | None) -> list[list[int]]:
     generator = torch.Generator().manual_seed(s.seed)
     use_cache = getattr(model, "supports_decoding", False)
     # The prompt is read once, however many samples: its rows would all be the same. Then each sample gets a row.
@@ -211,6 +214,8 @@ def _sample(model, prompt: list[int], s: SamplingSettings, stop_id: int | None, 
             if not done[i]:
                 out[i].append(token)
                 done[i] = stop_id is not None and token == stop_id
+                if on_token is not None:
+                    on_token(i, token)
         if done.all() or step == s.max_new_tokens - 1:  # the last token is not fed: nothing reads its logits
             break
         if decoder is not None:

@@ -256,6 +256,34 @@ def test_a_prompt_file_is_continued_as_the_same_prompt_given_inline_and_only_the
                                                         "with argument --prompt")
 
 
+def test_one_sample_is_printed_as_it_is_sampled_so_ctrl_c_keeps_what_came(tmp_path, monkeypatch, capsys):
+    """The whole sample was printed once sampling ended: a long one showed nothing for minutes, and Ctrl-C lost it."""
+    from lavo import generate
+    from lavo.cli import sample_text
+    from lavo.run import load_model_dir
+    corpus = write_corpus(tmp_path / "corpus", documents=4, words=1500)
+    (tmp_path / "run.json").write_text(json.dumps(tiny_run(corpus, tmp_path / "data", tmp_path / "run", steps=1)))
+    assert main(["train", "--config", str(tmp_path / "run.json")]) == 0
+    model, _, tokenizer = load_model_dir(tmp_path / "run", "cpu")
+    sample = generate.generate(model, tokenizer.encode("the sister"), 12, temperature=0.8, top_k=50, top_p=0.95,
+                               seed=3, stop_id=tokenizer.eot_id)[0]
+    command = ["generate", str(tmp_path / "run"), "--prompt", "the sister", "--max-new-tokens", "12", "--seed", "3"]
+    capsys.readouterr()
+    assert main(command) == 0
+    assert capsys.readouterr().out == sample_text(tokenizer, "the sister", sample) + "\n"
+
+    draws = []
+    def interrupted(*args, **kwargs):  # Ctrl-C as the sixth token is drawn
+        if len(draws) == 5:
+            raise KeyboardInterrupt
+        draws.append(None)
+        return sample_next(*args, **kwargs)
+    sample_next = generate.sample_next
+    monkeypatch.setattr(generate, "sample_next", interrupted)
+    assert main(command) == 128 + signal.SIGINT
+    assert capsys.readouterr().out == sample_text(tokenizer, "the sister", sample[:5]) + "\n"
+
+
 def test_the_demo_does_not_train_over_runs_it_did_not_make(tmp_path):
     from lavo.demo import check_only_demo_runs, demo_config
     demo = demo_config(None, [f"out_dir={tmp_path}"])

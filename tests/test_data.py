@@ -141,6 +141,20 @@ def test_a_sample_that_ends_with_the_end_of_text_token_prints_without_it():
         assert sample_text(tok, "the sister", sample) == "the sister said so"
 
 
+def test_a_streamed_sample_joins_to_its_decoding_and_holds_back_characters_split_over_tokens():
+    """Decoded token by token, a character whose UTF-8 bytes span tokens printed as U+FFFD bytes, then mojibake."""
+    text = "the sister said: caf\u00e9, \u65e5\u672c \U0001f642 so"
+    for tok in (D.gpt2_tokenizer(), D.train_bpe(["the sister said so"] * 20, 300)):
+        ids = tok.encode(text)
+        for tokens in (ids, ids[:-3] + [tok.eot_id], tok.encode("\U0001f642")[:-1]):  # the last: a cut character
+            stream = tok.stream()
+            pieces = [stream.add(token) for token in tokens]
+            assert "".join(pieces) + stream.finish() == tok.decode(t for t in tokens if t != tok.eot_id)
+            assert "\ufffd" not in "".join(pieces) and "" in pieces  # the emoji waits for its fourth byte
+        pieces = [stream.add(token) for token in ids]
+        assert pieces[-1] == tok.decode(ids[-1:])  # the stream goes on after finish() as a new one
+
+
 def test_split_tokens_are_the_prepared_tokens(corpus, tmp_path):
     prepared = D.prepare(str(corpus), "bpe300", tmp_path, holdout=["doc1"], log=quiet)
     for split in D.SPLITS:

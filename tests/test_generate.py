@@ -73,6 +73,19 @@ def test_stop_token_ends_each_sample_where_it_draws_it():
     assert [len(row) for row in stopped] == [20, 3, 20]  # this seed: only the second sample draws it
 
 
+def test_each_token_is_reported_as_it_is_sampled():
+    """on_token(sample, token) comes for every token of every sample, in order, before the next forward call."""
+    m = model()
+    stop = generate(m, [1], 20, seed=3, num_samples=3)[1][2]
+    calls, reported = forward_calls([m]), []
+    samples = generate(m, [1], 20, seed=3, num_samples=3, stop_id=stop,
+                       on_token=lambda i, token: reported.append((i, token, calls[0])))
+    for i, row in enumerate(samples):
+        assert [(token, forwards) for j, token, forwards in reported if j == i] == [
+            (token, 1 + k) for k, token in enumerate(row)]  # the prompt's pass, then one step per token before
+    assert [len(row) for row in samples] == [20, 3, 20]
+
+
 def test_filter_logits():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[False, False, True, True]]

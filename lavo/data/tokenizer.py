@@ -34,6 +34,10 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.inner.decode([int(i) for i in ids])
 
+    def stream(self) -> TextStream:
+        """A :class:`TextStream` of this tokenizer: text as each token of a sample comes."""
+        return TextStream(self)
+
     @property
     def sha256(self) -> str:
         """A digest of the whole tokenizer (vocabulary, merges, pre-tokenizer): equal digests tokenise alike."""
@@ -44,6 +48,33 @@ class Tokenizer:
         # written from Python, so that a full disk raises OSError (the tokenizers library raises a bare Exception)
         text = self.inner.to_str(pretty=True)
         atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+class TextStream:
+    """The text of tokens given one at a time, in pieces that join to ``decode`` of them all: :meth:`add` gives
+    the text a token completes, :meth:`finish` the rest. A character whose UTF-8 bytes span tokens is held back
+    until its last byte comes (decoded early, its first bytes would print as U+FFFD). The end-of-text token adds
+    no text."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.pending: list[int] = []  # tokens since the last complete character
+
+    def add(self, token: int) -> str:
+        if token == self.tokenizer.eot_id:
+            return ""
+        self.pending.append(token)
+        text = self.tokenizer.decode(self.pending)
+        if text.endswith("\ufffd"):  # maybe a character still short of bytes: wait for the next token
+            return ""
+        # pending decodes to whole characters, so the text before it and after it decode apart as they would together
+        self.pending = []
+        return text
+
+    def finish(self) -> str:
+        """The text of tokens still held back (bytes of no character decode as U+FFFD, as in ``decode``)."""
+        text, self.pending = self.tokenizer.decode(self.pending), []
+        return text
 
 
 def _tokenizers():
