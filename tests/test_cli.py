@@ -193,12 +193,13 @@ def test_misused_run_folders_and_outputs_are_refused_with_what_to_do(tmp_path, c
     if not torch.cuda.is_available():
         assert main(["generate", run, "--device", "cuda", "--prompt", "the"]) == 2
         assert "no CUDA device is available: choose the CPU (--device cpu" in capsys.readouterr().err
-    read, write = os.pipe()  # `lavo generate ... | head -1`: the reader goes away after its first line
-    os.close(read)
-    with open(write, "w") as pipe, pytest.MonkeyPatch.context() as patch:
-        patch.setattr("sys.stdout", pipe)
-        status = main(["generate", run, "--prompt", "the", "--max-new-tokens", "3", "--num-samples", "2"])
-    assert (status, capsys.readouterr().err) == (128 + signal.SIGPIPE, "")  # was: exit 2, "error: [Errno 32] ..."
+    for samples in ("2", "1"):  # printed when done, or token by token
+        read, write = os.pipe()  # `lavo generate ... | head -1`: the reader goes away after its first line
+        os.close(read)
+        with open(write, "w") as pipe, pytest.MonkeyPatch.context() as patch:
+            patch.setattr("sys.stdout", pipe)
+            status = main(["generate", run, "--prompt", "the", "--max-new-tokens", "3", "--num-samples", samples])
+        assert (status, capsys.readouterr().err) == (128 + signal.SIGPIPE, "")  # was: exit 2, "[Errno 32] ..."
     # b"caf\xe9" from a Latin-1 terminal, as Python decodes the command line (was: a TypeError traceback)
     assert main(["generate", run, "--prompt", "caf\udce9"]) == 2
     assert capsys.readouterr().err == ("lavo generate: error: --prompt holds bytes that are not UTF-8 text (byte 0xe9 "
