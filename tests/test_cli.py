@@ -273,13 +273,13 @@ def test_one_sample_is_printed_as_it_is_sampled_so_ctrl_c_keeps_what_came(tmp_pa
     assert main(command) == 0
     assert capsys.readouterr().out == sample_text(tokenizer, "the sister", sample) + "\n"
 
-    draws = []
+    sample_next, draws = generate.sample_next, []
+
     def interrupted(*args, **kwargs):  # Ctrl-C as the sixth token is drawn
         if len(draws) == 5:
             raise KeyboardInterrupt
         draws.append(None)
         return sample_next(*args, **kwargs)
-    sample_next = generate.sample_next
     monkeypatch.setattr(generate, "sample_next", interrupted)
     assert main(command) == 128 + signal.SIGINT
     assert capsys.readouterr().out == sample_text(tokenizer, "the sister", sample[:5]) + "\n"
