@@ -17,7 +17,7 @@ if torch.__version__ < "2.6":  # a TorchVersion: compared as a version, not as a
     pytest.skip("transformers 5 needs torch 2.6 or later", allow_module_level=True)
 
 import transformers  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, pipeline  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer, pipeline  # noqa: E402
 
 import lavo.hf as H  # noqa: E402
 from lavo.cache import LavoCache  # noqa: E402
@@ -184,6 +184,31 @@ def test_greedy_generate_equals_the_native_decoding_loop(name):
     ours = generate(model, prompt, 30, temperature=0)[0]
     assert len(set(ours)) > 3  # a continuation that varies, so that agreement means something
     assert hub_generate(wrapped(model), prompt, 30, do_sample=False) == ours
+
+
+def test_a_streamer_gets_each_token_before_the_next_forward_pass_and_its_text_joins_to_the_output(saved):
+    """transformers' TextStreamer prints a LAVO model's generation as it goes, as `lavo generate` does."""
+    directory, _ = saved
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    calls = forward_calls([model])
+    received, pieces = [], []
+
+    class Recorder(TextStreamer):
+        def put(self, value):
+            received.append((value.flatten().tolist(), calls[0]))
+            super().put(value)
+
+        def on_finalized_text(self, text, stream_end=False):
+            pieces.append(text)
+
+    prompt = tokenizer("the cat sat", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                         streamer=Recorder(tokenizer))
+    new = out[0, prompt.input_ids.shape[1]:].tolist()
+    assert len(new) == 12 and len(set(new)) > 1
+    assert received == [(prompt.input_ids[0].tolist(), 0)] + [([token], i + 1) for i, token in enumerate(new)]
+    assert "".join(pieces) == tokenizer.decode(out[0])
 
 
 def test_sampling_with_temperature_top_k_top_p():
